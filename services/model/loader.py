@@ -1,0 +1,64 @@
+"""Load a model by name: weights, tokenizer and config, on the chosen device and dtype."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from services.model import hf_dir, sources
+from services.model.config import ModelConfig
+from services.model.llama import LlamaModel
+from services.tokenizer.tokenizer import Tokenizer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: LlamaModel
+    tokenizer: Tokenizer
+    path: Path  # the Hugging Face directory the weights came from
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.model.config
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def cpu_has_bf16_matrix_units() -> bool:
+    """AMX tiles: the only x86 units on which torch's bf16 matmuls beat float32 reliably."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "amx_bf16" in f.read()
+    except OSError:
+        return False
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`auto`: bfloat16 on GPUs and AMX CPUs, float32 elsewhere (bf16 is slow without them)."""
+    if name != "auto":
+        if name not in DTYPES:
+            raise ValueError(f"unknown dtype {name!r} (choose auto, {', '.join(DTYPES)})")
+        return DTYPES[name]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if cpu_has_bf16_matrix_units() else torch.float32
+
+
+def load_model(
+    spec: str = sources.EMBEDDED, dtype: str = "auto", device: str = "auto"
+) -> LoadedModel:
+    path = sources.resolve(spec)
+    config = hf_dir.read_config(path)
+    tokenizer = Tokenizer.from_dir(path)
+    weights = hf_dir.read_weights(path, config)
+    dev = resolve_device(device)
+    model = LlamaModel(config, weights, resolve_dtype(dtype, dev), dev)
+    return LoadedModel(model, tokenizer, path)
