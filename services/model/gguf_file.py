@@ -7,7 +7,7 @@ weights work with the rotate-half RoPE that transformers (and our forward pass) 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +15,7 @@ import numpy as np
 
 from services.model.config import ModelConfig, RopeScaling
 from services.model.errors import ModelLoadError
+from services.model.weights import check_complete, check_shapes
 
 GGUF_MAGIC = b"GGUF"
 
@@ -76,16 +77,21 @@ def read_gguf(path: Path) -> GGUFModel:
         raise ModelLoadError(path, f"corrupt GGUF: {e}") from e
     metadata = {key: _field_value(field) for key, field in reader.fields.items()}
     config = config_from_metadata(path, metadata)
+    names = {hf_name(path, t.name) for t in reader.tensors}
+    if "lm_head.weight" in names:
+        config = replace(config, tie_word_embeddings=False)
     permuted = ARCHITECTURES[metadata["general.architecture"]]
     tensors: dict[str, np.ndarray] = {}
     for t in reader.tensors:
         name = hf_name(path, t.name)
-        tensors[name] = _dequantize(path, t, gguf)
+        tensor = _dequantize(path, t, gguf)
+        check_shapes(path, config, {name: tensor.shape})
         if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = config.num_heads if "q_proj" in name else config.num_kv_heads
-            tensors[name] = unpermute_rope_rows(tensors[name], heads)
-    if "lm_head.weight" in tensors:
-        config = _replace_tie(config, tie=False)
+            tensor = unpermute_rope_rows(
+                tensor, config.num_heads if "q_proj" in name else config.num_kv_heads
+            )
+        tensors[name] = tensor
+    check_complete(path, config, tensors)
     return GGUFModel(config=config, tensors=tensors, metadata=metadata)
 
 
@@ -181,9 +187,3 @@ def _field_value(field: Any) -> Any:
 
 def _opt_int(v: Any) -> int | None:
     return None if v is None else int(v)
-
-
-def _replace_tie(config: ModelConfig, tie: bool) -> ModelConfig:
-    from dataclasses import replace
-
-    return replace(config, tie_word_embeddings=tie)

@@ -41,9 +41,13 @@ def read_config(path: Path) -> ModelConfig:
 def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
     archs = raw.get("architectures") or []
     arch = next((HF_ARCHITECTURES[a] for a in archs if a in HF_ARCHITECTURES), None)
+    if not archs and raw.get("model_type") in HF_ARCHITECTURES.values():
+        arch = raw["model_type"]
     if arch is None:
         supported = ", ".join(HF_ARCHITECTURES)
-        raise ModelLoadError("config.json", f"unsupported architecture {archs} ({supported})")
+        raise ModelLoadError(
+            "config.json", f"unsupported architecture {archs} (supported: {supported})"
+        )
     if raw.get("hidden_act", "silu") != "silu":
         raise ModelLoadError("config.json", f"unsupported hidden_act {raw['hidden_act']!r}")
     if raw.get("mlp_bias"):

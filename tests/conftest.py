@@ -1,0 +1,29 @@
+"""Fixtures shared by every test: the embedded model, loaded once per session."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from services.model.loader import LoadedModel, load_model
+from services.model.sources import EMBEDDED, resolve
+
+
+@pytest.fixture(scope="session")
+def embedded_dir():
+    """The embedded GGUF converted to a Hugging Face directory (cached between runs)."""
+    return resolve(EMBEDDED)
+
+
+@pytest.fixture(scope="session")
+def embedded(embedded_dir) -> LoadedModel:
+    """SmolLM2-135M-Instruct in float32: the dtype in which we must match transformers."""
+    return load_model(str(embedded_dir), dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def reference(embedded_dir):
+    """transformers' LlamaForCausalLM on the same dequantized weights, float32."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(embedded_dir, dtype=torch.float32)
+    return model.eval()

@@ -1,0 +1,87 @@
+"""The `pdserve` command as a user runs it, from the installed console script."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import transformers
+
+from services.model.generate import GenerationParams, generate
+
+PDSERVE = str(Path(sys.executable).parent / "pdserve")
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [PDSERVE, *args], capture_output=True, text=True, timeout=600, env=os.environ.copy()
+    )
+
+
+def test_generate_answers_paris():
+    out = _run("generate", "--chat", "--prompt", "What is the capital of France?")
+    assert out.returncode == 0, out.stderr
+    assert "Paris" in out.stdout
+
+
+def test_generate_seeded_sampling_repeats(tmp_path):
+    args = (
+        "generate",
+        "--prompt",
+        "Once upon a time",
+        "--temperature",
+        "0.9",
+        "--max-tokens",
+        "12",
+    )
+    a, b = _run(*args, "--seed", "7"), _run(*args, "--seed", "7")
+    assert a.returncode == 0, a.stderr
+    assert a.stdout == b.stdout and a.stdout.strip()
+
+
+def test_generate_rejects_bad_arguments():
+    out = _run("generate", "--prompt", "x", "--max-tokens", "0")
+    assert out.returncode == 2
+    assert "--max-tokens: must be at least 1, got 0" in out.stderr
+
+
+def test_convert_writes_a_directory_transformers_loads(tmp_path, embedded):
+    out_dir = tmp_path / "smollm2"
+    out = _run("convert", "--out", str(out_dir))
+    assert out.returncode == 0, out.stderr
+    names = {p.name for p in out_dir.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= names
+    config = json.loads((out_dir / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["num_hidden_layers"] == 30
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out_dir)
+    messages = [{"role": "user", "content": "Name three colors."}]
+    ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"])
+    assert ids == embedded.tokenizer.encode_chat(messages)
+    with torch.inference_mode():
+        theirs = model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=24,
+            do_sample=False,
+        )[0, len(ids) :].tolist()
+    ours = generate(
+        embedded.model,
+        [ids],
+        GenerationParams(max_tokens=24, stop_token_ids=embedded.config.eos_token_ids),
+    )[0]
+    assert ours == theirs
+
+
+def test_convert_refuses_a_non_empty_directory(tmp_path):
+    (tmp_path / "keep.txt").write_text("mine")
+    out = _run("convert", "--out", str(tmp_path))
+    assert out.returncode == 2
+    assert out.stderr.strip() == (
+        f"pdserve: error: {tmp_path}: output directory exists and is not empty"
+    )
