@@ -146,12 +146,16 @@ def _prefill(
         n = plan.span.context_len
         keys = _gather(k_cache, plan.span.block_table)[:n]
         values = _gather(v_cache, plan.span.block_table)[:n]
+    group = q.shape[1] // keys.shape[1]
+    # Heads share KV in groups (GQA), expanded here: with enable_gqa, or without a batch
+    # dimension, SDPA takes torch's math path on CPU, 3-5x slower than its flash kernel.
+    keys = keys.repeat_interleave(group, dim=1) if group > 1 else keys
+    values = values.repeat_interleave(group, dim=1) if group > 1 else values
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1),  # [heads, n, D]
-        keys.transpose(0, 1),  # [kv_heads, context, D]
-        values.transpose(0, 1),
+        q.transpose(0, 1)[None],  # [1, heads, n, D]
+        keys.transpose(0, 1)[None],  # [1, heads, context, D]
+        values.transpose(0, 1)[None],
         attn_mask=plan.mask,
         is_causal=plan.mask is None,
-        enable_gqa=True,
     )
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)

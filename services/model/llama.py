@@ -1,8 +1,7 @@
 """The Llama-family decoder (Llama, Mistral, Qwen2) over a paged KV cache.
 
-Weights are packed for the CPU's sake at load time: q/k/v fused into one matrix, gate/up into
-another, and every matrix stored pre-transposed ([in, out], contiguous), which makes the
-skinny decode matmuls up to 2x faster than torch's default [out, in] layout here.
+Weights are arranged once at load time: q/k/v fused into one matrix and gate/up into another,
+so a layer runs four matrix multiplies, each in the device's fastest layout (`linear.py`).
 """
 
 from __future__ import annotations
@@ -16,18 +15,18 @@ from services.model.attention import Attention, TorchAttention
 from services.model.batch import ForwardBatch
 from services.model.config import ModelConfig
 from services.model.kv_cache import KVCache
+from services.model.linear import Linear, make_linear, packed_linear_available
 from services.model.rope import Rotary, apply_rotary
 
 
 @dataclass(frozen=True)
 class LayerWeights:
     input_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [hidden, q + 2 kv]
-    qkv_bias: torch.Tensor | None  # [q + 2 kv]
-    o: torch.Tensor  # [q, hidden]
+    qkv: Linear  # hidden -> q + 2 kv
+    o: Linear  # q -> hidden
     post_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [hidden, 2 ff]
-    down: torch.Tensor  # [ff, hidden]
+    gate_up: Linear  # hidden -> 2 ff
+    down: Linear  # ff -> hidden
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -44,37 +43,43 @@ class LlamaModel:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         attention: Attention | None = None,
+        packed: bool | None = None,
     ) -> None:
+        """`packed`: oneDNN-prepacked weights (default: wherever they work, i.e. CPUs)."""
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
         self.attention: Attention = attention or TorchAttention()
+        if packed is None:
+            packed = packed_linear_available(self.device, dtype)
+        self.packed = packed
 
         def w(name: str) -> torch.Tensor:
             return weights[name].to(device=self.device, dtype=dtype)
 
-        def t(*names: str) -> torch.Tensor:
-            # [out, in] matrices -> one [in, sum(out)] matrix
-            return torch.cat([w(n) for n in names], dim=0).t().contiguous()
+        def linear(*names: str, bias: bool = False) -> Linear:
+            # several [out, in] matrices stacked into one [sum(out), in]
+            weight = torch.cat([w(n + ".weight") for n in names], dim=0)
+            b = torch.cat([w(n + ".bias") for n in names]) if bias else None
+            return make_linear(weight, b, packed)
 
         self.embed = w("model.embed_tokens.weight")  # [vocab, hidden]
-        head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
-        self.lm_head = t(head)  # [hidden, vocab]
+        head = "model.embed_tokens" if config.tie_word_embeddings else "lm_head"
+        self.lm_head = linear(head)
         self.norm = w("model.norm.weight")
         self.layers: list[LayerWeights] = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
-            attn = [p + f"self_attn.{x}_proj" for x in ("q", "k", "v")]
-            bias = torch.cat([w(n + ".bias") for n in attn]) if config.attention_bias else None
             self.layers.append(
                 LayerWeights(
                     input_norm=w(p + "input_layernorm.weight"),
-                    qkv=t(*(n + ".weight" for n in attn)),
-                    qkv_bias=bias,
-                    o=t(p + "self_attn.o_proj.weight"),
+                    qkv=linear(
+                        *(p + f"self_attn.{x}_proj" for x in "qkv"), bias=config.attention_bias
+                    ),
+                    o=linear(p + "self_attn.o_proj"),
                     post_norm=w(p + "post_attention_layernorm.weight"),
-                    gate_up=t(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
-                    down=t(p + "mlp.down_proj.weight"),
+                    gate_up=linear(p + "mlp.gate_proj", p + "mlp.up_proj"),
+                    down=linear(p + "mlp.down_proj"),
                 )
             )
         self.rotary = Rotary(config, dtype, self.device)
@@ -93,7 +98,7 @@ class LlamaModel:
             h = h + self._attention(layer, h, cos, sin, k_cache, v_cache, plan)
             h = h + self._mlp(layer, h)
         h = rms_norm(h[batch.logits_rows], self.norm, self.config.rms_norm_eps)
-        return (h @ self.lm_head).float()
+        return self.lm_head(h).float()
 
     def _attention(
         self,
@@ -107,15 +112,14 @@ class LlamaModel:
     ) -> torch.Tensor:
         c = self.config
         x = rms_norm(h, layer.input_norm, c.rms_norm_eps)
-        qkv = x @ layer.qkv if layer.qkv_bias is None else torch.addmm(layer.qkv_bias, x, layer.qkv)
-        q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q, k, v = layer.qkv(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
         q = apply_rotary(q.view(-1, c.num_heads, c.head_dim), cos, sin)
         k = apply_rotary(k.view(-1, c.num_kv_heads, c.head_dim), cos, sin)
         v = v.reshape(-1, c.num_kv_heads, c.head_dim)
         out = self.attention.forward(q, k, v, k_cache, v_cache, plan)  # [T, heads, D]
-        return out.reshape(-1, c.q_size) @ layer.o
+        return layer.o(out.reshape(-1, c.q_size))
 
     def _mlp(self, layer: LayerWeights, h: torch.Tensor) -> torch.Tensor:
         x = rms_norm(h, layer.post_norm, self.config.rms_norm_eps)
-        gate, up = (x @ layer.gate_up).chunk(2, dim=-1)
-        return (F.silu(gate) * up) @ layer.down
+        gate, up = layer.gate_up(x).chunk(2, dim=-1)
+        return layer.down(F.silu(gate) * up)

@@ -44,24 +44,14 @@ def sequences():
     }
 
 
-# Run "alone", a sequence shares its pass with this filler in a block of its own. MKL computes
-# fp32 matmuls with at most 3 rows on a gemv kernel whose rounding differs from its gemm kernel;
-# at position 0 (the attention sink, where SmolLM2's residual stream reaches |h| ~ 22,600) that
-# alone moves the logits by up to 4e-4. The filler keeps both runs on the gemm kernel, so the
-# comparison measures what this test is about: that other sequences do not leak in.
-FILLER = [5, 6, 7, 8]
-
-
 def _alone(model, tokens: list[int], chunks: list[tuple[int, int]]) -> list[torch.Tensor]:
-    """The sequence fed through the same chunks in passes of its own."""
-    blocks = -(-len(tokens) // BLOCK)
-    kv = model.new_kv_cache(blocks + 1, BLOCK)
-    table = list(range(blocks))
-    out = []
-    for s, e in chunks:
-        pair = [SeqChunk(tokens[s:e], s, table), SeqChunk(FILLER, 0, [blocks])]
-        out.append(model.forward(ForwardBatch.build(pair, BLOCK), kv)[0])
-    return out
+    """The sequence fed through the same chunks, in passes of its own."""
+    kv = model.new_kv_cache(-(-len(tokens) // BLOCK), BLOCK)
+    table = list(range(kv.num_blocks))
+    return [
+        model.forward(ForwardBatch.build([SeqChunk(tokens[s:e], s, table)], BLOCK), kv)[0]
+        for s, e in chunks
+    ]
 
 
 def test_mixed_batch_matches_each_sequence_alone(embedded, sequences):
