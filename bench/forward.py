@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -40,6 +41,12 @@ class Row:
     @property
     def ratio(self) -> float:
         return self.ours / self.transformers
+
+    def __str__(self) -> str:
+        return (
+            f"{self.dtype} {self.work}: pdserve {self.ours:.0f} tok/s, "
+            f"transformers {self.transformers:.0f} tok/s ({self.ratio:.2f}x)"
+        )
 
 
 def log(msg: str) -> None:
@@ -84,7 +91,7 @@ def ours_decode_seconds(model: LlamaModel, ids: torch.Tensor, steps: int) -> flo
     return time.perf_counter() - start
 
 
-def hf_generate(model: torch.nn.Module, ids: torch.Tensor, new: int) -> Callable[[], object]:
+def hf_generate(model: Any, ids: torch.Tensor, new: int) -> Callable[[], object]:
     def run() -> object:
         with torch.inference_mode():
             return model.generate(
@@ -117,9 +124,7 @@ def bench_dtype(dtype: str, args: argparse.Namespace) -> list[Row]:
     rows.append(
         Row(dtype, f"prefill {args.prompt_len}", args.prompt_len / ours, args.prompt_len / theirs)
     )
-    log(
-        f"{dtype} {rows[-1].work}: ours {rows[-1].ours:.0f} tok/s, transformers {rows[-1].transformers:.0f}"
-    )
+    log(str(rows[-1]))
     for b in args.batches:
         ids = prompts(b, args.context, seed=b)
         ours_s = min(ours_decode_seconds(loaded.model, ids, args.steps) for _ in range(2))
@@ -128,9 +133,7 @@ def bench_dtype(dtype: str, args: argparse.Namespace) -> list[Row]:
         rows.append(
             Row(dtype, f"decode b={b}", b * args.steps / ours_s, b * args.steps / (full - first))
         )
-        log(
-            f"{dtype} {rows[-1].work}: ours {rows[-1].ours:.0f} tok/s, transformers {rows[-1].transformers:.0f}"
-        )
+        log(str(rows[-1]))
     return rows
 
 
@@ -153,11 +156,14 @@ def plot(rows: list[Row], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for dtype in dict.fromkeys(r.dtype for r in rows):
+    for dtype, style in zip(dict.fromkeys(r.dtype for r in rows), ("-", ":"), strict=False):
         decode = [r for r in rows if r.dtype == dtype and r.work.startswith("decode")]
         batches = [int(r.work.split("=")[1]) for r in decode]
-        ax.plot(batches, [r.ours for r in decode], "o-", label=f"pdserve {dtype}")
-        ax.plot(batches, [r.transformers for r in decode], "s--", label=f"transformers {dtype}")
+        ax.plot(
+            batches, [r.ours for r in decode], "o" + style, color="C0", label=f"pdserve {dtype}"
+        )
+        theirs = [r.transformers for r in decode]
+        ax.plot(batches, theirs, "s" + style, color="C1", label=f"transformers {dtype}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch size (sequences decoding together)")
     ax.set_ylabel("decode tokens/s")
@@ -183,9 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     args.batches = [int(b) for b in args.batches.split(",")]
     rows = [r for d in args.dtypes.split(",") for r in bench_dtype(d, args)]
-    print(
-        f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
-    )
+    cpu = platform.processor() or platform.machine()
+    print(f"machine: {cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}")
     print(markdown(rows))
     if args.json:
         args.json.write_text(json.dumps([asdict(r) | {"ratio": r.ratio} for r in rows], indent=2))
