@@ -7,6 +7,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from services import logs
 from services.model.errors import ModelLoadError
 
 MODEL_HELP = 'model: "embedded" (SmolLM2-135M-Instruct), a .gguf file or a Hugging Face directory'
@@ -15,6 +16,7 @@ MODEL_HELP = 'model: "embedded" (SmolLM2-135M-Instruct), a .gguf file or a Huggi
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    logs.configure()
     try:
         return int(args.run(args))
     except ModelLoadError as e:
@@ -72,9 +74,6 @@ def _generate(args: argparse.Namespace) -> int:
         prompt = tok.encode_chat([{"role": "user", "content": args.prompt}])
     else:
         prompt = tok.encode(args.prompt)
-    if not prompt:
-        print("pdserve: error: the prompt is empty", file=sys.stderr)
-        return 2
     params = GenerationParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -82,9 +81,13 @@ def _generate(args: argparse.Namespace) -> int:
         stop_token_ids=loaded.config.eos_token_ids,
     )
     detok = tok.detokenizer(prompt)
-    for _, token in stream(loaded.model, [prompt], params):
-        sys.stdout.write(detok.add([token]))
-        sys.stdout.flush()
+    try:
+        for _, token in stream(loaded.model, [prompt], params):
+            sys.stdout.write(detok.add([token]))
+            sys.stdout.flush()
+    except ValueError as e:  # the request itself is invalid
+        print(f"pdserve: error: {e}", file=sys.stderr)
+        return 2
     sys.stdout.write(detok.flush() + "\n")
     return 0
 

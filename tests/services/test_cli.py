@@ -85,3 +85,12 @@ def test_convert_refuses_a_non_empty_directory(tmp_path):
     assert out.stderr.strip() == (
         f"pdserve: error: {tmp_path}: output directory exists and is not empty"
     )
+
+
+def test_generate_refuses_a_prompt_past_the_context_window():
+    out = _run("generate", "--prompt", "hi", "--max-tokens", "9000")
+    assert out.returncode == 2
+    assert out.stderr.strip() == (
+        "pdserve: error: prompt (1 tokens) plus max_tokens (9000) exceeds the context window "
+        "of 8192 tokens"
+    )
