@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 
 class ModelLoadError(Exception):
@@ -12,3 +14,14 @@ class ModelLoadError(Exception):
         self.path = str(path)
         self.problem = problem
         super().__init__(f"{self.path}: {problem}")
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A checkpoint's JSON file as a dict; anything else is a ModelLoadError naming it."""
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelLoadError(path, f"not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise ModelLoadError(path, "expected a JSON object")
+    return data

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from services.model.config import ModelConfig, RopeScaling
-from services.model.errors import ModelLoadError
+from services.model.errors import ModelLoadError, read_json_object
 from services.model.weights import check_complete, check_shapes
 
 HF_ARCHITECTURES = {
@@ -23,13 +23,7 @@ def read_config(path: Path) -> ModelConfig:
     file = path / "config.json"
     if not file.is_file():
         raise ModelLoadError(path, "no config.json in the model directory")
-    try:
-        raw = json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelLoadError(file, f"not valid JSON: {e}") from e
-    if not isinstance(raw, dict):
-        raise ModelLoadError(file, "expected a JSON object")
-    raw |= _generation_eos(path)
+    raw = read_json_object(file) | _generation_eos(path)
     try:
         return config_from_hf(raw)
     except ModelLoadError as e:

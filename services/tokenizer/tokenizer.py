@@ -10,7 +10,7 @@ from typing import Any
 
 import tokenizers
 
-from services.model.errors import ModelLoadError
+from services.model.errors import ModelLoadError, read_json_object
 from services.tokenizer.chat import ChatTemplate
 from services.tokenizer.detokenize import IncrementalDetokenizer
 
@@ -40,7 +40,8 @@ class Tokenizer:
             backend = tokenizers.Tokenizer.from_file(str(file))
         except Exception as e:
             raise ModelLoadError(file, f"not a valid tokenizer.json: {e}") from e
-        cfg = _read_json(path / "tokenizer_config.json")
+        cfg_file = path / "tokenizer_config.json"
+        cfg = read_json_object(cfg_file) if cfg_file.is_file() else {}
         template = cfg.get("chat_template")
         jinja_file = path / "chat_template.jinja"
         if template is None and jinja_file.is_file():
@@ -108,18 +109,6 @@ class Tokenizer:
         return IncrementalDetokenizer(
             lambda ids: self.decode(ids, skip_special_tokens=skip_special_tokens), prompt_ids
         )
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelLoadError(path, f"not valid JSON: {e}") from e
-    if not isinstance(data, dict):
-        raise ModelLoadError(path, "expected a JSON object")
-    return data
 
 
 def _token_text(value: Any) -> str | None:

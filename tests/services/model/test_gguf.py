@@ -30,22 +30,6 @@ def tokenizer_md():
     return {k: reader.fields[k].contents() for k in TOKENIZER_KEYS}
 
 
-@pytest.fixture(scope="session")
-def tiny_llama():
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-    )
-    return transformers.LlamaForCausalLM(config).eval()
-
-
 @pytest.fixture(autouse=True)
 def private_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
