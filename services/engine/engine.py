@@ -1,0 +1,247 @@
+"""The engine: requests in, tokens out, one forward pass per step.
+
+    step = schedule -> run the model on the scheduled chunks -> sample -> apply the tokens
+
+Workers drive `add_request` / `step` / `abort` from their serving loop; `generate` runs the
+same loop to completion for offline use.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+from services.engine.block_hash import KVLayout
+from services.engine.block_manager import BlockManager
+from services.engine.outputs import Choice, RequestOutput, SequenceDelta, StopChecker
+from services.engine.params import SamplingParams, ValidationError, validate_prompt
+from services.engine.request import FinishReason, Sequence, Status
+from services.engine.sampler import Sampler, choice_seed
+from services.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+from services.model.batch import ForwardBatch, SeqChunk
+from services.model.llama import LlamaModel
+from services.tokenizer.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    block_size: int = 16
+    num_blocks: int | None = None  # KV blocks in the pool; None: as many as kv_cache_bytes holds
+    kv_cache_bytes: int = 1 << 30
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    enable_prefix_caching: bool = True
+    model_id: str = "model"  # fingerprint of the weights, part of every block hash
+
+
+@dataclass
+class StepTimes:
+    """Where the time of the engine's steps went (seconds, summed over steps)."""
+
+    steps: int = 0
+    schedule: float = 0.0  # scheduling and building the batch
+    forward: float = 0.0  # the model
+    sample: float = 0.0  # sampling and applying the tokens (stop checks, detokenization)
+
+    @property
+    def overhead_share(self) -> float:
+        total = self.schedule + self.forward + self.sample
+        return (self.schedule + self.sample) / total if total else 0.0
+
+
+@dataclass
+class _Request:
+    seqs: list[Sequence]
+    held_back: list[Sequence] = field(default_factory=list)  # choices 1..n-1 before prefill
+
+
+class Engine:
+    def __init__(
+        self, model: LlamaModel, tokenizer: Tokenizer, config: EngineConfig | None = None
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config = config or EngineConfig()
+        mc = model.config
+        self.layout = KVLayout(
+            config.model_id, str(model.dtype).removeprefix("torch."), config.block_size,
+            mc.num_layers, mc.num_kv_heads, mc.head_dim,
+        )  # fmt: skip
+        num_blocks = config.num_blocks or self._blocks_for(config.kv_cache_bytes)
+        self.kv = model.new_kv_cache(num_blocks, config.block_size)
+        self.blocks = BlockManager(
+            num_blocks, config.block_size, self.layout.namespace(), config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.blocks
+        )
+        self.sampler = Sampler(mc.vocab_size, mc.eos_token_ids)
+        self.requests: dict[str, _Request] = {}
+        self.times = StepTimes()
+        self._arrivals = itertools.count()
+
+    def _blocks_for(self, nbytes: int) -> int:
+        mc = self.model.config
+        itemsize = self.model.embed.element_size()
+        per_block = 2 * mc.num_layers * self.config.block_size * mc.kv_size * itemsize
+        return max(1, nbytes // per_block)
+
+    # -- requests --------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_ids: Seq[int],
+        params: SamplingParams,
+        salt: bytes = b"",
+    ) -> None:
+        """Queue a request, or raise ValidationError (nothing queued) if it cannot be run."""
+        mc = self.model.config
+        params.validate(mc.vocab_size)
+        validate_prompt(prompt_ids, mc.vocab_size, mc.max_model_len, params.max_tokens)
+        if request_id in self.requests:
+            raise ValidationError("request_id", f"{request_id!r} is already running")
+        need = -(-(len(prompt_ids) + params.max_tokens) // self.config.block_size)
+        if need > self.blocks.num_blocks:
+            raise ValidationError(
+                "max_tokens",
+                f"prompt plus max_tokens needs {need} KV blocks; the pool has "
+                f"{self.blocks.num_blocks}",
+            )
+        seed = params.seed if params.seed is not None else random.getrandbits(63)
+        seqs = [
+            Sequence(
+                request_id=request_id,
+                index=i,
+                prompt_len=len(prompt_ids),
+                token_ids=list(prompt_ids),
+                params=params,
+                seed=choice_seed(seed, i),
+                arrival=next(self._arrivals),
+                salt=salt,
+                detokenizer=self.tokenizer.detokenizer(prompt_ids, params.skip_special_tokens),
+            )
+            for i in range(params.n)
+        ]
+        self.requests[request_id] = _Request(seqs, held_back=seqs[1:])
+        # Choices 1..n-1 wait until choice 0 has computed the prompt; they then find its
+        # full blocks in the prefix cache and share them instead of computing them again.
+        self.scheduler.add(seqs[0])
+
+    def abort(self, request_id: str) -> list[SequenceDelta]:
+        """Stop a request now; its blocks return to the pool before this returns."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return []
+        deltas = []
+        for seq in req.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq)
+                seq.finish_reason = FinishReason.ABORT
+                deltas.append(SequenceDelta.finished_only(seq))
+        return deltas
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # -- the loop --------------------------------------------------------------------
+
+    def step(self) -> list[SequenceDelta]:
+        """One forward pass; what each sequence gained from it (tokens, text, finishing)."""
+        t0 = time.perf_counter()
+        scheduled = self.scheduler.schedule()
+        if not scheduled.chunks:
+            return []
+        batch = self._batch(scheduled.chunks)
+        t1 = time.perf_counter()
+        logits = self.model.forward(batch, self.kv)
+        t2 = time.perf_counter()
+        for chunk in scheduled.chunks:
+            chunk.seq.num_computed_tokens += chunk.num_tokens
+            self.blocks.commit(chunk.seq)
+        sampling = [c.seq for c in scheduled.chunks if c.want_logits]
+        result = self.sampler(logits, sampling)
+        deltas = [
+            self._apply(seq, token, lp)
+            for seq, token, lp in zip(sampling, result.token_ids, result.logprobs, strict=True)
+        ]
+        self.times.steps += 1
+        self.times.schedule += t1 - t0
+        self.times.forward += t2 - t1
+        self.times.sample += time.perf_counter() - t2
+        return deltas
+
+    def _batch(self, chunks: list[ScheduledChunk]) -> ForwardBatch:
+        return ForwardBatch.build(
+            [
+                SeqChunk(
+                    c.seq.token_ids[c.start : c.start + c.num_tokens],
+                    c.start,
+                    c.seq.block_ids,
+                    c.want_logits,
+                )
+                for c in chunks
+            ],
+            self.config.block_size,
+            self.model.device,
+        )
+
+    def _apply(self, seq: Sequence, token: int, logprobs: object) -> SequenceDelta:
+        seq.token_ids.append(token)
+        if logprobs is not None:
+            seq.logprobs.append(logprobs)  # type: ignore[arg-type]
+        text = StopChecker(seq, self.sampler.eos_token_ids, self.model.config.max_model_len)
+        delta = text.apply(token)
+        if seq.finish_reason is not None:
+            self.scheduler.finish(seq)
+        if seq.index == 0 and seq.num_output_tokens == 1:
+            self._release_held_back(seq.request_id)
+        req = self.requests.get(seq.request_id)
+        if req is not None and all(s.is_finished for s in req.seqs):
+            del self.requests[seq.request_id]
+        return delta
+
+    def _release_held_back(self, request_id: str) -> None:
+        req = self.requests.get(request_id)
+        if req is None:
+            return
+        for seq in req.held_back:
+            self.scheduler.add(seq)
+        req.held_back = []
+
+    # -- offline ---------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Seq[Seq[int] | str],
+        params: SamplingParams | Seq[SamplingParams],
+    ) -> list[RequestOutput]:
+        """Run prompts (token ids or text) to completion; outputs in the prompts' order."""
+        per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else params
+        ids = [f"offline-{next(self._arrivals)}" for _ in prompts]
+        token_lists = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        for rid, tokens, p in zip(ids, token_lists, per_prompt, strict=True):
+            self.add_request(rid, tokens, p)
+        seqs = {rid: self.requests[rid].seqs for rid in ids}
+        while self.has_unfinished:
+            self.step()
+        return [
+            RequestOutput(
+                request_id=rid,
+                prompt_ids=tokens,
+                num_cached_tokens=seqs[rid][0].num_cached_tokens,
+                choices=[Choice.of(s) for s in seqs[rid]],
+            )
+            for rid, tokens in zip(ids, token_lists, strict=True)
+        ]
+
+    def check(self) -> None:
+        """The pool's invariants, and that only live sequences hold blocks."""
+        self.blocks.check()
+        live = [s for r in self.requests.values() for s in r.seqs if s.status is Status.RUNNING]
+        held = sum(len(s.block_ids) for s in live)
+        assert held >= self.blocks.referenced_blocks() or not live

@@ -1,0 +1,127 @@
+"""What the engine hands back: per-step deltas, and whole outputs for offline use.
+
+Text is streamed with a hold-back: while a stop string could still be completing, its first
+characters are not emitted yet, so text once sent is never taken back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+from services.engine.request import FinishReason, Sequence, TokenLogprobs
+
+
+@dataclass(frozen=True)
+class SequenceDelta:
+    request_id: str
+    index: int
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @classmethod
+    def finished_only(cls, seq: Sequence) -> SequenceDelta:
+        return cls(
+            seq.request_id, seq.index, [], "", [], seq.finish_reason,
+            seq.prompt_len, seq.num_output_tokens, seq.num_cached_tokens,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Choice:
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason | None
+    logprobs: list[TokenLogprobs]
+    times_preempted: int = 0
+
+    @classmethod
+    def of(cls, seq: Sequence) -> Choice:
+        return cls(
+            seq.index, seq.output_ids, seq.text, seq.finish_reason, list(seq.logprobs),
+            seq.times_preempted,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    request_id: str
+    prompt_ids: list[int]
+    num_cached_tokens: int  # prompt tokens served from the prefix cache
+    choices: list[Choice]
+
+    @property
+    def num_computed_prompt_tokens(self) -> int:
+        return len(self.prompt_ids) - self.num_cached_tokens
+
+
+class StopChecker:
+    """Applies one new token to a sequence's text and decides whether it is finished."""
+
+    def __init__(self, seq: Sequence, eos_token_ids: Seq[int], max_model_len: int) -> None:
+        self.seq = seq
+        self.eos = eos_token_ids
+        self.max_model_len = max_model_len
+
+    def apply(self, token: int) -> SequenceDelta:
+        seq, p = self.seq, self.seq.params
+        detok = seq.detokenizer
+        assert detok is not None
+        before = len(detok.text)
+        detok.add([token])
+        text = detok.text
+        reason: FinishReason | None = None
+        cut: int | None = None
+        may_stop = seq.num_output_tokens >= p.min_tokens
+        if may_stop and (token in p.stop_token_ids or (token in self.eos and not p.ignore_eos)):
+            reason = FinishReason.STOP
+        if reason is None and may_stop and p.stop:
+            cut = self._stop_string(text, before)
+            if cut is not None:
+                reason = FinishReason.STOP
+        if reason is None and (
+            seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len
+        ):
+            reason = FinishReason.LENGTH
+        if reason is not None:  # the end: cut at the stop string, or flush what is pending
+            text = text[:cut] if cut is not None else text + detok.flush()
+        seq.finish_reason = reason
+        seq.text = text
+        visible = len(text) if reason is not None else len(text) - self._hold_back()
+        new_text = text[seq.emitted_chars : max(visible, seq.emitted_chars)]
+        seq.emitted_chars += len(new_text)
+        return SequenceDelta(
+            seq.request_id,
+            seq.index,
+            [token],
+            new_text,
+            seq.logprobs[-1:] if p.logprobs is not None else [],
+            reason,
+            seq.prompt_len,
+            seq.num_output_tokens,
+            seq.num_cached_tokens,
+        )
+
+    def _hold_back(self) -> int:
+        return max((len(s) for s in self.seq.params.stop), default=1) - 1
+
+    def _stop_string(self, text: str, before: int) -> int | None:
+        """Where the text ends if a stop string now appears in it (new text only, plus the
+        tail a stop string could start in)."""
+        p = self.seq.params
+        start = max(0, before - self._hold_back())
+        hits = [(i, s) for s in p.stop if (i := text.find(s, start)) != -1]
+        if not hits:
+            return None
+        i, s = min(hits)
+        return i + len(s) if p.include_stop_str_in_output else i

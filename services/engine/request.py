@@ -1,0 +1,88 @@
+"""Requests and their sequences: one sequence per choice (n), each with its own status.
+
+    token_ids:  | prompt ................ | output ........ |
+                |<-- num_computed_tokens -->|             |   KV in the cache
+                                            |<- to compute ->|
+
+A sequence's KV covers its first `num_computed_tokens` tokens; the scheduler hands out the
+rest in chunks. The last sampled token is never computed until the next step, so a decoding
+sequence always has exactly one token to compute.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from services.engine.params import SamplingParams
+from services.tokenizer.detokenize import IncrementalDetokenizer
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # queued, never run
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # its blocks were taken back; it is recomputed when rescheduled
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_tokens, or the context window
+    ABORT = "abort"
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # the most likely tokens, best first
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One choice of a request. Owned by the engine; the scheduler moves it between queues."""
+
+    request_id: str
+    index: int  # which of the request's n choices
+    prompt_len: int
+    token_ids: list[int]  # prompt, then output
+    params: SamplingParams
+    seed: int  # this choice's seed: the request's, mixed with `index`
+    arrival: int  # order of arrival; preemption takes the newest first
+    salt: bytes = b""  # per-tenant prefix-cache isolation
+    status: Status = Status.WAITING
+    finish_reason: FinishReason | None = None
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # of full blocks, grown lazily
+    detokenizer: IncrementalDetokenizer | None = None
+    text: str = ""  # output text (stop string removed at the end)
+    emitted_chars: int = 0  # how much of `text` has been handed out in deltas
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    times_preempted: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    @property
+    def is_prefilling(self) -> bool:
+        """More than the last sampled token is missing from the cache."""
+        return self.num_uncomputed > 1 or self.num_output_tokens == 0

@@ -1,0 +1,196 @@
+"""Turning a batch of logits into tokens: vectorised over rows, seeded per position.
+
+Order of operations on each row (the usual one: vLLM's, transformers'):
+penalties -> logit_bias -> min_tokens masking -> greedy argmax, or
+temperature -> top-k -> top-p -> min-p -> one draw.
+
+Determinism (DESIGN.md): the draw for the token at position t of a sequence seeded s uses a
+uniform number derived from (s, t) alone, by inverse-CDF sampling, so it does not depend on
+the batch the row sits in, its slot, or the step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from services.engine.params import SamplingParams
+from services.engine.request import Sequence, TokenLogprobs
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+
+
+def splitmix64(x: np.ndarray) -> np.ndarray:
+    """The SplitMix64 finaliser: a well-mixed 64-bit value per input (uint64, wrapping)."""
+    with np.errstate(over="ignore"):
+        z = x + _GOLDEN
+        z = (z ^ (z >> np.uint64(30))) * _M1
+        z = (z ^ (z >> np.uint64(27))) * _M2
+        return z ^ (z >> np.uint64(31))
+
+
+def uniforms(seeds: Seq[int], positions: Seq[int]) -> torch.Tensor:
+    """One number in [0, 1) per (seed, position), float64 [R]."""
+    s = np.array([x & 0xFFFFFFFFFFFFFFFF for x in seeds], dtype=np.uint64)
+    p = np.array(positions, dtype=np.uint64)
+    bits = splitmix64(splitmix64(s) ^ p) >> np.uint64(11)  # 53 bits
+    return torch.from_numpy(bits.astype(np.float64) / float(1 << 53))
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """Seed of choice `index` of a request seeded `seed` (choice 0 keeps the request's)."""
+    if index == 0:
+        return seed
+    mixed = splitmix64(np.array([seed & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64) ^ np.uint64(index))
+    return int(mixed[0])
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, eos_token_ids: Seq[int]) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(eos_token_ids)
+
+    def __call__(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> SampleResult:
+        """logits: [R, vocab] float32, row i for seqs[i]."""
+        params = [s.params for s in seqs]
+        logprobs = self._logprobs(logits, params)
+        x = self._process(logits, seqs, params)
+        tokens = torch.empty(len(seqs), dtype=torch.int64)
+        greedy = [i for i, p in enumerate(params) if p.greedy]
+        drawn = [i for i, p in enumerate(params) if not p.greedy]
+        if greedy:
+            tokens[greedy] = x[greedy].argmax(dim=-1)
+        if drawn:
+            rows = [seqs[i] for i in drawn]
+            u = uniforms([s.seed for s in rows], [s.num_tokens for s in rows])
+            tokens[drawn] = sample_rows(x[drawn], [params[i] for i in drawn], u)
+        token_list = tokens.tolist()
+        return SampleResult(token_list, _pick_logprobs(logprobs, token_list, params))
+
+    def _process(
+        self, logits: torch.Tensor, seqs: Seq[Sequence], params: list[SamplingParams]
+    ) -> torch.Tensor:
+        """Penalties, biases and min_tokens masking, on a copy only when something applies."""
+        x = logits
+        penalised = [i for i, p in enumerate(params) if p.uses_penalties]
+        biased = [i for i, p in enumerate(params) if p.logit_bias]
+        masked = [i for i, p in enumerate(params) if seqs[i].num_output_tokens < p.min_tokens]
+        if penalised or biased or masked:
+            x = logits.clone()
+        if penalised:
+            x[penalised] = apply_penalties(x[penalised], [seqs[i] for i in penalised])
+        for i in biased:
+            ids = torch.tensor(list(params[i].logit_bias), dtype=torch.int64)
+            x[i, ids] += torch.tensor(list(params[i].logit_bias.values()), dtype=x.dtype)
+        for i in masked:
+            stops = set(params[i].stop_token_ids)
+            if not params[i].ignore_eos:
+                stops |= set(self.eos_token_ids)
+            if stops:
+                x[i, sorted(stops)] = -float("inf")
+        return x
+
+    def _logprobs(
+        self, logits: torch.Tensor, params: list[SamplingParams]
+    ) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Log-softmax of the model's own logits (before any processing) where asked."""
+        rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if not rows:
+            return None
+        logp = torch.log_softmax(logits[rows], dim=-1)
+        k = max(params[i].logprobs or 0 for i in rows)
+        top_vals, top_ids = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
+        return rows, logp, top_vals, top_ids
+
+
+def _pick_logprobs(
+    lp: tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    tokens: list[int],
+    params: list[SamplingParams],
+) -> list[TokenLogprobs | None]:
+    out: list[TokenLogprobs | None] = [None] * len(tokens)
+    if lp is None:
+        return out
+    rows, logp, top_vals, top_ids = lp
+    chosen = logp[torch.arange(len(rows)), torch.tensor([tokens[i] for i in rows])].tolist()
+    vals, ids = top_vals.tolist(), top_ids.tolist()
+    for j, i in enumerate(rows):
+        k = params[i].logprobs or 0
+        top = tuple(zip(ids[j][:k], vals[j][:k], strict=True))
+        out[i] = TokenLogprobs(tokens[i], chosen[j], top)
+    return out
+
+
+def apply_penalties(x: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
+    """Presence and frequency penalties (over the output) and the repetition penalty (over
+    prompt and output), for rows x[i] of seqs[i]. x: [R, vocab]."""
+    vocab = x.shape[1]
+    out_counts = _counts([s.output_ids for s in seqs], vocab)
+    seen = _counts([s.token_ids for s in seqs], vocab) > 0
+    presence = torch.tensor([s.params.presence_penalty for s in seqs])[:, None]
+    frequency = torch.tensor([s.params.frequency_penalty for s in seqs])[:, None]
+    repetition = torch.tensor([s.params.repetition_penalty for s in seqs])[:, None]
+    x = torch.where(seen, torch.where(x > 0, x / repetition, x * repetition), x)
+    return x - frequency * out_counts - presence * (out_counts > 0)
+
+
+def _counts(rows: Seq[Seq[int]], vocab: int) -> torch.Tensor:
+    """[R, vocab] occurrence counts of each row's token ids."""
+    width = max((len(r) for r in rows), default=0)
+    ids = torch.full((len(rows), max(width, 1)), vocab, dtype=torch.int64)  # vocab = padding
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r, dtype=torch.int64)
+    counts = torch.zeros(len(rows), vocab + 1)
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=counts.dtype))
+    return counts[:, :vocab]
+
+
+def sample_rows(x: torch.Tensor, params: Seq[SamplingParams], u: torch.Tensor) -> torch.Tensor:
+    """One draw per row of x [R, V] (processed logits) with uniforms u [R]."""
+    temps = torch.tensor([p.temperature for p in params], dtype=x.dtype)[:, None]
+    x = x / temps
+    top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
+    top_p = [p.top_p for p in params]
+    min_p = [p.min_p for p in params]
+    order: torch.Tensor | None = None
+    if any(p < 1.0 for p in top_p):
+        x, order = x.sort(dim=-1, descending=True)
+    if any(top_k):
+        x = _top_k(x, top_k, is_sorted=order is not None)
+    probs = torch.softmax(x.double(), dim=-1)
+    if order is not None:
+        probs = _top_p(probs, top_p)
+    if any(min_p):
+        threshold = probs.max(dim=-1, keepdim=True).values * torch.tensor(min_p)[:, None]
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    cdf = probs.cumsum(dim=-1)
+    target = (u.to(cdf.dtype) * cdf[:, -1])[:, None]
+    index = torch.searchsorted(cdf, target, right=True).clamp_(max=x.shape[1] - 1)[:, 0]
+    return index if order is None else order.gather(1, index[:, None])[:, 0]
+
+
+def _top_k(x: torch.Tensor, ks: list[int], is_sorted: bool) -> torch.Tensor:
+    kmax = max(ks)
+    kth = x[:, :kmax] if is_sorted else x.topk(kmax, dim=-1).values  # [R, kmax], descending
+    index = torch.tensor([(k or kmax) - 1 for k in ks])[:, None]
+    cutoff = kth.gather(1, index)
+    keep_all = torch.tensor([k == 0 for k in ks])[:, None]
+    return x.masked_fill(~keep_all & (x < cutoff), -float("inf"))
+
+
+def _top_p(sorted_probs: torch.Tensor, ps: list[float]) -> torch.Tensor:
+    """Keep the smallest prefix (of probabilities sorted descending) holding mass >= p."""
+    before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of the tokens ranked above
+    p = torch.tensor(ps, dtype=sorted_probs.dtype)[:, None]
+    return sorted_probs.masked_fill(before >= p, 0.0)

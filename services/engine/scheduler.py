@@ -1,0 +1,128 @@
+"""Continuous batching: which sequences share the next forward pass, and how many tokens each.
+
+Each step has a token budget. Running sequences go first, oldest first: one token for those
+decoding, the next chunk for those still prefilling. Waiting sequences fill what budget is
+left, their prompts split across steps when long (chunked prefill). When the pool runs out of
+blocks, the newest running sequence is preempted: its blocks go back to the pool and it
+returns to the head of the queue, to be recomputed (mostly from the prefix cache) later.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass, field
+
+from services.engine.block_manager import BlockManager
+from services.engine.request import Sequence, Status
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64  # sequences running at once
+    max_num_batched_tokens: int = 512  # tokens per forward pass (the step's budget)
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    seq: Sequence
+    start: int  # first token of the chunk (= tokens already computed)
+    num_tokens: int
+
+    @property
+    def want_logits(self) -> bool:
+        """The chunk reaches the sequence's last token: a new token is sampled."""
+        return self.start + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager) -> None:
+        self.config = config
+        self.blocks = blocks
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in order of arrival
+        self.num_preemptions = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Take a sequence out of the queues (finished or aborted) and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.release(seq)
+        seq.status = Status.FINISHED
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(self.config.max_num_batched_tokens, out)
+        self._schedule_waiting(budget, out)
+        return out
+
+    def _schedule_running(self, budget: int, out: SchedulerOutput) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed, budget)
+            if not self._make_room(seq, n, out):
+                continue  # seq itself was preempted; running[i] is now the next one
+            self._schedule(seq, n, out)
+            budget -= n
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, budget: int, out: SchedulerOutput) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if not seq.block_ids:
+                cached = self.blocks.admit(seq)
+                if seq.status is Status.WAITING:
+                    seq.num_cached_tokens = cached
+            n = min(seq.num_uncomputed, budget)
+            if self.blocks.blocks_needed(seq, n) > self.blocks.num_free:
+                self.blocks.release(seq)  # waiting sequences hold no blocks
+                break
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            bisect.insort(self.running, seq, key=lambda s: s.arrival)
+            self._schedule(seq, n, out)
+            budget -= n
+
+    def _schedule(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
+        self.blocks.allocate(seq, n)
+        out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+
+    def _make_room(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
+        """Preempt the newest running sequences until seq's chunk fits; False if seq itself
+        had to go. Victims come from the tail of `running`, past seq, so none of them has a
+        chunk in this step yet."""
+        while self.blocks.blocks_needed(seq, n) > self.blocks.num_free:
+            victim = self.running.pop()
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.blocks.release(seq)
+        seq.status = Status.PREEMPTED
+        seq.times_preempted += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
