@@ -65,7 +65,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from services.model.generate import GenerationParams, stream
+    from services.engine.engine import Engine, EngineConfig
+    from services.engine.params import SamplingParams, ValidationError
     from services.model.loader import load_model
 
     loaded = load_model(args.model, args.dtype, args.device)
@@ -74,21 +75,21 @@ def _generate(args: argparse.Namespace) -> int:
         prompt = tok.encode_chat([{"role": "user", "content": args.prompt}])
     else:
         prompt = tok.encode(args.prompt)
-    params = GenerationParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        seed=args.seed,
-        stop_token_ids=loaded.config.eos_token_ids,
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
     )
-    detok = tok.detokenizer(prompt)
+    blocks = -(-(len(prompt) + args.max_tokens) // 16)
+    engine = Engine(loaded.model, tok, EngineConfig(num_blocks=max(blocks, 1)))
     try:
-        for _, token in stream(loaded.model, [prompt], params):
-            sys.stdout.write(detok.add([token]))
-            sys.stdout.flush()
-    except ValueError as e:  # the request itself is invalid
-        print(f"pdserve: error: {e}", file=sys.stderr)
+        engine.add_request("cli", prompt, params)
+    except ValidationError as e:
+        print(f"pdserve: error: {e.message}", file=sys.stderr)
         return 2
-    sys.stdout.write(detok.flush() + "\n")
+    while engine.has_unfinished:
+        for delta in engine.step():
+            sys.stdout.write(delta.text)
+            sys.stdout.flush()
+    sys.stdout.write("\n")
     return 0
 
 

@@ -14,6 +14,7 @@ masked. Prefill chunks run one sequence at a time through scaled_dot_product_att
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -42,6 +43,7 @@ class Attention(Protocol):
 class DecodePlan:
     rows: torch.Tensor  # [B] rows of the batch that are single decode tokens
     tables: torch.Tensor  # [B, max_blocks] block tables, padded with block 0
+    lens: torch.Tensor  # [B] context lengths
     mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size] true where a key is in context
 
 
@@ -82,11 +84,60 @@ class TorchAttention:
         _write(v_cache, plan.slots, v)
         out = torch.empty_like(q)
         if plan.decode is not None:
-            out[plan.decode.rows] = _decode(q, k_cache, v_cache, plan.decode)
+            out[plan.decode.rows] = self._decode(q, k_cache, v_cache, plan.decode)
         for p in plan.prefills:
             rows = slice(p.span.row, p.span.row + p.span.query_len)
             out[rows] = _prefill(q[rows], k[rows], v[rows], k_cache, v_cache, p)
         return out
+
+    def _decode(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan
+    ) -> torch.Tensor:
+        return _decode(q, k_cache, v_cache, plan)
+
+
+class CpuAttention(TorchAttention):
+    """The torch path, with decode rows done by a C kernel that reads KV blocks in place
+    (kernels/paged_attention.c): no gather, and results independent of the batch."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self.kernel = library.paged_decode_attention
+        self.kernel.restype = ctypes.c_int
+        self.kernel.argtypes = (
+            [ctypes.c_void_p] * 3
+            + [ctypes.c_int]
+            + [ctypes.c_void_p] * 3
+            + [ctypes.c_int64] * 6
+            + [ctypes.c_float]
+        )
+
+    def _decode(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan
+    ) -> torch.Tensor:
+        queries = q[plan.rows].float().contiguous()  # [B, heads, D]
+        out = torch.empty_like(queries)
+        batch, heads, dim = queries.shape
+        status = self.kernel(
+            queries.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+            int(k_cache.dtype == torch.bfloat16),
+            plan.tables.data_ptr(), plan.lens.data_ptr(), out.data_ptr(),
+            batch, heads, k_cache.shape[2], dim, k_cache.shape[1], plan.tables.shape[1],
+            dim**-0.5,
+        )  # fmt: skip
+        if status != 0:
+            raise RuntimeError("paged_decode_attention failed (sizes out of range or no memory)")
+        return out.to(q.dtype)
+
+
+def default_attention(device: torch.device, dtype: torch.dtype) -> Attention:
+    """The C decode kernel on CPUs where it builds, for float32 and bfloat16 caches."""
+    if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
+        from services.model import kernels
+
+        library = kernels.load("paged_attention")
+        if library is not None:
+            return CpuAttention(library)
+    return TorchAttention()
 
 
 def _write(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
@@ -108,7 +159,7 @@ def _decode_plan(spans: list[SeqSpan], block_size: int, device: torch.device) ->
     lens = torch.tensor([s.context_len for s in spans], device=device)
     mask = torch.arange(width * block_size, device=device)[None, :] < lens[:, None]
     rows = torch.tensor([s.row for s in spans], device=device)
-    return DecodePlan(rows, tables, mask[:, None, None, :])
+    return DecodePlan(rows, tables, lens, mask[:, None, None, :])
 
 
 def _decode(

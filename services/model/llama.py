@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from services.model.attention import Attention, TorchAttention
+from services.model.attention import Attention, default_attention
 from services.model.batch import ForwardBatch
 from services.model.config import ModelConfig
 from services.model.kv_cache import KVCache
@@ -49,7 +49,7 @@ class LlamaModel:
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
-        self.attention: Attention = attention or TorchAttention()
+        self.attention: Attention = attention or default_attention(self.device, dtype)
         if packed is None:
             packed = packed_linear_available(self.device, dtype)
         self.packed = packed

@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 import transformers
 
-from services.model.generate import GenerationParams, generate
+from services.engine.engine import Engine, EngineConfig
+from services.engine.params import SamplingParams
 
 PDSERVE = str(Path(sys.executable).parent / "pdserve")
 
@@ -70,11 +71,9 @@ def test_convert_writes_a_directory_transformers_loads(tmp_path, embedded):
             max_new_tokens=24,
             do_sample=False,
         )[0, len(ids) :].tolist()
-    ours = generate(
-        embedded.model,
-        [ids],
-        GenerationParams(max_tokens=24, stop_token_ids=embedded.config.eos_token_ids),
-    )[0]
+    engine = Engine(embedded.model, embedded.tokenizer, EngineConfig(num_blocks=8))
+    out = engine.generate([ids], SamplingParams(max_tokens=24, temperature=0))[0]
+    ours = out.choices[0].token_ids
     assert ours == theirs
 
 

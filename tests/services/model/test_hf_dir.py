@@ -9,7 +9,8 @@ import pytest
 import torch
 import transformers
 
-from services.model.generate import GenerationParams, generate
+from services.engine.engine import Engine, EngineConfig
+from services.engine.params import SamplingParams
 from services.model.hf_dir import read_config, safetensors_files
 from services.model.loader import load_model
 
@@ -88,7 +89,9 @@ def test_logits_and_greedy_tokens_match(tiny_checkpoint):
             output_logits=True,
             return_dict_in_generate=True,
         )
-    ours = generate(loaded.model, [prompt], GenerationParams(max_tokens=24))[0]
+    engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(num_blocks=8))
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    ours = engine.generate([prompt], params)[0].choices[0].token_ids
     assert ours == expected.sequences[0, 40:].tolist(), arch
     from services.model.batch import ForwardBatch, SeqChunk
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from services.model.generate import GenerationParams, generate
+from services.engine.engine import Engine, EngineConfig
+from services.engine.params import SamplingParams
 
 PROMPTS = [
     "The quick brown fox",
@@ -23,7 +24,9 @@ NEW_TOKENS = 64
 def test_greedy_matches_transformers(embedded, reference):
     prompts = [embedded.tokenizer.encode(p) for p in PROMPTS]
     # all prompts in one batch: batching must not change a single token
-    ours = generate(embedded.model, prompts, GenerationParams(max_tokens=NEW_TOKENS))
+    engine = Engine(embedded.model, embedded.tokenizer, EngineConfig(num_blocks=100))
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    ours = [out.choices[0].token_ids for out in engine.generate(prompts, params)]
     for prompt, text, got in zip(prompts, PROMPTS, ours, strict=True):
         with torch.inference_mode():
             out = reference.generate(

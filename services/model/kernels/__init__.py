@@ -1,0 +1,82 @@
+"""C kernels for CPUs, compiled on first use with the machine's C compiler and cached.
+
+A kernel is built with -march=native for the CPU it runs on, into the pdserve cache under a
+name that hashes its source, the flags and the CPU's identity. Without a compiler (or with
+PDSERVE_KERNELS=0) `load` returns None and callers keep their torch path.
+
+OpenMP: the library links libgomp.so.1, which torch has already loaded, so the kernels share
+torch's thread pool and its thread count instead of starting a second pool.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger("pdserve.kernels")
+
+HERE = Path(__file__).parent
+FLAGS = [
+    "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11",
+    # vectorised sums and expf (glibc's libmvec); the order is still fixed by the code, so
+    # results stay deterministic. The kernels keep away from inf and NaN, as this assumes.
+    "-ffast-math",
+]  # fmt: skip
+
+
+def _cpu_identity() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def _build(source: Path, out: Path) -> None:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise OSError("no C compiler found (set CC)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        target = Path(tmp) / out.name
+        subprocess.run(
+            [compiler, *FLAGS, "-o", str(target), str(source), "-lm"],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        target.rename(out)  # atomic: concurrent workers never load half a library
+
+
+@functools.cache
+def load(name: str) -> ctypes.CDLL | None:
+    """The compiled library `name` (kernels/<name>.c), or None where it cannot be built."""
+    if os.environ.get("PDSERVE_KERNELS", "1") == "0":
+        return None
+    from services.model.sources import cache_root
+
+    source = HERE / f"{name}.c"
+    key = hashlib.sha256(
+        source.read_bytes() + " ".join(FLAGS).encode() + _cpu_identity().encode()
+    ).hexdigest()[:16]
+    out = cache_root() / "kernels" / f"{name}-{key}.so"
+    try:
+        if not out.is_file():
+            _build(source, out)
+        return ctypes.CDLL(str(out))
+    except (OSError, subprocess.CalledProcessError) as e:
+        detail = getattr(e, "stderr", "") or str(e)
+        log.warning(
+            "kernel unavailable, using torch",
+            extra={"fields": {"kernel": name, "why": detail.strip()[:300]}},
+        )
+        return None
