@@ -240,8 +240,10 @@ class Engine:
         ]
 
     def check(self) -> None:
-        """The pool's invariants, and that only live sequences hold blocks."""
+        """The pool's invariants, and that its references are exactly the running sequences'
+        block tables."""
         self.blocks.check()
-        live = [s for r in self.requests.values() for s in r.seqs if s.status is Status.RUNNING]
-        held = sum(len(s.block_ids) for s in live)
-        assert held >= self.blocks.referenced_blocks() or not live
+        holders = [s for r in self.requests.values() for s in r.seqs if s.block_ids]
+        assert all(s.status is Status.RUNNING for s in holders), "a non-running seq holds blocks"
+        held = sum(len(s.block_ids) for s in holders)
+        assert held == sum(b.ref_count for b in self.blocks.blocks), "references leak"

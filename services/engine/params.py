@@ -132,9 +132,15 @@ def _finite(v: Any) -> bool:
 def validate_prompt(
     prompt: Sequence[int], vocab_size: int, max_model_len: int, max_tokens: int
 ) -> None:
+    """A prompt the model can take: non-empty, in the vocabulary, within the context window."""
     _check(len(prompt) > 0, "prompt", "must not be empty")
     bad = next((t for t in prompt if not (_is_int(t) and 0 <= t < vocab_size)), None)
     _check(bad is None, "prompt", f"token id {bad} is outside the vocabulary (0..{vocab_size - 1})")
+    _check(
+        len(prompt) < max_model_len,
+        "prompt",
+        f"prompt has {len(prompt)} tokens; the context window is {max_model_len}",
+    )
     _check(
         len(prompt) + max_tokens <= max_model_len,
         "max_tokens",

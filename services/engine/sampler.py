@@ -90,16 +90,25 @@ class Sampler:
             x = logits.clone()
         if penalised:
             x[penalised] = apply_penalties(x[penalised], [seqs[i] for i in penalised])
-        for i in biased:
-            ids = torch.tensor(list(params[i].logit_bias), dtype=torch.int64)
-            x[i, ids] += torch.tensor(list(params[i].logit_bias.values()), dtype=x.dtype)
-        for i in masked:
-            stops = set(params[i].stop_token_ids)
-            if not params[i].ignore_eos:
-                stops |= set(self.eos_token_ids)
-            if stops:
-                x[i, sorted(stops)] = -float("inf")
+        if biased:  # one scatter for every (row, token, bias) of the batch
+            pairs = [(i, t, b) for i in biased for t, b in params[i].logit_bias.items()]
+            rows, cols, values = zip(*pairs, strict=True)
+            x.index_put_(
+                (torch.tensor(rows), torch.tensor(cols)),
+                torch.tensor(values, dtype=x.dtype),
+                accumulate=True,
+            )
+        if masked:
+            cells = [(i, t) for i in masked for t in self._stops_before_min_tokens(params[i])]
+            if cells:
+                rows, cols = zip(*cells, strict=True)
+                x[torch.tensor(rows), torch.tensor(cols)] = -float("inf")
         return x
+
+    def _stops_before_min_tokens(self, p: SamplingParams) -> list[int]:
+        """Tokens that would end the sequence, masked until min_tokens are out."""
+        stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
+        return sorted(stops)
 
     def _logprobs(
         self, logits: torch.Tensor, params: list[SamplingParams]

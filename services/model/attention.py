@@ -21,6 +21,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from services.model import kv_cache
 from services.model.batch import ForwardBatch, SeqSpan
 
 
@@ -32,8 +33,8 @@ class Attention(Protocol):
         q: torch.Tensor,  # [T, heads, D]
         k: torch.Tensor,  # [T, kv_heads, D]
         v: torch.Tensor,  # [T, kv_heads, D]
-        k_cache: torch.Tensor,  # [blocks, block_size, kv_heads, D]
-        v_cache: torch.Tensor,
+        k_cache: torch.Tensor,  # [blocks, kv_heads, D, block_size] (layout: kv_cache.py)
+        v_cache: torch.Tensor,  # [blocks, kv_heads, block_size, D]
         plan: object,
     ) -> torch.Tensor:  # [T, heads, D]
         ...
@@ -80,8 +81,7 @@ class TorchAttention:
         plan: object,
     ) -> torch.Tensor:
         assert isinstance(plan, TorchPlan)
-        _write(k_cache, plan.slots, k)
-        _write(v_cache, plan.slots, v)
+        kv_cache.write(k_cache, v_cache, plan.slots, k, v)
         out = torch.empty_like(q)
         if plan.decode is not None:
             out[plan.decode.rows] = self._decode(q, k_cache, v_cache, plan.decode)
@@ -121,7 +121,7 @@ class CpuAttention(TorchAttention):
             queries.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
             int(k_cache.dtype == torch.bfloat16),
             plan.tables.data_ptr(), plan.lens.data_ptr(), out.data_ptr(),
-            batch, heads, k_cache.shape[2], dim, k_cache.shape[1], plan.tables.shape[1],
+            batch, heads, k_cache.shape[1], dim, v_cache.shape[2], plan.tables.shape[1],
             dim**-0.5,
         )  # fmt: skip
         if status != 0:
@@ -129,26 +129,21 @@ class CpuAttention(TorchAttention):
         return out.to(q.dtype)
 
 
-def default_attention(device: torch.device, dtype: torch.dtype) -> Attention:
+KERNEL_BLOCK_SIZE = 16  # the block size the C kernel is specialised for
+
+
+def default_attention(
+    device: torch.device, dtype: torch.dtype, block_size: int = KERNEL_BLOCK_SIZE
+) -> Attention:
     """The C decode kernel on CPUs where it builds, for float32 and bfloat16 caches."""
-    if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
+    supported = dtype in (torch.float32, torch.bfloat16) and block_size == KERNEL_BLOCK_SIZE
+    if device.type == "cpu" and supported:
         from services.model import kernels
 
         library = kernels.load("paged_attention")
         if library is not None:
             return CpuAttention(library)
     return TorchAttention()
-
-
-def _write(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
-    cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, x)
-
-
-def _gather(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """Blocks of `table` ([..., n]) as one token axis: [..., n * block_size, kv_heads, D]."""
-    # index_select over a flat index is ~10x faster on CPU than advanced indexing
-    blocks = cache.index_select(0, table.flatten())  # [prod(table.shape), block_size, ...]
-    return blocks.view(*table.shape[:-1], -1, *cache.shape[2:])
 
 
 def _decode_plan(spans: list[SeqSpan], block_size: int, device: torch.device) -> DecodePlan:
@@ -165,12 +160,13 @@ def _decode_plan(spans: list[SeqSpan], block_size: int, device: torch.device) ->
 def _decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan
 ) -> torch.Tensor:
-    batch, kv_heads = plan.rows.shape[0], k_cache.shape[2]
+    batch, kv_heads = plan.rows.shape[0], k_cache.shape[1]
     # queries grouped by the KV head they share: [B, kv_heads, group, D]
     qd = q[plan.rows].view(batch, kv_heads, -1, q.shape[-1])
-    keys = _gather(k_cache, plan.tables).transpose(1, 2)  # [B, kv_heads, L, D]
-    values = _gather(v_cache, plan.tables).transpose(1, 2)
-    out = F.scaled_dot_product_attention(qd, keys, values, attn_mask=plan.mask)
+    keys, values = kv_cache.gather(k_cache, v_cache, plan.tables)  # [B, L, kv_heads, D]
+    out = F.scaled_dot_product_attention(
+        qd, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=plan.mask
+    )
     return out.reshape(batch, -1, q.shape[-1])
 
 
@@ -195,8 +191,8 @@ def _prefill(
         keys, values = k, v
     else:
         n = plan.span.context_len
-        keys = _gather(k_cache, plan.span.block_table)[:n]
-        values = _gather(v_cache, plan.span.block_table)[:n]
+        keys, values = kv_cache.gather(k_cache, v_cache, plan.span.block_table)
+        keys, values = keys[:n], values[:n]
     group = q.shape[1] // keys.shape[1]
     # Heads share KV in groups (GQA), expanded here: with enable_gqa, or without a batch
     # dimension, SDPA takes torch's math path on CPU, 3-5x slower than its flash kernel.

@@ -1,16 +1,30 @@
-"""The paged KV pool: fixed-size blocks of K and V for every layer.
+"""The paged KV pool: fixed-size blocks of K and V for every layer, and its layout.
 
-Layout per layer: [num_blocks, block_size, kv_heads, head_dim], token-major within a block,
-so one token's K (or V) is a contiguous [kv_heads, head_dim] row and a slot is a flat index
-block * block_size + offset. Who owns which block is the block manager's business, not this
-class's.
+Per layer, a block holds `block_size` tokens of one sequence, grouped by KV head:
+
+    K: [num_blocks, kv_heads, head_dim, block_size]   (a head's keys transposed: a row of
+                                                       the block per dimension)
+    V: [num_blocks, kv_heads, block_size, head_dim]   (a row per token)
+
+K is transposed so that decode attention scores a whole block at once with vector
+arithmetic along the tokens (as vLLM's key cache does); V keeps a row per token so the
+weighted sum runs along the head dimension. A slot is a flat token index:
+block * block_size + offset. This module is the only one that knows the layout (the C kernel
+in kernels/paged_attention.c mirrors it); who owns which block is the block manager's
+business.
 """
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+import sys
+
 import torch
 
 from services.model.config import ModelConfig
+
+PAGE = mmap.PAGESIZE
 
 
 class KVCache:
@@ -22,22 +36,63 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
-        shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        layers, heads, dim = config.num_layers, config.num_kv_heads, config.head_dim
+        self.k = _allocate((layers, num_blocks, heads, dim, block_size), dtype, device)
+        self.v = _allocate((layers, num_blocks, heads, block_size, dim), dtype, device)
         self.num_blocks = num_blocks
         self.block_size = block_size
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of layer i: [num_blocks, block_size, kv_heads, head_dim] each."""
+        """K [blocks, kv_heads, D, block_size] and V [blocks, kv_heads, block_size, D]."""
         return self.k[i], self.v[i]
 
     @property
     def bytes_per_block(self) -> int:
-        per_layer = self.k[0, 0].numel() * self.k.element_size()
-        return 2 * per_layer * self.k.shape[0]
+        return 2 * self.k[:, 0].numel() * self.k.element_size()
 
-    @staticmethod
-    def blocks_for_bytes(config: ModelConfig, nbytes: int, block_size: int, itemsize: int) -> int:
-        per_block = 2 * config.num_layers * block_size * config.kv_size * itemsize
-        return max(1, nbytes // per_block)
+
+MADV_HUGEPAGE = 14
+
+
+def _allocate(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
+) -> torch.Tensor:
+    """A zeroed tensor; on Linux CPUs backed by transparent huge pages where the kernel allows.
+
+    Decode attention visits blocks scattered over the whole pool: with 4 KiB pages nearly every
+    block costs a TLB miss, with 2 MiB pages almost none.
+    """
+    tensor = torch.empty(shape, dtype=dtype, device=device)
+    if tensor.device.type == "cpu" and sys.platform == "linux":
+        libc = ctypes.CDLL(None, use_errno=True)
+        start = tensor.data_ptr() & ~(PAGE - 1)
+        end = tensor.data_ptr() + tensor.numel() * tensor.element_size()
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_HUGEPAGE)
+    return tensor.zero_()  # first touch after the advice, so the pages come in huge
+
+
+def write(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> None:
+    """Store k, v ([T, kv_heads, D]) at token slots [T] of one layer."""
+    block_size = v_cache.shape[2]
+    blocks, offsets = slots // block_size, slots % block_size
+    k_cache[blocks, :, :, offsets] = k
+    v_cache[blocks, :, offsets, :] = v
+
+
+def gather(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies of the blocks of `table` ([..., n]), token-major: K, V [..., n * bs, kv_heads, D]."""
+    lead, n = table.shape[:-1], table.shape[-1]
+    flat = table.flatten()  # index_select on a flat index is ~10x faster than fancy indexing
+    _, heads, dim, bs = k_cache.shape
+    k = k_cache.index_select(0, flat).view(*lead, n, heads, dim, bs).transpose(-1, -3)
+    v = v_cache.index_select(0, flat).view(*lead, n, heads, bs, dim).transpose(-2, -3)
+    shape = (*lead, n * bs, heads, dim)
+    return k.transpose(-1, -2).reshape(shape), v.reshape(shape)

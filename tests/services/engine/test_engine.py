@@ -121,6 +121,17 @@ def test_n_choices_share_the_prompt_blocks(embedded, engine):
     engine.check()
 
 
+def test_pool_invariants_hold_at_every_step(embedded):
+    eng = Engine(embedded.model, embedded.tokenizer, EngineConfig(num_blocks=24))
+    for i in range(10):
+        eng.add_request(f"r{i}", random_prompt(20 + 25 * i, seed=i), SamplingParams(max_tokens=6))
+    while eng.has_unfinished:
+        eng.step()
+        eng.check()
+    assert eng.scheduler.num_preemptions > 0
+    assert eng.blocks.referenced_blocks() == 0
+
+
 def test_abort_frees_blocks_at_once(embedded, engine):
     engine.add_request("a", random_prompt(300, seed=1), SamplingParams(max_tokens=50))
     engine.add_request("b", random_prompt(40, seed=2), SamplingParams(max_tokens=50))
@@ -148,6 +159,9 @@ def test_abort_frees_blocks_at_once(embedded, engine):
         (SamplingParams(max_tokens=0), [1, 2], "max_tokens"),
         (SamplingParams(max_tokens=8000), [1] * 500, "max_tokens"),
         (SamplingParams(), [1, 49152], "prompt"),
+        (SamplingParams(max_tokens=1), [1] * 8192, "prompt"),
+        (SamplingParams(logit_bias={49152: 1.0}), [1, 2], "logit_bias"),
+        (SamplingParams(stop=("",)), [1, 2], "stop"),
         (SamplingParams(), [], "prompt"),
     ],
 )

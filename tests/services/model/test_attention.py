@@ -1,24 +1,24 @@
-"""The C decode-attention kernel against the torch reference path."""
+"""The C decode-attention kernel against the torch reference path, and the cache layout."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from services.model import kernels
+from services.model import kernels, kv_cache
 from services.model.attention import CpuAttention, TorchAttention
 from services.model.batch import ForwardBatch, SeqChunk
 
 BLOCK = 16
 LIBRARY = kernels.load("paged_attention")
-pytestmark = pytest.mark.skipif(LIBRARY is None, reason="no C compiler here")
+needs_kernel = pytest.mark.skipif(LIBRARY is None, reason="no C compiler here")
 
 
 def _setup(dtype, heads=9, kv_heads=3, dim=64, lengths=(1, 5, 16, 17, 130, 700)):
     gen = torch.Generator().manual_seed(0)
     blocks = sum(-(-n // BLOCK) for n in lengths) + 3
-    k_cache = torch.randn(blocks, BLOCK, kv_heads, dim, generator=gen).to(dtype)
-    v_cache = torch.randn(blocks, BLOCK, kv_heads, dim, generator=gen).to(dtype)
+    k_cache = torch.randn(blocks, kv_heads, dim, BLOCK, generator=gen).to(dtype)
+    v_cache = torch.randn(blocks, kv_heads, BLOCK, dim, generator=gen).to(dtype)
     perm = torch.randperm(blocks, generator=gen).tolist()  # scattered block tables
     chunks, used = [], 0
     for n in lengths:  # every sequence decodes its n-th token; K/V before it already cached
@@ -32,6 +32,19 @@ def _setup(dtype, heads=9, kv_heads=3, dim=64, lengths=(1, 5, 16, 17, 130, 700))
     return q, k, v, k_cache, v_cache, batch
 
 
+def test_write_then_gather_round_trips_in_token_order():
+    k_cache, v_cache = torch.zeros(5, 3, 4, BLOCK), torch.zeros(5, 3, BLOCK, 4)
+    k, v = torch.randn(40, 3, 4), torch.randn(40, 3, 4)
+    table = [3, 0, 4]
+    slots = torch.tensor([table[p // BLOCK] * BLOCK + p % BLOCK for p in range(40)])
+    kv_cache.write(k_cache, v_cache, slots, k, v)
+    keys, values = kv_cache.gather(k_cache, v_cache, torch.tensor([table, table]))
+    assert keys.shape == (2, 48, 3, 4)
+    assert torch.equal(keys[1, :40], k) and torch.equal(values[0, :40], v)
+    assert torch.equal(k_cache[0, 2, :, 5], k[16 + 5, 2])  # K transposed within its block
+
+
+@needs_kernel
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (8, 8, 32), (14, 2, 128)])
 def test_kernel_matches_torch(dtype, tol, heads, kv_heads, dim):
@@ -43,6 +56,7 @@ def test_kernel_matches_torch(dtype, tol, heads, kv_heads, dim):
     assert (got.float() - expected.float()).abs().max().item() < tol
 
 
+@needs_kernel
 def test_kernel_result_does_not_depend_on_the_batch():
     q, k, v, kc, vc, batch = _setup(torch.float32)
     attn = CpuAttention(LIBRARY)
