@@ -18,7 +18,7 @@ from services.engine.block_hash import KVLayout
 from services.engine.block_manager import BlockManager
 from services.engine.outputs import Choice, RequestOutput, SequenceDelta, StopChecker
 from services.engine.params import SamplingParams, ValidationError, validate_prompt
-from services.engine.request import FinishReason, Sequence, Status
+from services.engine.request import FinishReason, Sequence, Status, TokenLogprobs
 from services.engine.sampler import Sampler, choice_seed
 from services.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from services.model.batch import ForwardBatch, SeqChunk
@@ -190,12 +190,12 @@ class Engine:
             self.model.device,
         )
 
-    def _apply(self, seq: Sequence, token: int, logprobs: object) -> SequenceDelta:
+    def _apply(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> SequenceDelta:
         seq.token_ids.append(token)
         if logprobs is not None:
-            seq.logprobs.append(logprobs)  # type: ignore[arg-type]
-        text = StopChecker(seq, self.sampler.eos_token_ids, self.model.config.max_model_len)
-        delta = text.apply(token)
+            seq.logprobs.append(logprobs)
+        stops = StopChecker(seq, self.sampler.eos_token_ids, self.model.config.max_model_len)
+        delta = stops.apply(token)
         if seq.finish_reason is not None:
             self.scheduler.finish(seq)
         if seq.index == 0 and seq.num_output_tokens == 1:
