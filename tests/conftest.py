@@ -27,3 +27,23 @@ def reference(embedded_dir):
     """transformers' LlamaForCausalLM on the same dequantized weights, float32."""
     model = transformers.AutoModelForCausalLM.from_pretrained(embedded_dir, dtype=torch.float32)
     return model.eval()
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    """A redis-server of the test session's own, on a free port."""
+    from tests.support.redis_servers import RedisServer
+
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory):
+    """A real three-node Redis Cluster, created with redis-cli."""
+    from tests.support.redis_servers import RedisClusterServers
+
+    cluster = RedisClusterServers(tmp_path_factory.mktemp("redis-cluster")).start()
+    yield cluster
+    cluster.stop()

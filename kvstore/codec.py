@@ -1,0 +1,192 @@
+"""The block codec: one store value per KV block, safe to read from an untrusted store.
+
+    value = header | scales | payload
+    header  fixed 96 bytes, little-endian (FORMAT below)
+    scales  fp8 only: float32 [layers, 2] (K, V), the factor each layer's values were divided by
+    payload per layer: K [kv_heads, head_dim, block_size] then V [kv_heads, block_size, head_dim]
+            in the storage dtype (the worker's cache layout, services/model/kv_cache.py)
+
+Decoding checks every header field against what the reader expects (namespace, block hash,
+shape, dtype, sizes) and the payload against its checksum (xxh3-64), and raises CodecError
+for anything else. Nothing is unpickled, evaluated or trusted.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import xxhash
+
+from services.engine.block_hash import HASH_BYTES, KVLayout
+
+MAGIC = b"PDKV"
+CODEC_VERSION = 1
+# magic, version, dtype, flags, layers, block_size, num_tokens, kv_heads, head_dim, reserved
+# (6 zero bytes), namespace (16 bytes), block hash (32), payload length (scales + payload),
+# checksum of the payload (xxh3-64). Every byte of the header is checked on decode.
+FORMAT = struct.Struct("<4sHBBHHHHH6s16s32sQQ")
+RESERVED = bytes(6)
+FP8_MAX = 448.0  # largest finite float8 e4m3fn
+
+
+class CodecError(ValueError):
+    """A stored value that is not a valid block of the expected kind; `reason` says why."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        super().__init__(reason)
+
+
+class StorageDtype(enum.IntEnum):
+    FLOAT32 = 0
+    FLOAT16 = 1
+    BFLOAT16 = 2
+    FP8_E4M3 = 3
+
+    @property
+    def torch(self) -> torch.dtype:
+        return {
+            StorageDtype.FLOAT32: torch.float32,
+            StorageDtype.FLOAT16: torch.float16,
+            StorageDtype.BFLOAT16: torch.bfloat16,
+            StorageDtype.FP8_E4M3: torch.float8_e4m3fn,
+        }[self]
+
+    @property
+    def itemsize(self) -> int:
+        return 1 if self is StorageDtype.FP8_E4M3 else torch.empty(0, dtype=self.torch).itemsize
+
+    @classmethod
+    def parse(cls, name: str) -> StorageDtype:
+        aliases = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "fp8": "fp8_e4m3"}
+        key = aliases.get(name.lower(), name.lower())
+        for member in cls:
+            if member.name.lower() == key:
+                return member
+        raise ValueError(f"unknown storage dtype {name!r} (float32, float16, bfloat16, fp8)")
+
+
+@dataclass(frozen=True)
+class DecodedBlocks:
+    k: torch.Tensor  # [n, layers, kv_heads, head_dim, block_size]
+    v: torch.Tensor  # [n, layers, kv_heads, block_size, head_dim]
+    num_tokens: list[int]
+
+
+class BlockCodec:
+    """Encodes and checks the blocks of one KV layout in one storage dtype."""
+
+    def __init__(self, layout: KVLayout, dtype: StorageDtype) -> None:
+        self.layout = layout
+        self.dtype = dtype
+        self.namespace = bytes.fromhex(layout.namespace())
+        per_layer = layout.num_kv_heads * layout.head_dim * layout.block_size  # K (or V)
+        self.elements = 2 * layout.num_layers * per_layer
+        self.scales_bytes = 8 * layout.num_layers if dtype is StorageDtype.FP8_E4M3 else 0
+        self.payload_bytes = self.scales_bytes + self.elements * dtype.itemsize
+        self.value_bytes = FORMAT.size + self.payload_bytes
+
+    # -- encode ----------------------------------------------------------------------
+
+    def encode_many(
+        self,
+        k: torch.Tensor,  # [n, layers, kv_heads, head_dim, block_size]
+        v: torch.Tensor,  # [n, layers, kv_heads, block_size, head_dim]
+        hashes: Sequence[bytes],
+        num_tokens: Sequence[int],
+    ) -> list[memoryview]:
+        """Values for n blocks, written into one buffer (one view each, no per-block copy)."""
+        n, layers = k.shape[0], self.layout.num_layers
+        buf = np.empty((n, self.value_bytes), dtype=np.uint8)
+        payload = torch.from_numpy(buf[:, FORMAT.size + self.scales_bytes :])
+        dest = payload.view(self.dtype.torch).view(n, layers, 2, -1)  # [n, L, K|V, elements]
+        scales = torch.from_numpy(buf[:, FORMAT.size : FORMAT.size + self.scales_bytes])
+        for j, x in enumerate((k, v)):
+            x = x.flatten(2)  # a view, also for blocks gathered layer-major and transposed
+            if self.dtype is StorageDtype.FP8_E4M3:
+                scale = (x.abs().amax(dim=-1).float() / FP8_MAX).clamp_min(1e-12)  # [n, L]
+                scales.view(torch.float32).view(n, layers, 2)[:, :, j] = scale
+                x = (x.float() / scale[..., None]).clamp_(-FP8_MAX, FP8_MAX)
+            dest[:, :, j].copy_(x)
+        views = []
+        for i in range(n):
+            body = buf[i, FORMAT.size :].data  # the row's bytes, no copy
+            FORMAT.pack_into(
+                buf[i], 0, MAGIC, CODEC_VERSION, int(self.dtype), 0, layers,
+                self.layout.block_size, num_tokens[i], self.layout.num_kv_heads,
+                self.layout.head_dim, RESERVED, self.namespace, hashes[i], self.payload_bytes,
+                xxhash.xxh3_64_intdigest(body),
+            )  # fmt: skip
+            views.append(buf[i].data)
+        return views
+
+    # -- decode ----------------------------------------------------------------------
+
+    def check(self, value: bytes | memoryview, block_hash: bytes) -> int:
+        """Validate one value against the expected block; its token count, or CodecError."""
+        if len(value) < FORMAT.size:
+            raise CodecError(f"truncated: {len(value)} bytes, header alone is {FORMAT.size}")
+        fields = FORMAT.unpack_from(value, 0)
+        (magic, version, dtype, flags, layers, block_size, num_tokens, kv_heads, head_dim,
+         reserved, namespace, stored_hash, payload_len, checksum) = fields  # fmt: skip
+        lay = self.layout
+        expect = [
+            (magic == MAGIC, "bad magic"),
+            (version == CODEC_VERSION, f"codec version {version}, expected {CODEC_VERSION}"),
+            (dtype == int(self.dtype), f"dtype {dtype}, expected {int(self.dtype)}"),
+            (flags == 0 and reserved == RESERVED, "unknown flags"),
+            (layers == lay.num_layers, f"{layers} layers, expected {lay.num_layers}"),
+            (block_size == lay.block_size, f"block size {block_size}, expected {lay.block_size}"),
+            (kv_heads == lay.num_kv_heads, f"{kv_heads} kv heads, expected {lay.num_kv_heads}"),
+            (head_dim == lay.head_dim, f"head dim {head_dim}, expected {lay.head_dim}"),
+            (1 <= num_tokens <= lay.block_size, f"token count {num_tokens}"),
+            (namespace == self.namespace, "namespace does not match"),
+            (stored_hash == block_hash[:HASH_BYTES], "block hash does not match"),
+            (payload_len == self.payload_bytes, f"payload length {payload_len}"),
+            (len(value) == self.value_bytes, f"size {len(value)}, expected {self.value_bytes}"),
+        ]
+        for ok, reason in expect:
+            if not ok:
+                raise CodecError(reason)
+        if xxhash.xxh3_64_intdigest(memoryview(value)[FORMAT.size :]) != checksum:
+            raise CodecError("checksum does not match")
+        if self.scales_bytes:
+            scales = np.frombuffer(value, dtype="<f4", count=2 * layers, offset=FORMAT.size)
+            if not all(math.isfinite(s) and s > 0 for s in scales.tolist()):
+                raise CodecError("fp8 scale is not a positive finite number")
+        return int(num_tokens)
+
+    def decode_many(
+        self,
+        values: Sequence[bytes | memoryview],
+        hashes: Sequence[bytes],
+        dtype: torch.dtype = torch.float32,
+    ) -> DecodedBlocks:
+        """Checked values -> K and V in `dtype`. Raises CodecError at the first bad value."""
+        counts = [self.check(value, h) for value, h in zip(values, hashes, strict=True)]
+        return self.decode_checked(values, counts, dtype)
+
+    def decode_checked(
+        self, values: Sequence[bytes | memoryview], counts: list[int], dtype: torch.dtype
+    ) -> DecodedBlocks:
+        """Values that passed `check` (their token counts given) -> K and V in `dtype`."""
+        n, lay = len(values), self.layout
+        rows = np.empty((n, self.payload_bytes), dtype=np.uint8)
+        for i, value in enumerate(values):
+            rows[i] = np.frombuffer(value, dtype=np.uint8, offset=FORMAT.size)
+        payload = torch.from_numpy(rows[:, self.scales_bytes :])
+        kv = payload.view(self.dtype.torch).view(n, lay.num_layers, 2, -1)
+        if self.scales_bytes:
+            scales = torch.from_numpy(rows[:, : self.scales_bytes].copy().view("<f4"))
+            kv = kv.float() * scales.view(n, lay.num_layers, 2, 1)
+        kv = kv.to(dtype)
+        heads, dim, bs = lay.num_kv_heads, lay.head_dim, lay.block_size
+        k = kv[:, :, 0].reshape(n, lay.num_layers, heads, dim, bs)
+        v = kv[:, :, 1].reshape(n, lay.num_layers, heads, bs, dim)
+        return DecodedBlocks(k, v, counts)
