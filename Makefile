@@ -14,11 +14,12 @@ BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip --disable-pip-version-check
 RUNTIME_STAMP := $(VENV)/.stamp-runtime
 TEST_STAMP := $(VENV)/.stamp-test
+STUBS := services/rpc/worker_pb2.py
 
 .PHONY: install install-test serve test lint typecheck unit clean
 
-install: $(RUNTIME_STAMP)
-install-test: $(TEST_STAMP)
+install: $(RUNTIME_STAMP) $(STUBS)
+install-test: $(TEST_STAMP) $(STUBS)
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -34,17 +35,21 @@ $(TEST_STAMP): $(RUNTIME_STAMP)
 	$(PIP) install -e ".[test]"
 	touch $@
 
-serve: $(RUNTIME_STAMP)
+# gRPC stubs, generated from the contract (never edited, not in git)
+$(STUBS): proto/worker.proto services/rpc/generate.py | $(RUNTIME_STAMP)
+	$(BIN)/python -m services.rpc.generate
+
+serve: install
 	$(BIN)/pdserve up --host $(HOST) --port $(PORT)
 
-lint: $(TEST_STAMP)
+lint: install-test
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-typecheck: $(TEST_STAMP)
+typecheck: install-test
 	$(BIN)/mypy
 
-unit: $(TEST_STAMP)
+unit: install-test
 	$(BIN)/pytest
 
 test: lint typecheck unit

@@ -1,5 +1,4 @@
-"""KV blocks in and out of a store: the codec on top of a byte store, and the gather/scatter
-between a worker's paged cache and the codec's buffers.
+"""KV blocks in and out of a store: the codec on top of a byte store.
 
 `BlockStore.get` is where untrusted values are checked: a value that fails the codec's checks
 is a miss, deleted from the store and counted, and never reaches a cache.
@@ -15,27 +14,9 @@ import torch
 
 from kvstore.codec import BlockCodec, CodecError, DecodedBlocks
 from kvstore.store import KVStore
-from services.model.kv_cache import KVCache
+from services.model.kv_cache import KVCache, gather_blocks
 
 log = logging.getLogger("pdserve.kvstore")
-
-
-def gather_blocks(cache: KVCache, block_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The blocks with all their layers: K [n, L, kv_heads, D, bs], V [n, L, kv_heads, bs, D].
-    One copy each (layer-major, viewed block-major)."""
-    index = torch.tensor(list(block_ids), dtype=torch.int64, device=cache.k.device)
-    k = cache.k.index_select(1, index)
-    v = cache.v.index_select(1, index)
-    return k.transpose(0, 1), v.transpose(0, 1)
-
-
-def scatter_blocks(
-    cache: KVCache, block_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor
-) -> None:
-    """Write blocks (as `gather_blocks` returns them) into the given cache blocks."""
-    index = torch.tensor(list(block_ids), dtype=torch.int64, device=cache.k.device)
-    cache.k.index_copy_(1, index, k.transpose(0, 1).to(cache.k.dtype))
-    cache.v.index_copy_(1, index, v.transpose(0, 1).to(cache.v.dtype))
 
 
 @dataclass(frozen=True)
@@ -61,7 +42,7 @@ class BlockStore:
         """Write cache blocks under their hashes (full blocks unless `num_tokens` says)."""
         if not block_ids:
             return
-        k, v = gather_blocks(cache, block_ids)
+        k, v = gather_blocks(cache, list(block_ids))
         counts = num_tokens or [self.codec.layout.block_size] * len(block_ids)
         values = self.codec.encode_many(k, v, hashes, counts)
         await self.store.put_many(list(zip(hashes, values, strict=True)))

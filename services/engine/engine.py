@@ -16,6 +16,13 @@ from dataclasses import dataclass, field
 
 from services.engine.block_hash import KVLayout
 from services.engine.block_manager import BlockManager
+from services.engine.kv_transfer import (
+    Exporter,
+    ImportedKV,
+    admit_import,
+    blocks_to_export,
+    partial_block_hash,
+)
 from services.engine.outputs import Choice, RequestOutput, SequenceDelta, StopChecker
 from services.engine.params import SamplingParams, ValidationError, validate_prompt
 from services.engine.request import FinishReason, Sequence, Status, TokenLogprobs
@@ -60,8 +67,13 @@ class _Request:
 
 class Engine:
     def __init__(
-        self, model: LlamaModel, tokenizer: Tokenizer, config: EngineConfig | None = None
+        self,
+        model: LlamaModel,
+        tokenizer: Tokenizer,
+        config: EngineConfig | None = None,
+        exporter: Exporter | None = None,
     ) -> None:
+        """`exporter` receives the blocks of export-marked sequences as they are computed."""
         self.model = model
         self.tokenizer = tokenizer
         self.config = config = config or EngineConfig()
@@ -76,8 +88,11 @@ class Engine:
             num_blocks, config.block_size, self.layout.namespace(), config.enable_prefix_caching
         )
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.blocks
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
+            self.blocks,
+            self._admit,
         )
+        self.exporter = exporter
         self.sampler = Sampler(mc.vocab_size, mc.eos_token_ids)
         self.requests: dict[str, _Request] = {}
         self.times = StepTimes()
@@ -97,13 +112,25 @@ class Engine:
         prompt_ids: Seq[int],
         params: SamplingParams,
         salt: bytes = b"",
+        *,
+        output_ids: Seq[int] = (),
+        kv_import: ImportedKV | None = None,
+        prefill_only: bool = False,
+        export: bool = False,
     ) -> None:
-        """Queue a request, or raise ValidationError (nothing queued) if it cannot be run."""
+        """Queue a request, or raise ValidationError (nothing queued) if it cannot be run.
+
+        Disaggregation: `output_ids` are tokens already generated elsewhere (their KV is
+        computed here); `kv_import` is prompt KV read from a store; `prefill_only` finishes the
+        request at its first token; `export` reports its blocks to the exporter as they fill.
+        """
         mc = self.model.config
         params.validate(mc.vocab_size)
         validate_prompt(prompt_ids, mc.vocab_size, mc.max_model_len, params.max_tokens)
         if request_id in self.requests:
             raise ValidationError("request_id", f"{request_id!r} is already running")
+        if len(output_ids) >= params.max_tokens:
+            raise ValidationError("output_token_ids", "already max_tokens long")
         need = -(-(len(prompt_ids) + params.max_tokens) // self.config.block_size)
         if need > self.blocks.num_blocks:
             raise ValidationError(
@@ -112,24 +139,41 @@ class Engine:
                 f"{self.blocks.num_blocks}",
             )
         seed = params.seed if params.seed is not None else random.getrandbits(63)
+        context = [*prompt_ids, *output_ids]
         seqs = [
             Sequence(
                 request_id=request_id,
                 index=i,
                 prompt_len=len(prompt_ids),
-                token_ids=list(prompt_ids),
+                token_ids=list(context),
                 params=params,
                 seed=choice_seed(seed, i),
                 arrival=next(self._arrivals),
                 salt=salt,
-                detokenizer=self.tokenizer.detokenizer(prompt_ids, params.skip_special_tokens),
+                detokenizer=self.tokenizer.detokenizer(context, params.skip_special_tokens),
+                prefill_only=prefill_only,
+                export=export,
+                kv_import=kv_import if i == 0 else None,
             )
             for i in range(params.n)
         ]
+        if export and prefill_only:
+            seqs[0].partial_hash = partial_block_hash(self.blocks, seqs[0])
         self.requests[request_id] = _Request(seqs, held_back=seqs[1:])
         # Choices 1..n-1 wait until choice 0 has computed the prompt; they then find its
         # full blocks in the prefix cache and share them instead of computing them again.
         self.scheduler.add(seqs[0])
+
+    def _admit(self, seq: Sequence) -> int:
+        """The computed prefix of a sequence entering the batch: imported KV, or the cache's."""
+        if seq.kv_import is None:
+            return self.blocks.admit(seq)
+        computed = admit_import(self.blocks, self.kv, seq, seq.kv_import)
+        if computed:
+            seq.imported_tokens = computed
+            seq.exported_blocks = computed // self.config.block_size  # in the store already
+            seq.kv_import = None
+        return computed
 
     def abort(self, request_id: str) -> list[SequenceDelta]:
         """Stop a request now; its blocks return to the pool before this returns."""
@@ -163,6 +207,10 @@ class Engine:
         for chunk in scheduled.chunks:
             chunk.seq.num_computed_tokens += chunk.num_tokens
             self.blocks.commit(chunk.seq)
+            if chunk.seq.export and self.exporter is not None:
+                ready = blocks_to_export(self.blocks, chunk.seq, chunk.seq.partial_hash)
+                if ready:
+                    self.exporter(chunk.seq, ready)
         sampling = [c.seq for c in scheduled.chunks if c.want_logits]
         result = self.sampler(logits, sampling)
         deltas = [

@@ -93,6 +93,8 @@ class StopChecker:
             seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len
         ):
             reason = FinishReason.LENGTH
+        if reason is None and seq.prefill_only:
+            reason = FinishReason.PREFILLED
         if reason is not None:  # the end: cut at the stop string, or flush what is pending
             text = text[:cut] if cut is not None else text + detok.flush()
         seq.finish_reason = reason

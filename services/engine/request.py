@@ -13,9 +13,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from services.engine.params import SamplingParams
 from services.tokenizer.detokenize import IncrementalDetokenizer
+
+if TYPE_CHECKING:
+    from services.engine.kv_transfer import ImportedKV
 
 
 class Status(enum.Enum):
@@ -29,6 +33,7 @@ class FinishReason(enum.Enum):
     STOP = "stop"  # EOS, a stop token or a stop string
     LENGTH = "length"  # max_tokens, or the context window
     ABORT = "abort"
+    PREFILLED = "prefilled"  # a prefill-only request has its first token; decode goes on elsewhere
 
 
 @dataclass(frozen=True)
@@ -61,6 +66,13 @@ class Sequence:
     emitted_chars: int = 0  # how much of `text` has been handed out in deltas
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     times_preempted: int = 0
+    # disaggregation (kv_transfer.py)
+    prefill_only: bool = False  # finish after the first token (a prefill worker's request)
+    export: bool = False  # report blocks as they fill, for writing to a KV store
+    exported_blocks: int = 0  # leading blocks already reported (or known to be in the store)
+    partial_hash: bytes | None = None  # the prompt's partial last block, exported by prefill
+    kv_import: ImportedKV | None = None  # prompt KV read from a store, used at admission
+    imported_tokens: int = 0  # ... of which this many were used
 
     @property
     def num_tokens(self) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.engine.block_manager import BlockManager
@@ -46,9 +47,17 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, blocks: BlockManager) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        blocks: BlockManager,
+        admit: Callable[[Sequence], int] | None = None,
+    ) -> None:
+        """`admit` gives a sequence that holds no blocks its already-computed prefix (and
+        returns its length); by default the prefix cache's."""
         self.config = config
         self.blocks = blocks
+        self.admit = admit or blocks.admit
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in order of arrival
         self.num_preemptions = 0
@@ -91,7 +100,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             if not seq.block_ids:
-                cached = self.blocks.admit(seq)
+                cached = self.admit(seq)
                 if seq.status is Status.WAITING:
                     seq.num_cached_tokens = cached
             n = min(seq.num_uncomputed, budget)

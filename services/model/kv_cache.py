@@ -96,3 +96,19 @@ def gather(
     v = v_cache.index_select(0, flat).view(*lead, n, heads, bs, dim).transpose(-2, -3)
     shape = (*lead, n * bs, heads, dim)
     return k.transpose(-1, -2).reshape(shape), v.reshape(shape)
+
+
+def gather_blocks(cache: KVCache, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies of whole blocks, all layers each: K [n, L, kv_heads, D, bs], V [n, L, kv_heads,
+    bs, D] (one copy each: gathered layer-major, viewed block-major)."""
+    index = torch.tensor(block_ids, dtype=torch.int64, device=cache.k.device)
+    return cache.k.index_select(1, index).transpose(0, 1), cache.v.index_select(1, index).transpose(
+        0, 1
+    )
+
+
+def scatter_blocks(cache: KVCache, block_ids: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
+    """Write blocks shaped as `gather_blocks` returns them into the given cache blocks."""
+    index = torch.tensor(block_ids, dtype=torch.int64, device=cache.k.device)
+    cache.k.index_copy_(1, index, k.transpose(0, 1).to(cache.k.dtype))
+    cache.v.index_copy_(1, index, v.transpose(0, 1).to(cache.v.dtype))

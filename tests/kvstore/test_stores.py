@@ -14,7 +14,7 @@ from kvstore.codec import BlockCodec, StorageDtype
 from kvstore.store import open_store
 from services.engine.block_hash import KVLayout, block_hashes
 from services.model.config import ModelConfig
-from services.model.kv_cache import KVCache
+from services.model.kv_cache import KVCache, scatter_blocks
 
 LAYOUT = KVLayout("model-a", "bfloat16", 16, 2, 3, 64)
 NS = LAYOUT.namespace()
@@ -118,8 +118,6 @@ def test_blocks_move_between_caches_byte_for_byte(store_url):
         await blocks.put(source, [5, 1, 6, 2], hashes)
         fetched = await blocks.get_prefix(hashes, torch.bfloat16)
         assert fetched.count == 4 and fetched.blocks is not None
-        from kvstore.blocks import scatter_blocks
-
         scatter_blocks(target, [0, 3, 4, 7], fetched.blocks.k, fetched.blocks.v)
         for src, dst in zip([5, 1, 6, 2], [0, 3, 4, 7], strict=True):
             assert torch.equal(target.k[:, dst], source.k[:, src])

@@ -1,0 +1,94 @@
+"""The handoff in one process: a prefill-only engine exports a prompt's blocks, a second
+engine imports them and continues; tokens equal one engine doing it all."""
+
+from __future__ import annotations
+
+import torch
+
+from services.engine.block_hash import block_hashes
+from services.engine.engine import Engine, EngineConfig
+from services.engine.kv_transfer import ImportedKV
+from services.engine.params import SamplingParams
+from services.engine.request import FinishReason
+from services.model.kv_cache import gather_blocks
+
+PARAMS = SamplingParams(max_tokens=12, temperature=0.7, top_p=0.9, seed=11, ignore_eos=True)
+
+
+def prompt(n: int) -> list[int]:
+    return torch.randint(100, 49000, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+
+
+class Collector:
+    """An exporter that copies each block as it is reported, like a worker would."""
+
+    def __init__(self, engine_ref: list[Engine]) -> None:
+        self.engine_ref = engine_ref
+        self.blocks: dict[int, tuple[bytes, int, torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, seq, ready) -> None:
+        k, v = gather_blocks(self.engine_ref[0].kv, [b.block_id for b in ready])
+        for i, b in enumerate(ready):
+            self.blocks[b.index] = (b.block_hash, b.num_tokens, k[i].clone(), v[i].clone())
+
+
+def test_prefill_exports_every_prompt_block_then_decode_continues(embedded):
+    ids = prompt(70)  # 4 full blocks and a partial one of 6 tokens
+    whole = Engine(embedded.model, embedded.tokenizer, EngineConfig(num_blocks=64))
+    expected = whole.generate([ids], PARAMS)[0].choices[0].token_ids
+
+    ref: list[Engine] = []
+    collect = Collector(ref)
+    prefill = Engine(embedded.model, embedded.tokenizer,
+                     EngineConfig(num_blocks=64, max_num_batched_tokens=32), collect)  # fmt: skip
+    ref.append(prefill)
+    prefill.add_request("r", ids, PARAMS, prefill_only=True, export=True)
+    deltas = []
+    while prefill.has_unfinished:
+        deltas += prefill.step()
+    assert [d.finish_reason for d in deltas] == [FinishReason.PREFILLED]
+    first = deltas[0].token_ids[0]
+    assert first == expected[0]
+    full = block_hashes(ids, 16, prefill.blocks.namespace)
+    partial = block_hashes(ids, 16, prefill.blocks.namespace, include_partial=True)[-1]
+    assert [collect.blocks[i][0] for i in range(5)] == [*full, partial]
+    assert [collect.blocks[i][1] for i in range(5)] == [16, 16, 16, 16, 6]
+    assert prefill.blocks.referenced_blocks() == 0
+
+    k = torch.stack([collect.blocks[i][2] for i in range(5)])
+    v = torch.stack([collect.blocks[i][3] for i in range(5)])
+    decode = Engine(embedded.model, embedded.tokenizer, EngineConfig(num_blocks=64))
+    kv = ImportedKV(full, k, v, partial_tokens=6)
+    decode.add_request("r", ids, PARAMS, output_ids=[first], kv_import=kv)
+    out = []
+    while decode.has_unfinished:
+        out += [t for d in decode.step() for t in d.token_ids]
+    seq_tokens = [first, *out]
+    assert seq_tokens == expected
+    assert decode.times.steps == 11  # nothing recomputed: one step per new token
+
+
+def test_an_import_missing_blocks_is_completed_by_recomputing(embedded):
+    ids = prompt(50)
+    whole = Engine(embedded.model, embedded.tokenizer, EngineConfig(num_blocks=64))
+    expected = whole.generate([ids], PARAMS)[0].choices[0].token_ids
+    first_engine = Engine(embedded.model, embedded.tokenizer, EngineConfig(num_blocks=64))
+    first_engine.generate([ids], SamplingParams(max_tokens=1))  # blocks 0-2 now cached there
+    kept = first_engine.blocks.lookup(
+        first_engine.blocks.hashes(whole.requests.get("x") or _seq(ids))
+    )
+    k, v = gather_blocks(first_engine.kv, kept[:1])  # only block 0 "survived" in the store
+    decode = Engine(embedded.model, embedded.tokenizer, EngineConfig(num_blocks=64))
+    kv = ImportedKV(block_hashes(ids, 16, decode.blocks.namespace)[:1], k, v)
+    decode.add_request("r", ids, PARAMS, output_ids=[expected[0]], kv_import=kv)
+    out = []
+    while decode.has_unfinished:
+        out += [t for d in decode.step() for t in d.token_ids]
+    assert [expected[0], *out] == expected
+    assert decode.requests == {}
+
+
+def _seq(ids):
+    from services.engine.request import Sequence
+
+    return Sequence("x", 0, len(ids), list(ids), PARAMS, 0, 0)
