@@ -1,1 +1,1 @@
-"""pdserve decode."""
+"""The decode worker (`pdserve decode`)."""

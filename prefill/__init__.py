@@ -1,1 +1,1 @@
-"""pdserve prefill."""
+"""The prefill worker (`pdserve prefill`)."""

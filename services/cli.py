@@ -46,6 +46,14 @@ def _parser() -> argparse.ArgumentParser:
     conv.add_argument("--model", default="embedded", help=MODEL_HELP)
     conv.set_defaults(run=_convert)
 
+    for role, text in (
+        ("prefill", "run a prefill worker (gRPC)"),
+        ("decode", "run a decode worker (gRPC)"),
+    ):
+        worker = sub.add_parser(role, help=text)
+        _add_worker_args(worker, role)
+        worker.set_defaults(run=_worker, role=role)
+
     up = sub.add_parser("up", help="run router, prefill and decode workers and the KV store")
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--port", type=int, default=8000)
@@ -62,6 +70,59 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         help="compute dtype; auto = bfloat16 where the CPU has bf16 units, else float32",
     )
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+
+
+def _add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=50051 if role == "prefill" else 50052)
+    _add_model_args(p)
+    p.add_argument("--kv-store", default="local://", help="memory://, local://PATH, redis://...")
+    dtypes = "auto (as computed), float32, float16, bfloat16, fp8"
+    p.add_argument("--kv-store-dtype", default="auto", help=f"stored blocks' dtype: {dtypes}")
+    p.add_argument("--store-timeout", type=float, default=1.0, help="seconds per store call")
+    p.add_argument("--num-blocks", type=_positive_int, help="KV blocks in the pool")
+    p.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV pool size if no --num-blocks")
+    p.add_argument("--max-num-seqs", type=_positive_int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=512)
+    p.add_argument("--grace-period", type=float, default=10.0,
+                   help="seconds in-flight requests get on SIGTERM")  # fmt: skip
+    if role == "decode":
+        p.add_argument("--no-write-back", action="store_true",
+                       help="do not write finished generations' blocks to the store")  # fmt: skip
+
+
+def _worker(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from services.worker.server import WorkerConfig
+
+    config = WorkerConfig(
+        role=args.role,
+        host=args.host,
+        port=args.port,
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        kv_store=args.kv_store,
+        kv_store_dtype=args.kv_store_dtype,
+        store_timeout=args.store_timeout,
+        num_blocks=args.num_blocks,
+        kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)),
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        grace_period=args.grace_period,
+        write_back=not getattr(args, "no_write_back", False),
+    )
+    # The CLI is the one place that knows every role; the roles' code is imported here only.
+    if args.role == "prefill":
+        from prefill.worker import PrefillWorker
+
+        asyncio.run(PrefillWorker(config).serve())
+    else:
+        from decode.worker import DecodeWorker
+
+        asyncio.run(DecodeWorker(config).serve())
+    return 0
 
 
 def _generate(args: argparse.Namespace) -> int:

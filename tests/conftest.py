@@ -47,3 +47,23 @@ def redis_cluster(tmp_path_factory):
     cluster = RedisClusterServers(tmp_path_factory.mktemp("redis-cluster")).start()
     yield cluster
     cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def workers(redis_server, embedded_dir, tmp_path_factory):
+    """A prefill and a decode worker process sharing the session's redis-server (float32, so
+    that their tokens can be compared with the single-process engine's)."""
+    from tests.support.workers import WorkerProcess
+
+    logs = tmp_path_factory.mktemp("worker-logs")
+    prefill = WorkerProcess(
+        "prefill", str(embedded_dir), redis_server.url, logs, "--num-blocks", "400"
+    )
+    decode = WorkerProcess(
+        "decode", str(embedded_dir), redis_server.url, logs, "--num-blocks", "400"
+    )
+    prefill.start()
+    decode.start()
+    yield prefill, decode
+    prefill.stop()
+    decode.stop()

@@ -179,4 +179,4 @@ class BlockManager:
         assert named == len(self.cached), "a block carries a hash the cache does not know"
 
     def referenced_blocks(self) -> int:
-        return sum(b.ref_count > 0 for b in self.blocks)
+        return self.num_blocks - self.num_free  # every block is free or referenced (check())

@@ -42,6 +42,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     enable_prefix_caching: bool = True
     model_id: str = "model"  # fingerprint of the weights, part of every block hash
+    namespace: str | None = None  # the block-hash namespace; None: from the model and layout
 
 
 @dataclass
@@ -84,8 +85,9 @@ class Engine:
         )  # fmt: skip
         num_blocks = config.num_blocks or self._blocks_for(config.kv_cache_bytes)
         self.kv = model.new_kv_cache(num_blocks, config.block_size)
+        namespace = config.namespace or self.layout.namespace()
         self.blocks = BlockManager(
-            num_blocks, config.block_size, self.layout.namespace(), config.enable_prefix_caching
+            num_blocks, config.block_size, namespace, config.enable_prefix_caching
         )
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),

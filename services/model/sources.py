@@ -133,3 +133,19 @@ def file_sha256(path: Path) -> str:
         while chunk := f.read(1 << 22):
             h.update(chunk)
     return h.hexdigest()
+
+
+def fingerprint(path: Path) -> str:
+    """An identity for the weights of a Hugging Face directory, equal on every machine that
+    has the same files: config.json, and each safetensors file's size and header (tensor
+    names, dtypes, shapes, offsets). Cheap (no pass over the weights); part of the KV
+    namespace, so workers only share KV computed by the same model."""
+    import struct
+
+    h = hashlib.sha256((path / "config.json").read_bytes())
+    for file in sorted(path.glob("*.safetensors")):
+        with open(file, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            h.update(file.name.encode() + file.stat().st_size.to_bytes(8, "little"))
+            h.update(f.read(min(length, 100_000_000)))
+    return h.hexdigest()[:32]

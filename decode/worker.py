@@ -1,0 +1,101 @@
+"""The decode worker: reads a request's prompt KV from the store, joins it to the running
+batch and streams its tokens.
+
+The fetch runs in the request's own coroutine while the engine thread keeps stepping the
+batch: a long prompt's KV arriving never stalls the other streams. Blocks missing from the
+store, or refused by the codec, are computed here from the prompt tokens (counted in Load's
+recomputed_tokens). With `local_prefill` the whole prompt is computed here, reading nothing.
+Finished generations' full blocks are written back (setting), so the next turn of a
+conversation finds its prompt and the answer in the store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from services.engine.params import ValidationError
+from services.rpc import worker_pb2 as pb
+from services.rpc import worker_pb2_grpc
+from services.worker import convert
+from services.worker.server import Worker, refuse
+
+log = logging.getLogger("pdserve.decode")
+
+
+class DecodeWorker(Worker, worker_pb2_grpc.DecodeWorkerServicer):
+    role = "decode"
+
+    def add_to_server(self, server: grpc.aio.Server) -> None:
+        worker_pb2_grpc.add_DecodeWorkerServicer_to_server(self, server)
+
+    async def Decode(
+        self, request: pb.DecodeRequest, context: Any
+    ) -> AsyncIterator[pb.DecodeChunk]:
+        rid = request.request_id
+        prompt, output = list(request.prompt_token_ids), list(request.output_token_ids)
+        log.info("decode", extra={"fields": {"request_id": rid, "prompt_tokens": len(prompt),
+                                              "local_prefill": request.local_prefill}})  # fmt: skip
+        try:
+            convert.check_no_unknown_fields(request)
+            params = convert.sampling_params(request.params, request.seed)
+            if not rid:
+                raise ValidationError("request_id", "must not be empty")
+            full, partial = self.hashes(prompt, request.salt)
+            if not request.local_prefill and list(request.block_hashes) != [
+                *full,
+                *([partial] if partial else []),
+            ]:
+                raise ValidationError("block_hashes", "do not match the prompt and salt")
+        except ValidationError as e:
+            await refuse(context, e)
+        kv = None
+        if not request.local_prefill:
+            rest = len(prompt) % self.layout.block_size
+            kv = await self.fetch(rid, full, partial, rest)
+        try:
+            stream = await self.driver.submit(
+                rid, prompt_ids=prompt, params=params, salt=request.salt, output_ids=output,
+                kv_import=kv, export=self.config.write_back,
+            )  # fmt: skip
+        except ValidationError as e:
+            await refuse(context, e)
+        async for chunk in self._chunks(rid, len(prompt), stream):
+            yield chunk
+
+    async def _chunks(
+        self, rid: str, prompt_len: int, stream: AsyncIterator[Any]
+    ) -> AsyncIterator[pb.DecodeChunk]:
+        first, finished = True, False
+        try:
+            async for delta in stream:
+                if first:
+                    self.counters.recomputed_tokens += prompt_len - delta.num_cached_tokens
+                    first = False
+                chunk = pb.DecodeChunk(
+                    token_ids=delta.token_ids,
+                    text=delta.text,
+                    logprobs=[convert.logprobs_proto(lp) for lp in delta.logprobs],
+                    finish_reason=convert.FINISH[delta.finish_reason],
+                )
+                if delta.finished:
+                    finished = True
+                    chunk.usage.CopyFrom(pb.Usage(
+                        prompt_tokens=prompt_len,
+                        completion_tokens=delta.num_output_tokens,
+                        cached_tokens=delta.num_cached_tokens,
+                    ))  # fmt: skip
+                    log.info("decoded", extra={"fields": {
+                        "request_id": rid, "tokens": delta.num_output_tokens,
+                        "finish": delta.finish_reason.value if delta.finish_reason else None,
+                    }})  # fmt: skip
+                yield chunk
+        finally:
+            if not finished:  # the client went away (or the server is stopping)
+                log.info("cancelled", extra={"fields": {"request_id": rid}})
+                await asyncio.shield(self.driver.abort(rid))
+            self.pending_puts.pop(rid, None)  # write-back finishes on its own

@@ -1,0 +1,215 @@
+"""A worker: an engine on its own thread, a KV store, and the RPCs every role answers
+(Abort, Health, Load). prefill/ and decode/ add their own RPC and the policies around it.
+
+Errors at the edge: a ValidationError becomes INVALID_ARGUMENT naming the field (or
+ALREADY_EXISTS for a request id in use); a store that cannot be reached becomes UNAVAILABLE
+where the request cannot do without it, and a recomputation where it can.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import signal
+from collections import defaultdict
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import torch
+
+from kvstore.blocks import BlockStore
+from kvstore.codec import BlockCodec, StorageDtype
+from kvstore.store import StoreUnavailable, open_store
+from services.engine.block_hash import KVLayout, block_hashes
+from services.engine.driver import AsyncEngine
+from services.engine.engine import Engine, EngineConfig
+from services.engine.kv_transfer import BlockToExport, ImportedKV
+from services.engine.params import ValidationError
+from services.engine.request import Sequence
+from services.model import sources
+from services.model.kv_cache import gather_blocks
+from services.model.loader import load_model
+from services.rpc import worker_pb2 as pb
+
+log = logging.getLogger("pdserve.worker")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    role: str  # "prefill" or "decode"
+    host: str = "127.0.0.1"
+    port: int = 50051
+    model: str = "embedded"
+    dtype: str = "auto"
+    device: str = "auto"
+    kv_store: str = "local://"
+    kv_store_dtype: str = "auto"  # as computed; or float32, float16, bfloat16, fp8
+    store_timeout: float = 1.0  # seconds; a slower store counts as unavailable
+    num_blocks: int | None = None  # KV pool size; None: as many as kv_cache_bytes holds
+    kv_cache_bytes: int = 1 << 30
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    grace_period: float = 10.0  # seconds in-flight requests get on SIGTERM
+    write_back: bool = True  # decode: write finished generations' blocks to the store
+
+
+@dataclass
+class Counters:
+    recomputed_tokens: int = 0  # prompt tokens computed because the store missed
+    store_failures: int = 0  # requests that went on without the store
+
+
+class Worker:
+    role = "worker"
+
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        loaded = load_model(config.model, config.dtype, config.device)
+        self.model_name = loaded.config.name
+        cache_dtype = loaded.model.dtype
+        storage = (
+            StorageDtype.parse(str(cache_dtype).removeprefix("torch."))
+            if config.kv_store_dtype == "auto"
+            else StorageDtype.parse(config.kv_store_dtype)
+        )
+        mc = loaded.config
+        self.layout = KVLayout(
+            sources.fingerprint(loaded.path), storage.name.lower(), 16,
+            mc.num_layers, mc.num_kv_heads, mc.head_dim,
+        )  # fmt: skip
+        self.namespace = self.layout.namespace()
+        engine_config = EngineConfig(
+            block_size=self.layout.block_size,
+            num_blocks=config.num_blocks,
+            kv_cache_bytes=config.kv_cache_bytes,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            model_id=self.layout.model_id,
+            namespace=self.namespace,  # block names in the engine = keys in the store
+        )
+        self.engine = Engine(loaded.model, loaded.tokenizer, engine_config, self._export)
+        self.cache_dtype: torch.dtype = cache_dtype
+        self.codec = BlockCodec(self.layout, storage)
+        self.store = open_store(config.kv_store, self.namespace, timeout=config.store_timeout)
+        self.blocks = BlockStore(self.store, self.codec)
+        self.driver = AsyncEngine(self.engine)
+        self.counters = Counters()
+        self.pending_puts: dict[str, list[concurrent.futures.Future[None]]] = defaultdict(list)
+        self.ready = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # -- KV out: called on the engine thread right after a step computed the blocks -----
+
+    def _export(self, seq: Sequence, ready: list[BlockToExport]) -> None:
+        assert self._loop is not None
+        k, v = gather_blocks(self.engine.kv, [b.block_id for b in ready])
+        hashes = [b.block_hash for b in ready]
+        values = self.codec.encode_many(k, v, hashes, [b.num_tokens for b in ready])
+        put = self.store.put_many(list(zip(hashes, values, strict=True)))
+        self.pending_puts[seq.request_id].append(asyncio.run_coroutine_threadsafe(put, self._loop))
+
+    async def wait_for_puts(self, request_id: str) -> None:
+        """Until every block exported for the request is written (StoreUnavailable if not)."""
+        for future in self.pending_puts.pop(request_id, []):
+            await asyncio.wrap_future(future)
+
+    # -- KV in ---------------------------------------------------------------------------
+
+    def hashes(self, prompt: Seq[int], salt: bytes) -> tuple[list[bytes], bytes | None]:
+        """The prompt's full-block hashes, and its partial block's (None if it has none)."""
+        hashes = block_hashes(prompt, self.layout.block_size, self.namespace, salt, True)
+        if len(prompt) % self.layout.block_size:
+            return hashes[:-1], hashes[-1]
+        return hashes, None
+
+    async def fetch(
+        self, request_id: str, full: list[bytes], partial: bytes | None, partial_tokens: int
+    ) -> ImportedKV | None:
+        """The longest valid run of these blocks in the store (and the partial block after
+        them if all are there); None if none, or if the store is unavailable."""
+        try:
+            fetched = await self.blocks.get_prefix(full, self.cache_dtype)
+            tail = None
+            if partial is not None and fetched.count == len(full):
+                tail = (await self.blocks.get_prefix([partial], self.cache_dtype)).blocks
+        except StoreUnavailable as e:
+            self.counters.store_failures += 1
+            log.warning("store unavailable, computing instead",
+                        extra={"fields": {"request_id": request_id, "why": str(e)}})  # fmt: skip
+            return None
+        parts = [b for b in (fetched.blocks, tail) if b is not None]
+        if not parts:
+            return None
+        k = torch.cat([p.k for p in parts])
+        v = torch.cat([p.v for p in parts])
+        return ImportedKV(full[: fetched.count], k, v, partial_tokens if tail is not None else 0)
+
+    # -- the RPCs both roles answer -------------------------------------------------------
+
+    async def Abort(self, request: pb.AbortRequest, context: Any) -> pb.AbortReply:
+        found = await self.driver.abort(request.request_id)
+        log.info("abort", extra={"fields": {"request_id": request.request_id, "found": found}})
+        return pb.AbortReply(found=found)
+
+    async def Health(self, request: pb.HealthRequest, context: Any) -> pb.HealthReply:
+        return pb.HealthReply(
+            role=self.role, model=self.model_name, ready=self.ready, namespace=self.namespace
+        )
+
+    async def Load(self, request: pb.LoadRequest, context: Any) -> pb.LoadReply:
+        load, stats = self.driver.load, self.store.stats()
+        return pb.LoadReply(
+            waiting=load.waiting,
+            running=load.running,
+            free_blocks=load.free_blocks,
+            cached_blocks=load.cached_blocks,
+            total_blocks=load.total_blocks,
+            tokens_in_flight=load.tokens_in_flight,
+            referenced_blocks=load.referenced_blocks,
+            recomputed_tokens=self.counters.recomputed_tokens,
+            store_hits=stats.hits - stats.corrupt,
+            store_corrupt=stats.corrupt,
+            store_unavailable=stats.unavailable,
+        )
+
+    # -- serving ---------------------------------------------------------------------
+
+    def add_to_server(self, server: grpc.aio.Server) -> None:
+        raise NotImplementedError
+
+    async def serve(self) -> None:
+        """Serve until SIGTERM or SIGINT; then stop taking requests, give the ones in
+        flight `grace_period` seconds, abort the rest."""
+        self._loop = asyncio.get_running_loop()
+        self.driver.start()
+        server = grpc.aio.server()
+        self.add_to_server(server)
+        address = f"{self.config.host}:{self.config.port}"
+        server.add_insecure_port(address)
+        await server.start()
+        self.ready = True
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._loop.add_signal_handler(sig, stop.set)
+        log.warning("serving", extra={"fields": {"role": self.role, "address": address,
+                                                  "namespace": self.namespace}})  # fmt: skip
+        await stop.wait()
+        self.ready = False
+        log.warning("draining", extra={"fields": {"grace_seconds": self.config.grace_period}})
+        await server.stop(self.config.grace_period)
+        for request_id in list(self.engine.requests):
+            await self.driver.abort(request_id)
+        await self.driver.stop()
+        with contextlib.suppress(StoreUnavailable):
+            await self.store.close()
+
+
+async def refuse(context: Any, error: ValidationError) -> None:
+    """Abort the RPC for a request the worker will not run."""
+    duplicate = error.field == "request_id"
+    code = grpc.StatusCode.ALREADY_EXISTS if duplicate else grpc.StatusCode.INVALID_ARGUMENT
+    await context.abort(code, str(error))
