@@ -17,13 +17,12 @@ import argparse
 import asyncio
 import os
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
 
 import redis.asyncio as aioredis
 import torch
@@ -33,6 +32,7 @@ from redis.backoff import NoBackoff
 from kvstore.codec import BlockCodec, StorageDtype
 from kvstore.store import open_store
 from services.engine.block_hash import KVLayout
+from services.launcher import start_redis
 
 BLOCK_BYTES = 368_640
 LAYOUT = KVLayout("smollm2", "bfloat16", 16, 30, 3, 64)
@@ -61,26 +61,6 @@ async def rates(batches: int, nbytes: int, steps: Mapping[str, Step]) -> dict[st
     for name, value in medians.items():
         log(f"{name}: {value:.2f} GB/s")
     return medians
-
-
-def start_redis() -> tuple[subprocess.Popen[bytes], str]:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise SystemExit("redis-server is not installed (apt-get install redis-server)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL,
-    )
-    for _ in range(200):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.1).close()
-            break
-        except OSError:
-            time.sleep(0.05)
-    return proc, f"redis://127.0.0.1:{port}/0"
 
 
 async def bench_redis(url: str, batch: int, batches: int) -> dict[str, float]:
@@ -166,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--local-dir", default=None, help="default: a new directory in /dev/shm")
     args = p.parse_args(argv)
 
-    proc, url = (None, args.redis_url) if args.redis_url else start_redis()
+    redis_dir = Path(tempfile.mkdtemp(prefix="pdserve-redis-"))
+    proc, url = (None, args.redis_url) if args.redis_url else start_redis(redis_dir)
     base = "/dev/shm" if os.path.isdir("/dev/shm") else None
     local_dir = args.local_dir or tempfile.mkdtemp(prefix="pdserve-bench-", dir=base)
     try:

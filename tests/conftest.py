@@ -56,12 +56,9 @@ def workers(redis_server, embedded_dir, tmp_path_factory):
     from tests.support.workers import WorkerProcess
 
     logs = tmp_path_factory.mktemp("worker-logs")
-    prefill = WorkerProcess(
-        "prefill", str(embedded_dir), redis_server.url, logs, "--num-blocks", "400"
-    )
-    decode = WorkerProcess(
-        "decode", str(embedded_dir), redis_server.url, logs, "--num-blocks", "400"
-    )
+    model, store, args = str(embedded_dir), redis_server.url, ("--num-blocks", "400")
+    prefill = WorkerProcess("prefill", model, store, logs, *args, dtype="float32")
+    decode = WorkerProcess("decode", model, store, logs, *args, dtype="float32")
     prefill.start()
     decode.start()
     yield prefill, decode

@@ -40,6 +40,8 @@ class EngineConfig:
     kv_cache_bytes: int = 1 << 30
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
+    # prefill chunks end on multiples of this (scheduler.py); None: min(256, the budget)
+    prefill_chunk_size: int | None = None
     enable_prefix_caching: bool = True
     model_id: str = "model"  # fingerprint of the weights, part of every block hash
     namespace: str | None = None  # the block-hash namespace; None: from the model and layout
@@ -90,7 +92,11 @@ class Engine:
             num_blocks, config.block_size, namespace, config.enable_prefix_caching
         )
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
+            SchedulerConfig(
+                config.max_num_seqs,
+                config.max_num_batched_tokens,
+                config.prefill_chunk_size or min(256, config.max_num_batched_tokens),
+            ),
             self.blocks,
             self._admit,
         )

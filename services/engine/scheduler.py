@@ -5,6 +5,11 @@ decoding, the next chunk for those still prefilling. Waiting sequences fill what
 left, their prompts split across steps when long (chunked prefill). When the pool runs out of
 blocks, the newest running sequence is preempted: its blocks go back to the pool and it
 returns to the head of the queue, to be recomputed (mostly from the prefix cache) later.
+
+Prefill chunks end on multiples of `prefill_chunk_size`, whatever else shares the step: a
+prompt is always cut the same way, so (with the row-invariant products and decode kernel of
+services/model) a request's tokens do not depend on the traffic around it. A chunk that does
+not fit the budget left waits for the next step rather than being cut short.
 """
 
 from __future__ import annotations
@@ -22,6 +27,11 @@ from services.engine.request import Sequence, Status
 class SchedulerConfig:
     max_num_seqs: int = 64  # sequences running at once
     max_num_batched_tokens: int = 512  # tokens per forward pass (the step's budget)
+    prefill_chunk_size: int = 256  # prefill chunks end on multiples of this
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.prefill_chunk_size <= self.max_num_batched_tokens:
+            raise ValueError("prefill_chunk_size must be in [1, max_num_batched_tokens]")
 
 
 @dataclass(frozen=True)
@@ -84,11 +94,21 @@ class Scheduler:
         self._schedule_waiting(budget, out)
         return out
 
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """Tokens of seq to compute this step: 1 when decoding, else up to the next multiple
+        of prefill_chunk_size; 0 when that does not fit the budget left."""
+        grid = self.config.prefill_chunk_size
+        n = min(seq.num_uncomputed, grid - seq.num_computed_tokens % grid)
+        return n if n <= budget else 0
+
     def _schedule_running(self, budget: int, out: SchedulerOutput) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_uncomputed, budget)
+            n = self._chunk(seq, budget)
+            if n == 0:  # its chunk waits for a step with room; others may still fit
+                i += 1
+                continue
             if not self._make_room(seq, n, out):
                 continue  # seq itself was preempted; running[i] is now the next one
             self._schedule(seq, n, out)
@@ -103,8 +123,8 @@ class Scheduler:
                 cached = self.admit(seq)
                 if seq.status is Status.WAITING:
                     seq.num_cached_tokens = cached
-            n = min(seq.num_uncomputed, budget)
-            if self.blocks.blocks_needed(seq, n) > self.blocks.num_free:
+            n = self._chunk(seq, budget)
+            if n == 0 or self.blocks.blocks_needed(seq, n) > self.blocks.num_free:
                 self.blocks.release(seq)  # waiting sequences hold no blocks
                 break
             self.waiting.popleft()

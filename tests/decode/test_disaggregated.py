@@ -141,3 +141,35 @@ def test_a_block_lost_or_corrupted_in_the_store_is_recomputed(
     assert after.recomputed_tokens - before.recomputed_tokens == 200 - 5 * 16
     if damage == "corrupt":
         assert after.store_corrupt == before.store_corrupt + 1
+
+
+def test_local_prefill_computes_everything_on_the_decode_worker(workers, embedded):
+    ids = prompt(90, seed=21)
+    sampling = SamplingParams(max_tokens=10, temperature=0.9, seed=5, ignore_eos=True)
+
+    async def run():
+        _, decode, channels = stubs(workers)
+        before = await decode.Load(pb.LoadRequest())
+        tokens = []
+        async for chunk in decode.Decode(pb.DecodeRequest(
+            request_id="local", prompt_token_ids=ids, params=to_proto_params(sampling), seed=5,
+            local_prefill=True,
+        )):  # fmt: skip
+            tokens += chunk.token_ids
+        after = await decode.Load(pb.LoadRequest())
+        for ch in channels:
+            await ch.close()
+        return tokens, after.store_hits - before.store_hits
+
+    tokens, store_reads = asyncio.run(run())
+    engine = Engine(embedded.model, embedded.tokenizer, EngineConfig(num_blocks=64))
+    assert tokens == engine.generate([ids], sampling)[0].choices[0].token_ids
+    assert store_reads == 0
+
+
+def test_logs_name_the_request_at_every_hop(workers):
+    prefill, decode = workers
+    assert "msg=prefill request_id=c3 " in prefill.log_path.read_text()
+    assert "msg=prefilled request_id=c3 " in prefill.log_path.read_text()
+    decode_log = decode.log_path.read_text()
+    assert "msg=decode request_id=c3 " in decode_log and "msg=decoded request_id=c3 " in decode_log

@@ -1,76 +1,12 @@
-"""Prefill and decode workers as real processes (`pdserve prefill|decode`), for tests."""
+"""Talking to real worker processes (services.launcher starts them) the way the router does."""
 
 from __future__ import annotations
 
-import asyncio
-import os
-import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
-
-import grpc
-
+from services.launcher import WorkerProcess
 from services.rpc import worker_pb2 as pb
 from services.rpc import worker_pb2_grpc as pbg
-from tests.support.redis_servers import free_port
 
-PDSERVE = str(Path(sys.executable).parent / "pdserve")
-
-
-class WorkerProcess:
-    def __init__(self, role: str, model: str, kv_store: str, log_dir: Path, *args: str) -> None:
-        self.role = role
-        self.port = free_port()
-        self.log_path = log_dir / f"{role}-{self.port}.log"
-        self.command = [
-            PDSERVE, role, "--port", str(self.port), "--model", model, "--dtype", "float32",
-            "--device", "cpu", "--kv-store", kv_store, *args,
-        ]  # fmt: skip
-        self.process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def start(self, timeout: float = 120) -> WorkerProcess:
-        env = dict(os.environ, PDSERVE_LOG_LEVEL="info")
-        with open(self.log_path, "wb") as log:
-            self.process = subprocess.Popen(self.command, stdout=log, stderr=log, env=env)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"{self.role} exited: {self.log_path.read_text()[-2000:]}")
-            if asyncio.run(self.healthy()):
-                return self
-            time.sleep(0.2)
-        raise RuntimeError(f"{self.role} not ready in {timeout}s: {self.log_path.read_text()}")
-
-    async def healthy(self) -> bool:
-        async with grpc.aio.insecure_channel(self.address) as channel:
-            stub = (
-                pbg.PrefillWorkerStub(channel)
-                if self.role == "prefill"
-                else pbg.DecodeWorkerStub(channel)
-            )
-            try:
-                reply = await stub.Health(pb.HealthRequest(), timeout=1)
-            except grpc.aio.AioRpcError:
-                return False
-            return bool(reply.ready)
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
-        if self.process is None:
-            return 0
-        self.process.send_signal(sig)
-        try:
-            code = self.process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            code = self.process.wait()
-        self.process = None
-        return code
+__all__ = ["WorkerProcess", "disaggregated"]
 
 
 async def disaggregated(

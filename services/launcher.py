@@ -1,0 +1,111 @@
+"""Starting pdserve's processes as children: workers and a redis-server, on free ports.
+
+Used by tests, benchmarks and `pdserve up`: a child is a command, a log file, and a way to
+know it is ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PDSERVE = str(Path(sys.executable).parent / "pdserve")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for_port(port: int, timeout: float = 10.0, host: str = "127.0.0.1") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.02)
+    raise RuntimeError(f"nothing listened on {host}:{port} within {timeout}s")
+
+
+def start_redis(workdir: Path, port: int | None = None) -> tuple[subprocess.Popen[bytes], str]:
+    """A redis-server child that keeps nothing on disk; its URL."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise SystemExit("redis-server is not installed (apt-get install redis-server)")
+    port = port or free_port()
+    workdir.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--dir", str(workdir)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    wait_for_port(port)
+    return proc, f"redis://127.0.0.1:{port}/0"
+
+
+class WorkerProcess:
+    """`pdserve prefill|decode` as a child process, ready once its Health says so."""
+
+    def __init__(
+        self, role: str, model: str, kv_store: str, log_dir: Path, *args: str, dtype: str = "auto"
+    ) -> None:
+        self.role = role
+        self.port = free_port()
+        self.log_path = log_dir / f"{role}-{self.port}.log"
+        self.command = [
+            PDSERVE, role, "--port", str(self.port), "--model", model, "--dtype", dtype,
+            "--device", "cpu", "--kv-store", kv_store, *args,
+        ]  # fmt: skip
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 120) -> WorkerProcess:
+        env = dict(os.environ, PDSERVE_LOG_LEVEL=os.environ.get("PDSERVE_LOG_LEVEL", "info"))
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(self.command, stdout=log, stderr=log, env=env)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.role} exited: {self.log_path.read_text()[-2000:]}")
+            if asyncio.run(self.healthy()):
+                return self
+            time.sleep(0.2)
+        raise RuntimeError(f"{self.role} not ready in {timeout}s: {self.log_path.read_text()}")
+
+    async def healthy(self) -> bool:
+        import grpc
+
+        from services.rpc import worker_pb2 as pb
+        from services.rpc import worker_pb2_grpc as pbg
+
+        async with grpc.aio.insecure_channel(self.address) as channel:
+            stub_class = pbg.PrefillWorkerStub if self.role == "prefill" else pbg.DecodeWorkerStub
+            try:
+                reply = await stub_class(channel).Health(pb.HealthRequest(), timeout=1)
+            except grpc.aio.AioRpcError:
+                return False
+            return bool(reply.ready)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+        if self.process is None:
+            return 0
+        self.process.send_signal(sig)
+        try:
+            code = self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            code = self.process.wait()
+        self.process = None
+        return code
