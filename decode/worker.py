@@ -56,7 +56,7 @@ class DecodeWorker(Worker, worker_pb2_grpc.DecodeWorkerServicer):
         kv = None
         if not request.local_prefill:
             rest = len(prompt) % self.layout.block_size
-            kv = await self.fetch(rid, full, partial, rest)
+            kv = await self.fetch(rid, full, partial, rest, gentle=True)
         try:
             stream = await self.driver.submit(
                 rid, prompt_ids=prompt, params=params, salt=request.salt, output_ids=output,

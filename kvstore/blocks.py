@@ -47,17 +47,16 @@ class BlockStore:
         values = self.codec.encode_many(k, v, hashes, counts)
         await self.store.put_many(list(zip(hashes, values, strict=True)))
 
-    async def get_prefix(self, hashes: Sequence[bytes], dtype: torch.dtype) -> Fetched:
-        """The longest run of leading blocks that are present and valid. An invalid value is
-        deleted, counted, and ends the run like a missing one."""
+    async def get_checked(self, hashes: Sequence[bytes]) -> list[tuple[bytes, int]]:
+        """(value, token count) of the longest run of leading blocks that are present and
+        valid. An invalid value is deleted, counted, and ends the run like a missing one."""
         values = await self.store.get_many(hashes)
-        good: list[bytes] = []
-        counts: list[int] = []
+        good: list[tuple[bytes, int]] = []
         for h, value in zip(hashes, values, strict=True):
             if value is None:
                 break
             try:
-                counts.append(self.codec.check(value, h))
+                count = self.codec.check(value, h)
             except CodecError as e:
                 self.store.stats().corrupt += 1
                 log.warning(
@@ -66,7 +65,25 @@ class BlockStore:
                 )
                 await self.store.delete([h])
                 break
-            good.append(value)
+            good.append((value, count))
+        return good
+
+    async def get_prefix(self, hashes: Sequence[bytes], dtype: torch.dtype) -> Fetched:
+        """`get_checked`, decoded into tensors of `dtype`."""
+        good = await self.get_checked(hashes)
         if not good:
             return Fetched(0, None)
-        return Fetched(len(good), self.codec.decode_checked(good, counts, dtype))
+        values, counts = [v for v, _ in good], [c for _, c in good]
+        return Fetched(len(good), self.codec.decode_checked(values, counts, dtype))
+
+
+@dataclass(frozen=True)
+class StoredBlocks:
+    """Checked store values as a KVSource: decoded straight into cache blocks, no staging."""
+
+    codec: BlockCodec
+    values: list[bytes]
+
+    def write(self, cache: KVCache, items: list[tuple[int, int]]) -> None:
+        for i, block_id in items:
+            self.codec.decode_into(self.values[i], cache.k[:, block_id], cache.v[:, block_id])

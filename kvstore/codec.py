@@ -16,6 +16,7 @@ from __future__ import annotations
 import enum
 import math
 import struct
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -190,3 +191,17 @@ class BlockCodec:
         k = kv[:, :, 0].reshape(n, lay.num_layers, heads, dim, bs)
         v = kv[:, :, 1].reshape(n, lay.num_layers, heads, bs, dim)
         return DecodedBlocks(k, v, counts)
+
+    def decode_into(self, value: bytes | memoryview, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write a checked value into one cache block: k [layers, kv_heads, D, bs] and v
+        [layers, kv_heads, bs, D] (views into the cache), converting to their dtype."""
+        layers = self.layout.num_layers
+        with warnings.catch_warnings():  # read-only buffer, and we only read it
+            warnings.simplefilter("ignore", UserWarning)
+            raw = torch.frombuffer(memoryview(value)[FORMAT.size :], dtype=torch.uint8)
+        kv = raw[self.scales_bytes :].view(self.dtype.torch).view(layers, 2, -1)
+        if self.scales_bytes:
+            scales = raw[: self.scales_bytes].view(torch.float32).view(layers, 2, 1)
+            kv = kv.float() * scales
+        k.copy_(kv[:, 0].view(k.shape))
+        v.copy_(kv[:, 1].view(v.shape))

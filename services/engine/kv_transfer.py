@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -24,18 +25,39 @@ from services.engine.request import Sequence
 from services.model.kv_cache import KVCache, scatter_blocks
 
 
+class KVSource(Protocol):
+    """Blocks of KV held outside the cache (fetched values, tensors), written into cache
+    blocks on request: the only copy they make is into the cache."""
+
+    def write(self, cache: KVCache, items: list[tuple[int, int]]) -> None:
+        """For each (index in this source, block id): write that block's K/V, all layers."""
+        ...
+
+
+@dataclass(frozen=True)
+class TensorKV:
+    """A KVSource of block tensors, as `gather_blocks` returns them."""
+
+    k: torch.Tensor  # [n, layers, kv_heads, D, bs]
+    v: torch.Tensor  # [n, layers, kv_heads, bs, D]
+
+    def write(self, cache: KVCache, items: list[tuple[int, int]]) -> None:
+        index = [i for i, _ in items]
+        scatter_blocks(cache, [b for _, b in items], self.k[index], self.v[index])
+
+
 @dataclass
 class ImportedKV:
     """Leading blocks of a prompt read from a store: full ones, then maybe the partial one."""
 
     hashes: list[bytes]  # of the full blocks
-    k: torch.Tensor  # [n, layers, kv_heads, D, bs], n = full blocks (+1 with a partial)
-    v: torch.Tensor
+    source: KVSource  # the full blocks' KV, then the partial block's (if any)
+    block_size: int
     partial_tokens: int = 0  # tokens in the trailing partial block, 0 if none
 
     @property
     def num_tokens(self) -> int:
-        return len(self.hashes) * self.k.shape[-1] + self.partial_tokens
+        return len(self.hashes) * self.block_size + self.partial_tokens
 
 
 @dataclass(frozen=True)
@@ -61,13 +83,13 @@ def admit_import(blocks: BlockManager, cache: KVCache, seq: Sequence, kv: Import
     if fresh > blocks.num_free - sum(blocks.blocks[b].ref_count == 0 for b in cached):
         return 0
     to_fill = blocks.import_prefix(seq, kv.hashes[:full])
-    if to_fill:
-        targets = [seq.block_ids[i] for i in to_fill]
-        scatter_blocks(cache, targets, kv.k[to_fill], kv.v[to_fill])
+    items = [(i, seq.block_ids[i]) for i in to_fill]
     if partial:
         blocks.allocate(seq, partial)
-        scatter_blocks(cache, [seq.block_ids[-1]], kv.k[full : full + 1], kv.v[full : full + 1])
+        items.append((full, seq.block_ids[-1]))
         seq.num_computed_tokens += partial
+    if items:
+        kv.source.write(cache, items)
     blocks.commit(seq)
     return seq.num_computed_tokens
 

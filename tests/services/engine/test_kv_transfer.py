@@ -7,7 +7,7 @@ import torch
 
 from services.engine.block_hash import block_hashes
 from services.engine.engine import Engine, EngineConfig
-from services.engine.kv_transfer import ImportedKV
+from services.engine.kv_transfer import ImportedKV, TensorKV
 from services.engine.params import SamplingParams
 from services.engine.request import FinishReason
 from services.model.kv_cache import gather_blocks
@@ -58,7 +58,7 @@ def test_prefill_exports_every_prompt_block_then_decode_continues(embedded):
     k = torch.stack([collect.blocks[i][2] for i in range(5)])
     v = torch.stack([collect.blocks[i][3] for i in range(5)])
     decode = Engine(embedded.model, embedded.tokenizer, EngineConfig(num_blocks=64))
-    kv = ImportedKV(full, k, v, partial_tokens=6)
+    kv = ImportedKV(full, TensorKV(k, v), 16, partial_tokens=6)
     decode.add_request("r", ids, PARAMS, output_ids=[first], kv_import=kv)
     out = []
     while decode.has_unfinished:
@@ -79,7 +79,7 @@ def test_an_import_missing_blocks_is_completed_by_recomputing(embedded):
     )
     k, v = gather_blocks(first_engine.kv, kept[:1])  # only block 0 "survived" in the store
     decode = Engine(embedded.model, embedded.tokenizer, EngineConfig(num_blocks=64))
-    kv = ImportedKV(block_hashes(ids, 16, decode.blocks.namespace)[:1], k, v)
+    kv = ImportedKV(block_hashes(ids, 16, decode.blocks.namespace)[:1], TensorKV(k, v), 16)
     decode.add_request("r", ids, PARAMS, output_ids=[expected[0]], kv_import=kv)
     out = []
     while decode.has_unfinished:
