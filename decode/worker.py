@@ -60,6 +60,7 @@ class DecodeWorker(Worker, worker_pb2_grpc.DecodeWorkerServicer):
         try:
             stream = await self.driver.submit(
                 rid, prompt_ids=prompt, params=params, salt=request.salt, output_ids=output,
+                text_sent=request.text_sent if request.HasField("text_sent") else None,
                 kv_import=kv, export=self.config.write_back,
             )  # fmt: skip
         except ValidationError as e:

@@ -30,6 +30,7 @@ from services.engine.sampler import Sampler, choice_seed
 from services.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from services.model.batch import ForwardBatch, SeqChunk
 from services.model.llama import LlamaModel
+from services.tokenizer.detokenize import IncrementalDetokenizer
 from services.tokenizer.tokenizer import Tokenizer
 
 
@@ -122,6 +123,7 @@ class Engine:
         salt: bytes = b"",
         *,
         output_ids: Seq[int] = (),
+        text_sent: int | None = None,
         kv_import: ImportedKV | None = None,
         prefill_only: bool = False,
         export: bool = False,
@@ -129,7 +131,8 @@ class Engine:
         """Queue a request, or raise ValidationError (nothing queued) if it cannot be run.
 
         Disaggregation: `output_ids` are tokens already generated elsewhere (their KV is
-        computed here); `kv_import` is prompt KV read from a store; `prefill_only` finishes the
+        computed here), of whose text `text_sent` characters reached the client (default:
+        all); `kv_import` is prompt KV read from a store; `prefill_only` finishes the
         request at its first token; `export` reports its blocks to the exporter as they fill.
         """
         mc = self.model.config
@@ -158,19 +161,33 @@ class Engine:
                 seed=choice_seed(seed, i),
                 arrival=next(self._arrivals),
                 salt=salt,
-                detokenizer=self.tokenizer.detokenizer(context, params.skip_special_tokens),
+                detokenizer=self._detokenizer(prompt_ids, output_ids, params),
                 prefill_only=prefill_only,
                 export=export,
                 kv_import=kv_import if i == 0 else None,
             )
             for i in range(params.n)
         ]
+        for seq in seqs:  # text of earlier output: not sent again, but stop strings see it
+            assert seq.detokenizer is not None
+            seq.text = seq.detokenizer.text
+            seq.emitted_chars = (
+                len(seq.text) if text_sent is None else min(text_sent, len(seq.text))
+            )
         if export and prefill_only:
             seqs[0].partial_hash = partial_block_hash(self.blocks, seqs[0])
         self.requests[request_id] = _Request(seqs, held_back=seqs[1:])
         # Choices 1..n-1 wait until choice 0 has computed the prompt; they then find its
         # full blocks in the prefix cache and share them instead of computing them again.
         self.scheduler.add(seqs[0])
+
+    def _detokenizer(
+        self, prompt_ids: Seq[int], output_ids: Seq[int], params: SamplingParams
+    ) -> IncrementalDetokenizer:
+        detok = self.tokenizer.detokenizer(prompt_ids, params.skip_special_tokens)
+        for token in output_ids:
+            detok.add([token])
+        return detok
 
     def _admit(self, seq: Sequence) -> int:
         """The computed prefix of a sequence entering the batch: imported KV, or the cache's."""

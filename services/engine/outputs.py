@@ -94,12 +94,13 @@ class StopChecker:
         ):
             reason = FinishReason.LENGTH
         if reason is None and seq.prefill_only:
-            reason = FinishReason.PREFILLED
-        if reason is not None:  # the end: cut at the stop string, or flush what is pending
+            reason = FinishReason.PREFILLED  # the text goes on elsewhere: hold back as usual
+        final = reason is not None and reason is not FinishReason.PREFILLED
+        if final:  # the end: cut at the stop string, or flush what is pending
             text = text[:cut] if cut is not None else text + detok.flush()
         seq.finish_reason = reason
         seq.text = text
-        visible = len(text) if reason is not None else len(text) - self._hold_back()
+        visible = len(text) if final else len(text) - self._hold_back()
         new_text = text[seq.emitted_chars : max(visible, seq.emitted_chars)]
         seq.emitted_chars += len(new_text)
         return SequenceDelta(
