@@ -89,6 +89,7 @@ class DecodeWorker(Worker, worker_pb2_grpc.DecodeWorkerServicer):
                         prompt_tokens=prompt_len,
                         completion_tokens=delta.num_output_tokens,
                         cached_tokens=delta.num_cached_tokens,
+                        store_tokens=delta.num_store_tokens,
                     ))  # fmt: skip
                     log.info("decoded", extra={"fields": {
                         "request_id": rid, "tokens": delta.num_output_tokens,

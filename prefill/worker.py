@@ -73,6 +73,7 @@ class PrefillWorker(Worker, worker_pb2_grpc.PrefillWorkerServicer):
             first_token=delta.token_ids[0],
             block_hashes=[*full, *([partial] if partial else [])],
             cached_tokens=cached,
+            store_tokens=delta.num_store_tokens,
             computed_tokens=len(prompt) - cached,
             text=delta.text,
             finish_reason=convert.FINISH[delta.finish_reason],

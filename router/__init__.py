@@ -1,1 +1,1 @@
-"""pdserve router."""
+"""The router (`pdserve router`): the OpenAI-compatible front door."""

@@ -54,6 +54,10 @@ def _parser() -> argparse.ArgumentParser:
         _add_worker_args(worker, role)
         worker.set_defaults(run=_worker, role=role)
 
+    router = sub.add_parser("router", help="serve the OpenAI API in front of the workers")
+    _add_router_args(router)
+    router.set_defaults(run=_router)
+
     up = sub.add_parser("up", help="run router, prefill and decode workers and the KV store")
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--port", type=int, default=8000)
@@ -89,6 +93,44 @@ def _add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
     if role == "decode":
         p.add_argument("--no-write-back", action="store_true",
                        help="do not write finished generations' blocks to the store")  # fmt: skip
+
+
+def _add_router_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model", default="embedded", help="where the tokenizer and template come from")
+    p.add_argument("--served-model-name", help="the model id clients use")
+    p.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT",
+                   help="a prefill worker (repeat, or comma-separate)")  # fmt: skip
+    p.add_argument("--decode", action="append", default=[], metavar="HOST:PORT",
+                   help="a decode worker (repeat, or comma-separate)")  # fmt: skip
+    p.add_argument(
+        "--policy", default="kv_aware", choices=["round_robin", "least_load", "kv_aware"]
+    )
+    p.add_argument("--disagg-threshold", type=int, default=0,
+                   help="prompts with fewer uncached tokens skip prefill (0: off)")  # fmt: skip
+    p.add_argument("--api-key", action="append", default=[], help="accepted API key (repeat)")
+    p.add_argument("--admin-key", help="key for /admin/workers (off without one)")
+    p.add_argument("--max-pending", type=_positive_int, default=256,
+                   help="requests in flight before 429")  # fmt: skip
+    p.add_argument("--health-interval", type=float, default=1.0)
+
+
+def _router(args: argparse.Namespace) -> int:
+    from router.config import RouterConfig
+    from router.main import serve
+
+    def split(values: list[str]) -> tuple[str, ...]:
+        return tuple(a for v in values for a in v.split(",") if a)
+
+    serve(RouterConfig(
+        host=args.host, port=args.port, model=args.model,
+        served_model_name=args.served_model_name, prefill=split(args.prefill),
+        decode=split(args.decode), policy=args.policy, disagg_threshold=args.disagg_threshold,
+        api_keys=tuple(args.api_key), admin_key=args.admin_key, max_pending=args.max_pending,
+        health_interval=args.health_interval,
+    ))  # fmt: skip
+    return 0
 
 
 def _worker(args: argparse.Namespace) -> int:

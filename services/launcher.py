@@ -52,7 +52,25 @@ def start_redis(workdir: Path, port: int | None = None) -> tuple[subprocess.Pope
     return proc, f"redis://127.0.0.1:{port}/0"
 
 
-class WorkerProcess:
+class Child:
+    """A child process of ours; stop() signals it and waits (kills it after `timeout`)."""
+
+    process: subprocess.Popen[bytes] | None = None
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+        if self.process is None:
+            return 0
+        self.process.send_signal(sig)
+        try:
+            code = self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            code = self.process.wait()
+        self.process = None
+        return code
+
+
+class WorkerProcess(Child):
     """`pdserve prefill|decode` as a child process, ready once its Health says so."""
 
     def __init__(
@@ -72,9 +90,17 @@ class WorkerProcess:
         return f"127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 120) -> WorkerProcess:
+        return self.launch().wait_ready(timeout)
+
+    def launch(self) -> WorkerProcess:
+        """Start the process and return at once (wait_ready() waits for it)."""
         env = dict(os.environ, PDSERVE_LOG_LEVEL=os.environ.get("PDSERVE_LOG_LEVEL", "info"))
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(self.command, stdout=log, stderr=log, env=env)
+        return self
+
+    def wait_ready(self, timeout: float = 120) -> WorkerProcess:
+        assert self.process is not None, "launch() first"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -98,14 +124,46 @@ class WorkerProcess:
                 return False
             return bool(reply.ready)
 
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
-        if self.process is None:
-            return 0
-        self.process.send_signal(sig)
-        try:
-            code = self.process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            code = self.process.wait()
-        self.process = None
-        return code
+
+class RouterProcess(Child):
+    """`pdserve router` as a child process, in front of the given workers."""
+
+    def __init__(
+        self,
+        log_dir: Path,
+        prefill: list[str],
+        decode: list[str],
+        *args: str,
+        model: str = "embedded",
+    ) -> None:
+        self.port = free_port()
+        self.log_path = log_dir / f"router-{self.port}.log"
+        self.command = [
+            PDSERVE, "router", "--port", str(self.port), "--model", model,
+            *(f"--prefill={a}" for a in prefill), *(f"--decode={a}" for a in decode), *args,
+        ]  # fmt: skip
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, healthy: bool = True, timeout: float = 60) -> RouterProcess:
+        """Start; return once it listens (and, with `healthy`, once /health says 200)."""
+        import httpx
+
+        env = dict(os.environ, PDSERVE_LOG_LEVEL=os.environ.get("PDSERVE_LOG_LEVEL", "info"))
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(self.command, stdout=log, stderr=log, env=env)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"router exited: {self.log_path.read_text()[-2000:]}")
+            try:
+                status = httpx.get(f"{self.url}/health", timeout=1).status_code
+            except httpx.TransportError:
+                status = 0
+            if status == 200 or (status and not healthy):
+                return self
+            time.sleep(0.1)
+        raise RuntimeError(f"router not ready in {timeout}s: {self.log_path.read_text()}")

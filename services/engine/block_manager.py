@@ -68,8 +68,11 @@ class BlockManager:
         )
 
     def lookup(self, hashes: Seq[bytes]) -> list[int]:
-        """Blocks holding the longest cached prefix of `hashes`. Takes no reference."""
+        """Blocks holding the longest cached prefix of `hashes` (none with caching off).
+        Takes no reference and changes nothing: workers call it from their own threads."""
         found: list[int] = []
+        if not self.enable_caching:
+            return found
         for h in hashes:
             block = self.cached.get(h)
             if block is None:
@@ -148,7 +151,7 @@ class BlockManager:
         into `seq.block_ids[i]`, then call `commit`."""
         assert not seq.block_ids and seq.num_computed_tokens == 0
         hashes = list(hashes)
-        found = self.lookup(hashes) if self.enable_caching else []
+        found = self.lookup(hashes)
         fresh = len(hashes) - len(found)
         available = self.num_free - sum(self.blocks[b].ref_count == 0 for b in found)
         if fresh > available:

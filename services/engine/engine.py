@@ -195,7 +195,6 @@ class Engine:
             return self.blocks.admit(seq)
         computed = admit_import(self.blocks, self.kv, seq, seq.kv_import)
         if computed:
-            seq.imported_tokens = computed
             seq.exported_blocks = computed // self.config.block_size  # in the store already
             seq.kv_import = None
         return computed

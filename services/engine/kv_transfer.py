@@ -54,6 +54,9 @@ class ImportedKV:
     source: KVSource  # the full blocks' KV, then the partial block's (if any)
     block_size: int
     partial_tokens: int = 0  # tokens in the trailing partial block, 0 if none
+    # Leading blocks not fetched because the cache held them when the worker looked: the
+    # source has no values for them. Evicted since, the import stops where the cache does.
+    skipped: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -74,11 +77,14 @@ Exporter = Callable[[Sequence, list[BlockToExport]], None]
 def admit_import(blocks: BlockManager, cache: KVCache, seq: Sequence, kv: ImportedKV) -> int:
     """Give `seq` (holding no blocks) its imported prefix: cached blocks shared, the others
     written from the import. Returns the tokens now computed; 0 (nothing changed) when the
-    pool cannot supply the blocks yet. At least one token is left to compute."""
+    pool cannot supply the blocks yet. At least one token is left to compute. Sets
+    `seq.store_tokens` to the tokens written from the import."""
     usable = min(kv.num_tokens, seq.num_tokens - 1)
     full = min(len(kv.hashes), usable // blocks.block_size)
     partial = usable - full * blocks.block_size if full == len(kv.hashes) else 0
     cached = blocks.lookup(kv.hashes[:full])
+    if len(cached) < kv.skipped:  # evicted since the worker looked: no values for the gap
+        full, partial = len(cached), 0
     fresh = full - len(cached) + (1 if partial else 0)
     if fresh > blocks.num_free - sum(blocks.blocks[b].ref_count == 0 for b in cached):
         return 0
@@ -91,6 +97,7 @@ def admit_import(blocks: BlockManager, cache: KVCache, seq: Sequence, kv: Import
     if items:
         kv.source.write(cache, items)
     blocks.commit(seq)
+    seq.store_tokens = seq.num_computed_tokens - len(cached) * blocks.block_size
     return seq.num_computed_tokens
 
 

@@ -22,7 +22,8 @@ class SequenceDelta:
     finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens not computed: from the local cache or a store
+    num_store_tokens: int = 0  # ... of which read from a store
 
     @property
     def finished(self) -> bool:
@@ -32,7 +33,7 @@ class SequenceDelta:
     def finished_only(cls, seq: Sequence) -> SequenceDelta:
         return cls(
             seq.request_id, seq.index, [], "", [], seq.finish_reason,
-            seq.prompt_len, seq.num_output_tokens, seq.num_cached_tokens,
+            seq.prompt_len, seq.num_output_tokens, seq.num_cached_tokens, seq.store_tokens,
         )  # fmt: skip
 
 
@@ -113,6 +114,7 @@ class StopChecker:
             seq.prompt_len,
             seq.num_output_tokens,
             seq.num_cached_tokens,
+            seq.store_tokens,
         )
 
     def _hold_back(self) -> int:

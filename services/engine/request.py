@@ -72,7 +72,7 @@ class Sequence:
     exported_blocks: int = 0  # leading blocks already reported (or known to be in the store)
     partial_hash: bytes | None = None  # the prompt's partial last block, exported by prefill
     kv_import: ImportedKV | None = None  # prompt KV read from a store, used at admission
-    imported_tokens: int = 0  # ... of which this many were used
+    store_tokens: int = 0  # prompt tokens written from kv_import (not the local cache's)
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,296 @@
+"""The OpenAI generation endpoints: /v1/completions and /v1/chat/completions."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from router.errors import APIError, bad_request, unavailable
+from router.generation import Job
+from router.openai_format import (
+    ChoiceState,
+    chat_body,
+    chat_logprobs,
+    completion_body,
+    completion_logprobs,
+    sse,
+    usage,
+)
+from router.protocol import ChatCompletionRequest, CompletionRequest
+from router.state import RouterState, new_id, read_model, watch_disconnect
+
+routes = APIRouter()
+
+
+def state_of(request: Request) -> RouterState:
+    state: RouterState = request.app.state.router
+    return state
+
+
+@routes.post("/v1/completions", response_model=None)
+async def completions(request: Request) -> JSONResponse | StreamingResponse:
+    state = state_of(request)
+    req = await read_model(request, CompletionRequest, state.config.max_body_bytes)
+    state.check_model(req.model)
+    prompts = prompt_ids(state, req.prompt)
+    max_tokens = req.max_tokens or 16
+    for ids in prompts:
+        state.check_prompt(ids, max_tokens, "prompt")
+    if req.echo and req.logprobs is not None:
+        raise bad_request("echo with logprobs is not supported", "echo")
+    params = state.sampling(req, max_tokens, req.logprobs)
+    rid = new_id("cmpl")
+    jobs = state.jobs(rid, prompts, params, req.seed, state.salt(request))
+    echo = (
+        [state.tokenizer.decode(ids) for ids in prompts for _ in range(req.n)] if req.echo else []
+    )
+    created = int(time.time())
+    want_usage = req.stream_options is not None and req.stream_options.include_usage
+
+    def chunk(
+        delta_text: str, state_: ChoiceState, logprobs: list[Any], first: bool
+    ) -> dict[str, Any]:
+        text = (echo[state_.index] if echo and first else "") + delta_text
+        lp = (
+            completion_logprobs(state.tokenizer, logprobs, len(state_.text) - len(delta_text))
+            if req.logprobs is not None
+            else None
+        )
+        return {
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": state.model_id,
+            "choices": [
+                {
+                    "index": state_.index,
+                    "text": text,
+                    "logprobs": lp,
+                    "finish_reason": state_.finish_reason,
+                }
+            ],
+        }
+
+    def whole(choices: list[ChoiceState], usage_: dict[str, Any]) -> dict[str, Any]:
+        return completion_body(
+            rid,
+            state.model_id,
+            created,
+            choices,
+            state.tokenizer,
+            req.logprobs is not None,
+            echo,
+            usage_,
+        )
+
+    return await respond(
+        request,
+        state,
+        jobs,
+        req.stream,
+        want_usage,
+        chunk,
+        whole,
+        rid,
+        created,
+        "text_completion",
+        role_chunk=None,
+    )
+
+
+@routes.post("/v1/chat/completions", response_model=None)
+async def chat(request: Request) -> JSONResponse | StreamingResponse:
+    state = state_of(request)
+    req = await read_model(request, ChatCompletionRequest, state.config.max_body_bytes)
+    state.check_model(req.model)
+    messages = [m.as_template_input() for m in req.messages]
+    try:
+        ids = state.tokenizer.encode_chat(messages, req.add_generation_prompt)
+    except ValueError as e:
+        raise bad_request(f"the chat template refused the messages: {e}", "messages") from e
+    limit = state.model.max_model_len
+    max_tokens = req.max_completion_tokens or req.max_tokens or max(1, limit - len(ids))
+    state.check_prompt(ids, max_tokens, "messages")
+    top = req.top_logprobs if req.logprobs else None
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+    params = state.sampling(req, max_tokens, (top or 0) if req.logprobs else None)
+    rid = new_id("chatcmpl")
+    jobs = state.jobs(rid, [ids], params, req.seed, state.salt(request))
+    created = int(time.time())
+    want_usage = req.stream_options is not None and req.stream_options.include_usage
+
+    def chunk(
+        delta_text: str, state_: ChoiceState, logprobs: list[Any], first: bool
+    ) -> dict[str, Any]:
+        lp = chat_logprobs(state.tokenizer, logprobs, top or 0) if req.logprobs else None
+        delta = {"content": delta_text} if delta_text or not state_.finish_reason else {}
+        return {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": state.model_id,
+            "choices": [
+                {
+                    "index": state_.index,
+                    "delta": delta,
+                    "logprobs": lp,
+                    "finish_reason": state_.finish_reason,
+                }
+            ],
+        }
+
+    def whole(choices: list[ChoiceState], usage_: dict[str, Any]) -> dict[str, Any]:
+        return chat_body(
+            rid,
+            state.model_id,
+            created,
+            choices,
+            state.tokenizer,
+            top if req.logprobs else None,
+            usage_,
+        )
+
+    def role_chunk(index: int) -> dict[str, Any]:
+        return {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": state.model_id,
+            "choices": [
+                {
+                    "index": index,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            ],
+        }
+
+    return await respond(
+        request,
+        state,
+        jobs,
+        req.stream,
+        want_usage,
+        chunk,
+        whole,
+        rid,
+        created,
+        "chat.completion.chunk",
+        role_chunk,
+    )
+
+
+def prompt_ids(
+    state: RouterState, prompt: str | list[str] | list[int] | list[list[int]]
+) -> list[list[int]]:
+    """A completion prompt in any of its four forms, as token id lists."""
+    if isinstance(prompt, str):
+        return [state.tokenizer.encode(prompt)]
+    if not prompt:
+        raise bad_request("the prompt is empty", "prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]  # type: ignore[arg-type]
+    if all(isinstance(p, str) for p in prompt):
+        return [state.tokenizer.encode(p) for p in prompt]  # type: ignore[arg-type]
+    return [list(p) for p in prompt]  # type: ignore[arg-type]
+
+
+Chunk = Callable[[str, ChoiceState, list[Any], bool], dict[str, Any]]
+
+
+async def respond(
+    request: Request,
+    state: RouterState,
+    jobs: list[Job],
+    stream: bool,
+    want_usage: bool,
+    chunk: Chunk,
+    whole: Callable[[list[ChoiceState], dict[str, Any]], dict[str, Any]],
+    rid: str,
+    created: int,
+    chunk_object: str,
+    role_chunk: Callable[[int], dict[str, Any]] | None,
+) -> JSONResponse | StreamingResponse:
+    if not state.registry.available("decode"):
+        raise unavailable("no decode worker is available", retry_after=1)
+    state.admit()
+    prompt_tokens = sum(len(j.prompt_ids) for j in jobs)
+    if stream:
+        body = stream_events(
+            state, jobs, want_usage, chunk, rid, created, chunk_object, role_chunk, prompt_tokens
+        )
+        return StreamingResponse(body, media_type="text/event-stream")
+
+    async def collect() -> dict[str, Any]:
+        choices: dict[int, ChoiceState] = {}
+        cached = 0
+        async for delta, choice in state.run(jobs):
+            choices[choice.index] = choice
+            cached += delta.cached_tokens
+        ordered = [choices[i] for i in sorted(choices)]
+        completion = sum(len(c.token_ids) for c in ordered)
+        return whole(ordered, usage(prompt_tokens, completion, min(cached, prompt_tokens)))
+
+    task = asyncio.create_task(collect())
+    watcher = asyncio.create_task(watch_disconnect(request, task))
+    try:
+        return JSONResponse(await task)
+    finally:
+        watcher.cancel()
+
+
+async def stream_events(
+    state: RouterState,
+    jobs: list[Job],
+    want_usage: bool,
+    chunk: Chunk,
+    rid: str,
+    created: int,
+    chunk_object: str,
+    role_chunk: Callable[[int], dict[str, Any]] | None,
+    prompt_tokens: int,
+) -> AsyncIterator[bytes]:
+    started: set[int] = set()
+    completion, cached = 0, 0
+    try:
+        async for delta, choice in state.run(jobs):
+            first = choice.index not in started
+            if first and role_chunk is not None:
+                event = role_chunk(choice.index)
+                if want_usage:
+                    event["usage"] = None
+                yield sse(event)
+            started.add(choice.index)
+            completion += len(delta.token_ids)
+            cached += delta.cached_tokens
+            if (
+                delta.text
+                or delta.logprobs
+                or delta.finish_reason
+                or (first and role_chunk is None)
+            ):
+                event = chunk(delta.text, choice, delta.logprobs, first)
+                if want_usage:
+                    event["usage"] = None
+                yield sse(event)
+        if want_usage:
+            yield sse(
+                {
+                    "id": rid,
+                    "object": chunk_object,
+                    "created": created,
+                    "model": state.model_id,
+                    "choices": [],
+                    "usage": usage(prompt_tokens, completion, min(cached, prompt_tokens)),
+                }
+            )
+    except APIError as e:  # mid-stream: an error event, then the end of the stream
+        yield sse(e.body())
+    yield sse("[DONE]")

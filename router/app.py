@@ -1,0 +1,162 @@
+"""The router's FastAPI application: middleware, the small endpoints, and wiring."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+from router.api import routes, state_of
+from router.config import RouterConfig
+from router.errors import APIError, bad_request, unavailable
+from router.protocol import DetokenizeRequest, TokenizeRequest, WorkerChange
+from router.state import RouterState, bearer, read_model
+
+VERSION = "0.1.0"
+OPEN_PATHS = {"/health", "/version", "/metrics", "/openapi.json", "/docs", "/redoc"}
+
+
+def create_app(config: RouterConfig, state: RouterState | None = None) -> FastAPI:
+    state = state or RouterState.create(config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # channels belong to the serving loop: the configured workers are added here
+        for role, addresses in (("prefill", config.prefill), ("decode", config.decode)):
+            for address in addresses:
+                state.registry.add(role, address)
+        await state.registry.check_all()
+        state.registry.start()
+        yield
+        await state.registry.stop()
+
+    app = FastAPI(
+        title="pdserve",
+        version=VERSION,
+        lifespan=lifespan,
+        description="OpenAI-compatible API over disaggregated prefill and decode",
+    )
+    app.state.router = state
+    app.include_router(routes)
+    app.middleware("http")(_edge)
+    app.add_exception_handler(APIError, _api_error)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
+    _small_endpoints(app, state)
+    return app
+
+
+async def _edge(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+    """Body size and API keys, before any handler; every answer counted."""
+    state: RouterState = request.app.state.router
+    path = request.url.path
+    try:
+        length = int(request.headers.get("content-length") or 0)
+        if length > state.config.max_body_bytes:
+            raise APIError(
+                413,
+                f"request body of {length} bytes exceeds {state.config.max_body_bytes}",
+                None,
+                "request_too_large",
+            )
+        keys = state.config.api_keys
+        guarded = keys and path not in OPEN_PATHS and not path.startswith("/admin")
+        if guarded and bearer(request) not in keys:
+            key = bearer(request)
+            why = "Incorrect API key provided" if key else "Missing API key (Authorization: Bearer)"
+            raise APIError(401, why, None, "invalid_api_key")
+        response = await call_next(request)
+    except APIError as e:
+        response = e.response()
+    state.metrics.requests.labels(path, str(response.status_code)).inc()
+    return response
+
+
+async def _api_error(request: Request, error: APIError) -> JSONResponse:
+    return error.response()
+
+
+async def _validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
+    first = error.errors()[0]
+    param = ".".join(str(p) for p in first["loc"] if p != "body") or None
+    return bad_request(f"{param}: {first['msg']}", param).response()
+
+
+def _small_endpoints(app: FastAPI, state: RouterState) -> None:
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        if not (state.registry.available("prefill") and state.registry.available("decode")):
+            raise unavailable("no healthy prefill and decode workers yet", retry_after=1)
+        return {"status": "ok"}
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": VERSION}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": state.model_id,
+                    "object": "model",
+                    "created": state.started,
+                    "owned_by": "pdserve",
+                    "root": state.model_root,
+                    "max_model_len": state.model.max_model_len,
+                }
+            ],
+        }
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(
+            state.metrics.render(state.registry).decode(), media_type="text/plain; version=0.0.4"
+        )
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        req = await read_model(request, TokenizeRequest, state.config.max_body_bytes)
+        state.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise bad_request("give exactly one of prompt and messages", "prompt")
+        if req.messages is not None:
+            ids = state.tokenizer.encode_chat([m.as_template_input() for m in req.messages])
+        else:
+            ids = state.tokenizer.encode(req.prompt or "", req.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": state.model.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        req = await read_model(request, DetokenizeRequest, state.config.max_body_bytes)
+        state.check_model(req.model)
+        if any(not 0 <= t < state.model.vocab_size for t in req.tokens):
+            raise bad_request(f"token ids must be in [0, {state.model.vocab_size})", "tokens")
+        return {"prompt": state.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+
+    async def admin(request: Request) -> WorkerChange:
+        if state.config.admin_key is None or bearer(request) != state.config.admin_key:
+            raise APIError(401, "the admin API needs the admin key", None, "invalid_api_key")
+        return await read_model(request, WorkerChange, state.config.max_body_bytes)
+
+    @app.post("/admin/workers")
+    async def add_worker(request: Request) -> dict[str, Any]:
+        change = await admin(request)
+        worker = state.registry.add(change.role, change.address)
+        await state.registry.check_all()
+        return {"role": worker.role, "address": worker.address, "healthy": worker.healthy}
+
+    @app.delete("/admin/workers")
+    async def remove_worker(request: Request) -> dict[str, Any]:
+        change = await admin(request)
+        if not await state.registry.remove(change.role, change.address):
+            raise APIError(404, f"no {change.role} worker at {change.address}", "address")
+        return {"removed": True, "at": time.time()}
+
+    _ = (health, version, models, metrics, tokenize, detokenize, add_worker, remove_worker)
+    _ = state_of

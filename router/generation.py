@@ -1,0 +1,298 @@
+"""One request through the workers: Prefill on a prefill worker, then Decode on a decode
+worker, for each choice, hiding worker faults from the client.
+
+- Prefill fails or times out: tried again on another prefill worker; when none is left (or
+  none is healthy), the decode worker computes the prompt itself (local prefill).
+- The KV store is down (Prefill answers UNAVAILABLE "kv store"): the choice goes to a decode
+  worker that computes the prompt itself (local prefill).
+- A decode worker dies mid-stream: Decode is issued again on another decode worker with the
+  tokens (and text) already sent; the client's stream goes on with no gap and no duplicate.
+- The consumer stops reading (client gone): every RPC of the request is cancelled, and the
+  workers free its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from router.errors import APIError, bad_request, unavailable
+from router.policy import Policy
+from router.workers import Registry, WorkerState
+from services.engine.block_hash import block_hashes
+from services.engine.sampler import choice_seed
+from services.rpc import worker_pb2 as pb
+
+log = logging.getLogger("pdserve.router")
+REFUSED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_EXISTS)
+
+
+@dataclass(frozen=True)
+class Job:
+    """A validated request: one prompt, n choices."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: pb.SamplingParams
+    seed: int
+    n: int = 1
+    salt: bytes = b""
+    index_base: int = 0  # this prompt's first choice index in the response
+
+
+@dataclass
+class Delta:
+    index: int  # choice index in the response
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[pb.TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    cached_tokens: int = 0  # on a choice's first delta: prompt tokens not computed
+    store_tokens: int = 0  # ... of which read from the KV store (the rest: a worker's cache)
+
+
+FINISH = {
+    pb.FINISH_REASON_STOP: "stop",
+    pb.FINISH_REASON_LENGTH: "length",
+    pb.FINISH_REASON_ABORT: "abort",
+}
+
+
+class Pipeline:
+    def __init__(
+        self,
+        registry: Registry,
+        policy: Policy,
+        block_size: int,
+        prefill_timeout: float,
+        disagg_threshold: int = 0,
+    ) -> None:
+        self.registry = registry
+        self.policy = policy
+        self.block_size = block_size
+        self.prefill_timeout = prefill_timeout
+        self.disagg_threshold = disagg_threshold
+
+    async def run(self, jobs: Sequence[Job]) -> AsyncIterator[Delta]:
+        """Deltas of every choice of every job, interleaved as they arrive. Choice 0 of each
+        job runs first; the others start once its prompt is prefilled, so they find the
+        prompt's blocks cached instead of computing them again."""
+        queue: asyncio.Queue[Delta | BaseException] = asyncio.Queue()
+        tasks = [asyncio.create_task(self._job(job, queue)) for job in jobs]
+        remaining = sum(job.n for job in jobs)
+        try:
+            while remaining:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finish_reason is not None:
+                    remaining -= 1
+                yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _job(self, job: Job, queue: asyncio.Queue[Delta | BaseException]) -> None:
+        prefilled = asyncio.Event()
+        try:
+            first = asyncio.create_task(self._choice(job, 0, queue, prefilled))
+            await prefilled.wait()
+            others = [asyncio.create_task(self._choice(job, i, queue)) for i in range(1, job.n)]
+            await asyncio.gather(first, *others)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:
+            prefilled.set()
+            queue.put_nowait(e)
+
+    async def _choice(
+        self,
+        job: Job,
+        index: int,
+        queue: asyncio.Queue[Delta | BaseException],
+        prefilled: asyncio.Event | None = None,
+    ) -> None:
+        rid = f"{job.request_id}-{index}"
+        seed = int64(choice_seed(job.seed, index))
+        out = job.index_base + index
+        hashes = block_hashes(
+            job.prompt_ids, self.block_size, self.registry.namespace, job.salt, include_partial=True
+        )
+        try:
+            reply = None
+            if not self._compute_on_decode(job, hashes):
+                reply = await self._prefill(rid, job, seed, hashes)
+            if prefilled is not None:
+                prefilled.set()
+            tokens: list[int] = []
+            text_sent = 0
+            if reply is not None:
+                tokens, text_sent = [reply.first_token], len(reply.text)
+                finish = FINISH.get(reply.finish_reason)
+                queue.put_nowait(
+                    Delta(
+                        out,
+                        tokens[:],
+                        reply.text,
+                        [reply.first_logprobs] if reply.HasField("first_logprobs") else [],
+                        finish,
+                        reply.cached_tokens,
+                        reply.store_tokens,
+                    )
+                )
+                if finish is not None:
+                    return
+            async for delta in self._decode(rid, job, seed, hashes, tokens, text_sent, reply):
+                delta.index = out
+                queue.put_nowait(delta)
+        finally:
+            if prefilled is not None:
+                prefilled.set()
+
+    def _compute_on_decode(self, job: Job, hashes: list[bytes]) -> bool:
+        """Conditional disaggregation: a prompt whose uncached part is short skips prefill."""
+        if not self.disagg_threshold:
+            return False
+        decoders = self.registry.available("decode")
+        cached = max((w.cached_prefix(hashes) for w in decoders), default=0) * self.block_size
+        return len(job.prompt_ids) - cached < self.disagg_threshold
+
+    async def _prefill(
+        self, rid: str, job: Job, seed: int, hashes: list[bytes]
+    ) -> pb.PrefillReply | None:
+        """The prefill reply; None when the KV store is down (the decode worker computes)."""
+        request = pb.PrefillRequest(
+            request_id=rid,
+            prompt_token_ids=job.prompt_ids,
+            params=job.params,
+            seed=seed,
+            salt=job.salt,
+        )
+        tried: set[str] = set()
+        while True:
+            if not self._candidates("prefill", tried):
+                log.warning(
+                    "no prefill worker left: prefilling on a decode worker",
+                    extra={"fields": {"request_id": rid, "tried": len(tried)}},
+                )
+                return None
+            worker = self._pick("prefill", hashes, tried)
+            worker.inflight += 1
+            try:
+                reply: pb.PrefillReply = await worker.stub.Prefill(
+                    request, timeout=self.prefill_timeout
+                )
+            except grpc.aio.AioRpcError as e:
+                if e.code() in REFUSED:
+                    raise bad_request(e.details() or "refused by the worker") from e
+                if e.code() == grpc.StatusCode.UNAVAILABLE and "kv store" in (e.details() or ""):
+                    log.warning(
+                        "kv store down: prefilling on a decode worker",
+                        extra={"fields": {"request_id": rid}},
+                    )
+                    return None
+                self.registry.failed(worker, f"{e.code().name}: {e.details()}")
+                tried.add(worker.address)
+                continue
+            finally:
+                worker.inflight -= 1
+            self.registry.succeeded(worker)
+            worker.remember(hashes)
+            return reply
+
+    async def _decode(
+        self,
+        rid: str,
+        job: Job,
+        seed: int,
+        hashes: list[bytes],
+        tokens: list[int],
+        text_sent: int,
+        reply: pb.PrefillReply | None,
+    ) -> AsyncIterator[Delta]:
+        tried: set[str] = set()
+        first = reply is None
+        while True:
+            worker = self._pick("decode", hashes, tried)
+            request = pb.DecodeRequest(
+                request_id=rid,
+                prompt_token_ids=job.prompt_ids,
+                output_token_ids=tokens,
+                block_hashes=list(reply.block_hashes) if reply is not None else [],
+                params=job.params,
+                seed=seed,
+                salt=job.salt,
+                local_prefill=reply is None,
+                text_sent=text_sent,
+            )
+            call = worker.stub.Decode(request)
+            worker.inflight += 1
+            try:
+                async for chunk in call:
+                    tokens += chunk.token_ids
+                    text_sent += len(chunk.text)
+                    finish = FINISH.get(chunk.finish_reason)
+                    usage = chunk.usage if first and finish else pb.Usage()
+                    yield Delta(
+                        0,
+                        list(chunk.token_ids),
+                        chunk.text,
+                        list(chunk.logprobs),
+                        finish,
+                        usage.cached_tokens,
+                        usage.store_tokens,
+                    )
+                    if finish is not None:
+                        self.registry.succeeded(worker)
+                        worker.remember(hashes)
+                        return
+                raise_stream_ended(worker)
+            except grpc.aio.AioRpcError as e:
+                if e.code() in REFUSED:
+                    raise bad_request(e.details() or "refused by the worker") from e
+                self.registry.failed(worker, f"{e.code().name}: {e.details()}")
+                tried.add(worker.address)
+                log.warning(
+                    "decode worker lost mid-stream: migrating",
+                    extra={
+                        "fields": {
+                            "request_id": rid,
+                            "worker": worker.address,
+                            "tokens_sent": len(tokens),
+                        }
+                    },
+                )
+            finally:
+                worker.inflight -= 1
+                call.cancel()
+
+    def _candidates(self, role: str, tried: set[str]) -> list[WorkerState]:
+        return [w for w in self.registry.available(role) if w.address not in tried]
+
+    def _pick(self, role: str, hashes: list[bytes], tried: set[str]) -> WorkerState:
+        candidates = self._candidates(role, tried)
+        if not candidates:
+            raise unavailable(f"no {role} worker can serve the request", retry_after=1)
+        return self.policy.pick(candidates, hashes)
+
+
+def int64(seed: int) -> int:
+    """A seed as the wire's int64: the same 64 bits (the sampler reads them unsigned)."""
+    return (seed + (1 << 63)) % (1 << 64) - (1 << 63)
+
+
+def raise_stream_ended(worker: WorkerState) -> None:
+    raise grpc.aio.AioRpcError(
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.aio.Metadata(),
+        grpc.aio.Metadata(),
+        details=f"stream from {worker.address} ended before finishing",
+    )
+
+
+__all__ = ["APIError", "Delta", "Job", "Pipeline"]

@@ -1,0 +1,47 @@
+"""Routing policies: which worker of a role gets a request.
+
+- round_robin: in turn.
+- least_load: the fewest requests (the router's own count or the worker's, the larger); ties
+  taken in turn.
+- kv_aware: the worker believed to cache the longest prefix of the request's blocks, unless
+  it is busier than the least loaded by more than `imbalance` requests; misses go to the
+  least loaded.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+from router.workers import WorkerState
+
+POLICIES = ("round_robin", "least_load", "kv_aware")
+
+
+class Policy:
+    def __init__(self, name: str, imbalance: int = 8) -> None:
+        if name not in POLICIES:
+            raise ValueError(f"unknown routing policy {name!r} (choose {', '.join(POLICIES)})")
+        self.name = name
+        self.imbalance = imbalance
+        self._turns: Counter[str] = Counter()  # per role: prefill and decode turn apart
+
+    def pick(self, workers: Sequence[WorkerState], hashes: Sequence[bytes]) -> WorkerState:
+        """One of `workers` (not empty) for a request with these block hashes."""
+        if self.name == "round_robin":
+            return self._in_turn(workers)
+        fewest = min(w.busy for w in workers)
+        least = self._in_turn([w for w in workers if w.busy == fewest])
+        if self.name == "least_load":
+            return least
+        best = max(workers, key=lambda w: (w.cached_prefix(hashes), -w.busy, w.address))
+        if best.cached_prefix(hashes) == 0 or best.busy - least.busy > self.imbalance:
+            return least
+        return best
+
+    def _in_turn(self, workers: Sequence[WorkerState]) -> WorkerState:
+        """The next of `workers` (all of one role) in turn: each role takes its own turns."""
+        ordered = sorted(workers, key=lambda w: w.address)
+        role = ordered[0].role
+        self._turns[role] += 1
+        return ordered[(self._turns[role] - 1) % len(ordered)]

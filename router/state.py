@@ -1,0 +1,225 @@
+"""What the router's endpoints share: settings, tokenizer, workers, pipeline, metrics; and the
+steps every generation request takes (parse, validate, admit, run, count)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import random
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import pydantic
+from fastapi import Request
+
+from router.config import RouterConfig
+from router.errors import APIError, bad_request
+from router.generation import Delta, Job, Pipeline
+from router.metrics import Metrics
+from router.openai_format import ChoiceState
+from router.policy import Policy
+from router.protocol import SamplingFields
+from router.workers import Registry
+from services.engine.params import SamplingParams, ValidationError
+from services.model import hf_dir, sources
+from services.model.config import ModelConfig
+from services.tokenizer.tokenizer import Tokenizer
+from services.worker.convert import to_proto_params
+
+M = TypeVar("M", bound=pydantic.BaseModel)
+
+
+@dataclass
+class RouterState:
+    config: RouterConfig
+    tokenizer: Tokenizer
+    model: ModelConfig
+    model_id: str
+    model_root: str
+    registry: Registry
+    pipeline: Pipeline
+    metrics: Metrics = field(default_factory=Metrics)
+    pending: int = 0  # generation requests admitted and not finished
+    started: int = field(default_factory=lambda: int(time.time()))
+
+    @classmethod
+    def create(cls, config: RouterConfig) -> RouterState:
+        path = sources.resolve(config.model)
+        model = hf_dir.read_config(path)
+        registry = Registry(
+            config.health_interval, config.breaker_failures, config.breaker_cooldown
+        )
+        policy = Policy(config.policy, config.imbalance)
+        pipeline = Pipeline(
+            registry, policy, config.block_size, config.prefill_timeout, config.disagg_threshold
+        )
+        model_id = config.served_model_name or (
+            "SmolLM2-135M-Instruct" if config.model == sources.EMBEDDED else path.name
+        )
+        return cls(config, Tokenizer.from_dir(path), model, model_id, str(path), registry, pipeline)
+
+    # -- edge -------------------------------------------------------------------------
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_id:
+            raise APIError(
+                404,
+                f"The model `{model}` does not exist (serving `{self.model_id}`)",
+                "model",
+                "model_not_found",
+            )
+
+    def salt(self, request: Request) -> bytes:
+        """Per-API-key prefix-cache isolation: tenants never share cached blocks."""
+        key = bearer(request)
+        return hashlib.sha256(key.encode()).digest()[:16] if key and self.config.api_keys else b""
+
+    def sampling(
+        self, req: SamplingFields, max_tokens: int, logprobs: int | None
+    ) -> SamplingParams:
+        try:
+            params = SamplingParams(
+                max_tokens=max_tokens,
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                top_k=-1 if req.top_k is None else req.top_k,
+                min_p=req.min_p or 0.0,
+                presence_penalty=req.presence_penalty or 0.0,
+                frequency_penalty=req.frequency_penalty or 0.0,
+                repetition_penalty=req.repetition_penalty or 1.0,
+                logit_bias={int(k): v for k, v in (req.logit_bias or {}).items()},
+                min_tokens=req.min_tokens,
+                ignore_eos=req.ignore_eos,
+                stop=req.stop_strings(),
+                stop_token_ids=tuple(req.stop_token_ids or ()),
+                include_stop_str_in_output=req.include_stop_str_in_output,
+                n=req.n,
+                logprobs=logprobs,
+                skip_special_tokens=req.skip_special_tokens,
+            )
+            return params.validate(self.model.vocab_size)
+        except ValueError as e:  # int() of a logit_bias key, or ValidationError
+            field_name = e.field if isinstance(e, ValidationError) else "logit_bias"
+            raise bad_request(str(e), field_name) from e
+
+    def check_prompt(self, ids: Sequence[int], max_tokens: int, param: str) -> None:
+        limit = self.model.max_model_len
+        if not ids:
+            raise bad_request("the prompt is empty", param)
+        if any(not 0 <= t < self.model.vocab_size for t in ids):
+            raise bad_request(f"token ids must be in [0, {self.model.vocab_size})", param)
+        if len(ids) + max_tokens > limit:
+            raise bad_request(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{len(ids) + max_tokens} tokens ({len(ids)} in the messages, {max_tokens} in "
+                "the completion). Please reduce the length of the messages or completion.",
+                param,
+            )
+
+    def jobs(
+        self,
+        rid: str,
+        prompts: Sequence[list[int]],
+        params: SamplingParams,
+        seed: int | None,
+        salt: bytes,
+    ) -> list[Job]:
+        seed = random.getrandbits(63) if seed is None else seed
+        wire = to_proto_params(params)
+        return [
+            Job(f"{rid}-{i}", ids, wire, seed, params.n, salt, index_base=i * params.n)
+            for i, ids in enumerate(prompts)
+        ]
+
+    # -- running ---------------------------------------------------------------------
+
+    def admit(self) -> None:
+        if self.pending >= self.config.max_pending:
+            raise APIError(
+                429,
+                "Too many requests in flight; retry shortly",
+                None,
+                "rate_limit_exceeded",
+                {"Retry-After": "1"},
+            )
+        self.pending += 1
+        self.metrics.waiting.inc()
+
+    async def run(self, jobs: Sequence[Job]) -> AsyncIterator[tuple[Delta, ChoiceState]]:
+        """Deltas with their choice's accumulated state; timing and token metrics recorded."""
+        start = time.perf_counter()
+        choices: dict[int, ChoiceState] = {}
+        last: dict[int, float] = {}
+        cached = stored = 0
+        streaming = False
+        try:
+            async for delta in self.pipeline.run(jobs):
+                now = time.perf_counter()
+                if not streaming:
+                    streaming = True
+                    self.metrics.waiting.dec()
+                    self.metrics.running.inc()
+                    self.metrics.ttft.observe(now - start)
+                if delta.index in last and delta.token_ids:
+                    self.metrics.itl.observe(now - last[delta.index])
+                if delta.token_ids:
+                    last[delta.index] = now
+                cached += delta.cached_tokens
+                stored += delta.store_tokens
+                state = choices.setdefault(delta.index, ChoiceState(delta.index))
+                state.text += delta.text
+                state.token_ids += delta.token_ids
+                state.logprobs += delta.logprobs
+                state.finish_reason = delta.finish_reason or state.finish_reason
+                yield delta, state
+            self.metrics.e2e.observe(time.perf_counter() - start)
+            prompt = sum(len(j.prompt_ids) for j in jobs)
+            generated = sum(len(c.token_ids) for c in choices.values())
+            queried = sum(len(j.prompt_ids) * j.n for j in jobs)
+            self.metrics.finished(prompt, generated, queried, cached, stored)
+        finally:
+            self.pending -= 1
+            (self.metrics.running if streaming else self.metrics.waiting).dec()
+
+
+def bearer(request: Request) -> str | None:
+    header = request.headers.get("authorization", "")
+    return header[7:].strip() if header.lower().startswith("bearer ") else None
+
+
+async def read_model(request: Request, model: type[M], limit: int) -> M:
+    """The JSON body as `model`, or the 4xx a client would expect."""
+    body = await request.body()
+    if len(body) > limit:
+        raise APIError(
+            413, f"request body of {len(body)} bytes exceeds {limit}", None, "request_too_large"
+        )
+    try:
+        data: Any = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad_request(f"malformed JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise bad_request("the request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except pydantic.ValidationError as e:
+        first = e.errors()[0]
+        param = ".".join(str(p) for p in first["loc"]) or None
+        raise bad_request(f"{param}: {first['msg']}" if param else first["msg"], param) from e
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+async def watch_disconnect(request: Request, task: asyncio.Task[Any]) -> None:
+    """Cancel `task` (a request's work) when the client goes away."""
+    while not task.done():
+        if await request.is_disconnected():
+            task.cancel()
+            return
+        await asyncio.sleep(0.1)

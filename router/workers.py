@@ -1,0 +1,171 @@
+"""The router's view of its workers: who exists, who answers, how loaded, what each caches.
+
+Workers come from the configuration and from the admin API. A background task asks each
+worker for Health and Load every `health_interval`; a worker that fails a call (there, or
+while serving a request) `breaker_failures` times in a row is left out for
+`breaker_cooldown` seconds (the circuit is open), then tried again.
+
+What a worker caches is inferred, not asked: the router remembers, per worker, the block
+hashes of the prompts (and answers) it sent there, in a bounded LRU set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from services.rpc import worker_pb2 as pb
+from services.rpc import worker_pb2_grpc as pbg
+
+log = logging.getLogger("pdserve.router")
+REMEMBERED_BLOCKS = 50_000  # per worker
+
+
+@dataclass
+class WorkerState:
+    role: str  # "prefill" or "decode"
+    address: str
+    channel: grpc.aio.Channel
+    stub: Any  # PrefillWorkerStub or DecodeWorkerStub
+    healthy: bool = False
+    namespace: str = ""
+    load: pb.LoadReply = field(default_factory=pb.LoadReply)
+    inflight: int = 0  # requests the router has on it now
+    failures: int = 0  # consecutive
+    open_until: float = 0.0  # circuit breaker: left out until then
+    cached: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
+
+    @property
+    def available(self) -> bool:
+        return self.healthy and time.monotonic() >= self.open_until
+
+    @property
+    def busy(self) -> int:
+        """Requests on it, as best the router knows: its own count, or the worker's."""
+        return max(self.inflight, self.load.running + self.load.waiting)
+
+    def cached_prefix(self, hashes: Sequence[bytes]) -> int:
+        n = 0
+        while n < len(hashes) and hashes[n] in self.cached:
+            n += 1
+        return n
+
+    def remember(self, hashes: Sequence[bytes]) -> None:
+        for h in hashes:
+            self.cached[h] = None
+            self.cached.move_to_end(h)
+        while len(self.cached) > REMEMBERED_BLOCKS:
+            self.cached.popitem(last=False)
+
+
+class Registry:
+    def __init__(
+        self, health_interval: float, breaker_failures: int, breaker_cooldown: float
+    ) -> None:
+        self.health_interval = health_interval
+        self.breaker_failures = breaker_failures
+        self.breaker_cooldown = breaker_cooldown
+        self.workers: dict[tuple[str, str], WorkerState] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    def add(self, role: str, address: str) -> WorkerState:
+        key = (role, address)
+        if key not in self.workers:
+            channel = grpc.aio.insecure_channel(address)
+            stub_class = pbg.PrefillWorkerStub if role == "prefill" else pbg.DecodeWorkerStub
+            self.workers[key] = WorkerState(role, address, channel, stub_class(channel))
+            log.warning("worker added", extra={"fields": {"role": role, "address": address}})
+        return self.workers[key]
+
+    async def remove(self, role: str, address: str) -> bool:
+        state = self.workers.pop((role, address), None)
+        if state is None:
+            return False
+        await state.channel.close()
+        log.warning("worker removed", extra={"fields": {"role": role, "address": address}})
+        return True
+
+    def of(self, role: str) -> list[WorkerState]:
+        return [w for w in self.workers.values() if w.role == role]
+
+    def available(self, role: str) -> list[WorkerState]:
+        return [w for w in self.of(role) if w.available]
+
+    @property
+    def namespace(self) -> str:
+        """The KV namespace the healthy workers agree on ('' before any answers)."""
+        return next((w.namespace for w in self.workers.values() if w.healthy), "")
+
+    def succeeded(self, worker: WorkerState) -> None:
+        worker.failures = 0
+
+    def failed(self, worker: WorkerState, why: str) -> None:
+        worker.failures += 1
+        if worker.failures >= self.breaker_failures:
+            worker.open_until = time.monotonic() + self.breaker_cooldown
+            worker.healthy = False
+        log.warning(
+            "worker call failed",
+            extra={
+                "fields": {
+                    "role": worker.role,
+                    "address": worker.address,
+                    "failures": worker.failures,
+                    "why": why[:200],
+                }
+            },
+        )
+
+    # -- health checks -------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._check_forever())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        for state in list(self.workers.values()):
+            await state.channel.close()
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self._check(w) for w in list(self.workers.values())))
+
+    async def _check_forever(self) -> None:
+        while True:
+            await self.check_all()
+            await asyncio.sleep(self.health_interval)
+
+    async def _check(self, worker: WorkerState) -> None:
+        timeout = max(0.5, self.health_interval)
+        try:
+            health = await worker.stub.Health(pb.HealthRequest(), timeout=timeout)
+            worker.load = await worker.stub.Load(pb.LoadRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            if worker.healthy:
+                log.warning(
+                    "worker unhealthy",
+                    extra={
+                        "fields": {
+                            "role": worker.role,
+                            "address": worker.address,
+                            "code": e.code().name,
+                        }
+                    },
+                )
+            worker.healthy = False
+            return
+        was = worker.healthy
+        worker.healthy = bool(health.ready) and health.role == worker.role
+        worker.namespace = health.namespace
+        if worker.healthy and not was:
+            worker.failures = 0
+            log.warning(
+                "worker healthy", extra={"fields": {"role": worker.role, "address": worker.address}}
+            )

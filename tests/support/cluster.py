@@ -1,0 +1,79 @@
+"""Router tests' helpers: worker pools as processes, what the workers report, and what a
+single in-process engine gives for the same request (the reference)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import grpc
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from services.engine.engine import Engine
+from services.engine.params import SamplingParams
+from services.launcher import WorkerProcess
+from services.rpc import worker_pb2 as pb
+from services.rpc import worker_pb2_grpc as pbg
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def start_workers(
+    model: str, store: str, logs: Path, prefill: int, decode: int, *args: str
+) -> tuple[list[WorkerProcess], list[WorkerProcess]]:
+    """`prefill` + `decode` float32 workers on `store`, started side by side."""
+    p = [
+        WorkerProcess("prefill", model, store, logs, *args, dtype="float32") for _ in range(prefill)
+    ]
+    d = [WorkerProcess("decode", model, store, logs, *args, dtype="float32") for _ in range(decode)]
+    for w in (*p, *d):
+        w.launch()
+    for w in (*p, *d):
+        w.wait_ready()
+    return p, d
+
+
+def addresses(workers: Sequence[WorkerProcess]) -> list[str]:
+    return [w.address for w in workers]
+
+
+def load(worker: WorkerProcess) -> pb.LoadReply:
+    async def ask() -> pb.LoadReply:
+        async with grpc.aio.insecure_channel(worker.address) as channel:
+            stub_class = pbg.PrefillWorkerStub if worker.role == "prefill" else pbg.DecodeWorkerStub
+            reply: pb.LoadReply = await stub_class(channel).Load(pb.LoadRequest(), timeout=2)
+            return reply
+
+    return asyncio.run(ask())
+
+
+def wait_idle(workers: Sequence[WorkerProcess], timeout: float) -> float:
+    """Seconds until every worker reports nothing running and no referenced block; raises
+    after `timeout`."""
+    start = time.monotonic()
+    while True:
+        loads = [load(w) for w in workers]
+        if all(x.running == 0 and x.waiting == 0 and x.referenced_blocks == 0 for x in loads):
+            return time.monotonic() - start
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"workers still busy after {timeout}s: {loads}")
+        time.sleep(0.02)
+
+
+def metrics(base_url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """The router's /metrics, parsed by prometheus_client: (sample name, labels) -> value."""
+    text = httpx.get(f"{base_url}/metrics").text
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def reference(engine: Engine, prompt: list[int], params: SamplingParams) -> list[str]:
+    """Each choice's text from one in-process engine."""
+    out = engine.generate([prompt], params)[0]
+    return [c.text for c in out.choices]
