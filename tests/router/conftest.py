@@ -14,8 +14,9 @@ from tests.support.cluster import addresses, start_workers
 @pytest.fixture(scope="session")
 def pool(redis_server, embedded_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("pool-logs")
-    prefill, decode = start_workers(str(embedded_dir), redis_server.url, logs, 2, 2,
-                                    "--num-blocks", "400")  # fmt: skip
+    prefill, decode = start_workers(
+        str(embedded_dir), redis_server.url, logs, 2, 2, "--num-blocks", "400"
+    )
     yield prefill, decode
     for w in (*prefill, *decode):
         w.stop()
@@ -25,8 +26,9 @@ def pool(redis_server, embedded_dir, tmp_path_factory):
 def router(pool, tmp_path_factory):
     """A kv_aware router over the pool."""
     prefill, decode = pool
-    proc = RouterProcess(tmp_path_factory.mktemp("router-logs"), addresses(prefill),
-                         addresses(decode)).start()  # fmt: skip
+    proc = RouterProcess(
+        tmp_path_factory.mktemp("router-logs"), addresses(prefill), addresses(decode)
+    ).start()
     yield proc
     proc.stop()
 

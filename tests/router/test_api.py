@@ -53,8 +53,9 @@ def test_greedy_completion_equals_the_engine(client, engine, embedded):
 
 def test_seeded_n2_completion_stream_equals_whole(client, engine, embedded):
     ids = embedded.tokenizer.encode(PROMPT)
-    args = dict(model=MODEL, prompt=PROMPT, max_tokens=30, temperature=0.9, top_p=0.95, n=2,
-                seed=1234)  # fmt: skip
+    args = dict(
+        model=MODEL, prompt=PROMPT, max_tokens=30, temperature=0.9, top_p=0.95, n=2, seed=1234
+    )
     whole = client.completions.create(**args)
     texts, finishes, _, usage = collect(
         client.completions.create(**args, stream=True, stream_options={"include_usage": True})
@@ -73,13 +74,15 @@ def test_stop_string_cuts_the_text(client, engine, embedded):
     ids = embedded.tokenizer.encode(PROMPT)
     greedy = reference(engine, ids, SamplingParams(max_tokens=24, temperature=0))[0]
     stop = greedy.split()[2]  # a word the greedy text reaches
-    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0,
-                                  stop=[stop])  # fmt: skip
+    r = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop]
+    )
     assert r.choices[0].finish_reason == "stop"
     assert r.choices[0].text == greedy[: greedy.index(stop)]
     streamed, _, _, _ = collect(
-        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0,
-                                  stop=[stop], stream=True)  # fmt: skip
+        client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop], stream=True
+        )
     )
     assert streamed[0] == r.choices[0].text
 
@@ -89,22 +92,26 @@ def test_prompt_forms_echo_and_logprobs(client, embedded):
     by_text = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
     by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0)
     assert by_ids.choices[0].text == by_text.choices[0].text
-    two = client.completions.create(model=MODEL, prompt=[PROMPT, "Once upon a time"],
-                                    max_tokens=8, temperature=0)  # fmt: skip
+    two = client.completions.create(
+        model=MODEL, prompt=[PROMPT, "Once upon a time"], max_tokens=8, temperature=0
+    )
     assert [c.index for c in two.choices] == [0, 1]
     assert two.choices[0].text == by_text.choices[0].text
     assert two.usage.prompt_tokens == len(ids) + len(embedded.tokenizer.encode("Once upon a time"))
-    echo = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0,
-                                     echo=True)  # fmt: skip
+    echo = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, echo=True
+    )
     assert echo.choices[0].text == PROMPT + by_text.choices[0].text
-    lp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0,
-                                   logprobs=3)  # fmt: skip
+    lp = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=3
+    )
     logprobs = lp.choices[0].logprobs
     assert len(logprobs.tokens) == len(logprobs.token_logprobs) == lp.usage.completion_tokens
     assert "".join(logprobs.tokens) == lp.choices[0].text
     assert logprobs.text_offset[0] == 0
-    for token, value, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs,
-                                 strict=True):  # fmt: skip
+    for token, value, top in zip(
+        logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True
+    ):
         assert len(top) == 3 and value <= 0
         assert max(top.values()) == pytest.approx(value, abs=1e-5)  # greedy: the top token
         assert token in top
@@ -112,8 +119,9 @@ def test_prompt_forms_echo_and_logprobs(client, embedded):
 
 def test_chat_whole_and_streamed(client, engine, embedded):
     ids = embedded.tokenizer.encode_chat(MESSAGES)
-    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=40,
-                                       temperature=0, logprobs=True, top_logprobs=2)  # fmt: skip
+    r = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=40, temperature=0, logprobs=True, top_logprobs=2
+    )
     expected = reference(engine, ids, SamplingParams(max_tokens=40, temperature=0))[0]
     assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
     assert r.choices[0].message.role == "assistant"
@@ -126,9 +134,13 @@ def test_chat_whole_and_streamed(client, engine, embedded):
         assert item.top_logprobs[0].token == item.token
         assert bytes(item.bytes) == item.token.encode()
     stream = client.chat.completions.create(
-        model=MODEL, messages=MESSAGES, max_tokens=40, temperature=0, stream=True,
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=40,
+        temperature=0,
+        stream=True,
         stream_options={"include_usage": True},
-    )  # fmt: skip
+    )
     texts, finishes, chunks, usage = collect(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert all(c.choices[0].delta.role is None for c in chunks[1:] if c.choices)
@@ -138,8 +150,9 @@ def test_chat_whole_and_streamed(client, engine, embedded):
 
 def test_usage_equals_the_tokenize_endpoint(client, router):
     counted = httpx.post(f"{router.url}/tokenize", json={"messages": MESSAGES}).json()
-    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_completion_tokens=5,
-                                       temperature=0)  # fmt: skip
+    r = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_completion_tokens=5, temperature=0
+    )
     assert r.usage.prompt_tokens == counted["count"]
     assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"
     back = httpx.post(f"{router.url}/detokenize", json={"tokens": counted["tokens"]}).json()
@@ -150,8 +163,9 @@ def test_async_client_concurrent_streams(router, engine, embedded):
     prompts = [f"Write a list of {k} fruits:" for k in range(2, 6)]
 
     async def one(client: openai.AsyncOpenAI, prompt: str) -> str:
-        stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=20,
-                                                 temperature=0, stream=True)  # fmt: skip
+        stream = await client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=20, temperature=0, stream=True
+        )
         return "".join([c.choices[0].text async for c in stream if c.choices])
 
     async def run() -> list[str]:

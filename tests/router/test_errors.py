@@ -68,8 +68,9 @@ def test_malformed_json_and_non_objects_are_400(router):
 
 
 def test_unknown_model_is_404(router, client):
-    error = error_of(httpx.post(f"{router.url}/v1/completions", json={**GOOD, "model": "gpt-9"}),
-                     404)  # fmt: skip
+    error = error_of(
+        httpx.post(f"{router.url}/v1/completions", json={**GOOD, "model": "gpt-9"}), 404
+    )
     assert error["code"] == "model_not_found" and error["param"] == "model"
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "x"}])
@@ -77,8 +78,9 @@ def test_unknown_model_is_404(router, client):
 
 def test_oversized_body_is_413(router):
     body = json.dumps({**GOOD, "prompt": "a " * (3 << 20)}).encode()  # 6 MiB > 4 MiB
-    response = httpx.post(f"{router.url}/v1/completions", content=body,
-                          headers={"content-type": "application/json"})  # fmt: skip
+    response = httpx.post(
+        f"{router.url}/v1/completions", content=body, headers={"content-type": "application/json"}
+    )
     assert error_of(response, 413)["code"] == "request_too_large"
 
 
@@ -87,8 +89,9 @@ def test_fifty_malformed_requests_then_a_valid_one(router, client):
     bad = [b"{", b"null", b'{"prompt": {}}', b'{"model": 1}', b'{"max_tokens": "x"}']
     with httpx.Client() as http:
         for i in range(50):
-            response = http.post(url, content=bad[i % len(bad)],
-                                 headers={"content-type": "application/json"})  # fmt: skip
+            response = http.post(
+                url, content=bad[i % len(bad)], headers={"content-type": "application/json"}
+            )
             assert response.status_code == 400
     r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0)
     assert r.usage.completion_tokens == 3
@@ -96,8 +99,9 @@ def test_fifty_malformed_requests_then_a_valid_one(router, client):
 
 def test_api_keys_and_per_key_cache_isolation(pool, tmp_path):
     prefill, decode = pool
-    router = RouterProcess(tmp_path, addresses(prefill), addresses(decode),
-                           "--api-key", "key-a", "--api-key", "key-b").start()  # fmt: skip
+    router = RouterProcess(
+        tmp_path, addresses(prefill), addresses(decode), "--api-key", "key-a", "--api-key", "key-b"
+    ).start()
     try:
         url = f"{router.url}/v1/completions"
         assert error_of(httpx.post(url, json=GOOD), 401)["code"] == "invalid_api_key"
@@ -148,8 +152,9 @@ def test_no_workers_is_503_and_admin_api_adds_them(pool, tmp_path):
 
 def test_too_much_waiting_work_is_429_with_retry_after(pool, tmp_path):
     prefill, decode = pool
-    router = RouterProcess(tmp_path, addresses(prefill), addresses(decode),
-                           "--max-pending", "1").start()  # fmt: skip
+    router = RouterProcess(
+        tmp_path, addresses(prefill), addresses(decode), "--max-pending", "1"
+    ).start()
     try:
         started = threading.Event()
         long = {**GOOD, "max_tokens": 60, "ignore_eos": True, "stream": True}
