@@ -1,0 +1,138 @@
+"""Worker faults hidden from clients: a decode worker SIGKILLed mid-stream (the stream goes on
+elsewhere, token-identical), a prefill worker SIGKILLed (the other serves), the KV store
+down (decode workers prefill locally), the last decode worker lost (an error event, then
+[DONE]), and a client that goes away (the workers free everything within a second)."""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import httpx
+import openai
+import pytest
+
+from services.engine.params import SamplingParams
+from services.launcher import RouterProcess, WorkerProcess
+from tests.support.cluster import MODEL, addresses, load, reference, start_workers, wait_idle
+from tests.support.redis_servers import RedisServer
+
+PROMPT = "Here is a long story about a lighthouse keeper and the sea."
+
+
+@pytest.fixture(scope="module")
+def faulty(embedded_dir, tmp_path_factory):
+    """2 prefill + 2 decode workers on a redis-server of this module's own (it is killed)."""
+    logs = tmp_path_factory.mktemp("fault-logs")
+    redis = RedisServer(logs / "redis").start()
+    prefill, decode = start_workers(
+        str(embedded_dir), redis.url, logs, 2, 2, "--num-blocks", "300", "--store-timeout", "0.5"
+    )
+    router = RouterProcess(
+        logs, addresses(prefill), addresses(decode), "--policy", "round_robin",
+        "--health-interval", "0.5",
+    ).start()  # fmt: skip
+    yield redis, prefill, decode, router
+    router.stop()
+    for w in (*prefill, *decode):
+        w.stop()
+    redis.stop()
+
+
+def client_of(router: RouterProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{router.url}/v1", api_key="x", max_retries=0)
+
+
+def test_decode_worker_killed_mid_stream(faulty, engine, embedded):
+    _, _, decode, router = faulty
+    ids = embedded.tokenizer.encode(PROMPT)
+    params = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
+    expected = reference(engine, ids, params)[0]
+    stream = client_of(router).completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=120, temperature=0, stream=True,
+        extra_body={"ignore_eos": True},
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    text, killed, usage, finishes = "", None, None, []
+    for i, chunk in enumerate(stream):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            text += c.text
+            finishes += [c.finish_reason] if c.finish_reason else []
+        if i == 10:
+            serving = [w for w in decode if load(w).running == 1]
+            assert len(serving) == 1, "the stream runs on exactly one decode worker"
+            killed = serving[0]
+            killed.process.send_signal(signal.SIGKILL)
+            killed.process.wait()
+    assert killed is not None and killed.process.returncode == -signal.SIGKILL
+    assert finishes == ["length"]
+    assert text == expected  # no gap, no duplicate
+    assert usage.completion_tokens == 120
+    decode.remove(killed)
+    killed.process = None
+
+
+def test_prefill_worker_killed(faulty, engine, embedded):
+    _, prefill, _, router = faulty
+    victim = prefill.pop(0)
+    victim.stop(signal.SIGKILL)
+    client = client_of(router)
+    params = SamplingParams(max_tokens=8, temperature=0)
+    for k in range(4):  # round robin: the router tries the dead one before it learns
+        prompt = f"{PROMPT} Chapter {k}:"
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+        assert r.choices[0].text == reference(engine, embedded.tokenizer.encode(prompt), params)[0]
+
+
+def test_kv_store_down_decode_workers_prefill(faulty, engine, embedded):
+    redis, _, _, router = faulty
+    redis.kill()
+    try:
+        prompt = f"{PROMPT} With the store gone:"
+        r = client_of(router).completions.create(
+            model=MODEL, prompt=prompt, max_tokens=8, temperature=0
+        )
+        params = SamplingParams(max_tokens=8, temperature=0)
+        assert r.choices[0].text == reference(engine, embedded.tokenizer.encode(prompt), params)[0]
+    finally:
+        redis.start()
+
+
+def test_last_decode_worker_lost_is_an_error_event_then_done(faulty, embedded_dir, tmp_path):
+    redis, prefill, _, _ = faulty
+    lone = WorkerProcess("decode", str(embedded_dir), redis.url, tmp_path, dtype="float32").start()
+    router = RouterProcess(tmp_path, addresses(prefill), [lone.address]).start()
+    try:
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True,
+                "stream": True}  # fmt: skip
+        events = []
+        with httpx.stream("POST", f"{router.url}/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if not line:
+                    continue
+                events.append(line.removeprefix("data: "))
+                if len(events) == 5:
+                    lone.stop(signal.SIGKILL)
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == "service_unavailable" and "decode" in error["message"]
+        assert all("choices" in json.loads(e) for e in events[:-2])
+    finally:
+        router.stop()
+        lone.stop()
+
+
+def test_client_disconnect_frees_the_workers_within_a_second(pool, router):
+    prefill, decode = pool
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 300, "ignore_eos": True,
+            "stream": True}  # fmt: skip
+    with httpx.stream("POST", f"{router.url}/v1/completions", json=body) as response:
+        for i, _ in enumerate(response.iter_lines()):
+            if i == 10:
+                assert sum(load(w).running for w in decode) == 1
+                break
+    seconds = wait_idle([*prefill, *decode], timeout=1.0)
+    print(f"workers idle {seconds * 1000:.0f} ms after the client left")
