@@ -218,8 +218,9 @@ async def respond(
     chunk_object: str,
     role_chunk: Callable[[int], dict[str, Any]] | None,
 ) -> JSONResponse | StreamingResponse:
-    if not state.registry.available("decode"):
-        raise unavailable("no decode worker is available", retry_after=1)
+    for role in ("prefill", "decode") if not state.config.disagg_threshold else ("decode",):
+        if not state.registry.available(role):  # before a stream starts: a plain 503
+            raise unavailable(f"no {role} worker is available", retry_after=1)
     state.admit()
     prompt_tokens = sum(len(j.prompt_ids) for j in jobs)
     if stream:

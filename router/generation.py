@@ -1,8 +1,8 @@
 """One request through the workers: Prefill on a prefill worker, then Decode on a decode
 worker, for each choice, hiding worker faults from the client.
 
-- Prefill fails or times out: tried again on another prefill worker; when none is left (or
-  none is healthy), the decode worker computes the prompt itself (local prefill).
+- Prefill fails or times out: tried again on another prefill worker; when none is left, 503
+  with Retry-After (DESIGN.md).
 - The KV store is down (Prefill answers UNAVAILABLE "kv store"): the choice goes to a decode
   worker that computes the prompt itself (local prefill).
 - A decode worker dies mid-stream: Decode is issued again on another decode worker with the
@@ -175,12 +175,6 @@ class Pipeline:
         )
         tried: set[str] = set()
         while True:
-            if not self._candidates("prefill", tried):
-                log.warning(
-                    "no prefill worker left: prefilling on a decode worker",
-                    extra={"fields": {"request_id": rid, "tried": len(tried)}},
-                )
-                return None
             worker = self._pick("prefill", hashes, tried)
             worker.inflight += 1
             try:
@@ -271,11 +265,8 @@ class Pipeline:
                 worker.inflight -= 1
                 call.cancel()
 
-    def _candidates(self, role: str, tried: set[str]) -> list[WorkerState]:
-        return [w for w in self.registry.available(role) if w.address not in tried]
-
     def _pick(self, role: str, hashes: list[bytes], tried: set[str]) -> WorkerState:
-        candidates = self._candidates(role, tried)
+        candidates = [w for w in self.registry.available(role) if w.address not in tried]
         if not candidates:
             raise unavailable(f"no {role} worker can serve the request", retry_after=1)
         return self.policy.pick(candidates, hashes)

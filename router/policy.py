@@ -3,8 +3,8 @@
 - round_robin: in turn.
 - least_load: the fewest requests (the router's own count or the worker's, the larger); ties
   taken in turn.
-- kv_aware: the worker believed to cache the longest prefix of the request's blocks, unless
-  it is busier than the least loaded by more than `imbalance` requests; misses go to the
+- kv_aware: the worker believed to cache the longest prefix of the request's blocks, among
+  those no busier than the least loaded by more than `imbalance` requests; misses go to the
   least loaded.
 """
 
@@ -34,10 +34,9 @@ class Policy:
         least = self._in_turn([w for w in workers if w.busy == fewest])
         if self.name == "least_load":
             return least
-        best = max(workers, key=lambda w: (w.cached_prefix(hashes), -w.busy, w.address))
-        if best.cached_prefix(hashes) == 0 or best.busy - least.busy > self.imbalance:
-            return least
-        return best
+        balanced = [w for w in workers if w.busy - fewest <= self.imbalance]
+        best = max(balanced, key=lambda w: (w.cached_prefix(hashes), -w.busy, w.address))
+        return best if best.cached_prefix(hashes) else least
 
     def _in_turn(self, workers: Sequence[WorkerState]) -> WorkerState:
         """The next of `workers` (all of one role) in turn: each role takes its own turns."""

@@ -114,6 +114,8 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-pending", type=_positive_int, default=256,
                    help="requests in flight before 429")  # fmt: skip
     p.add_argument("--health-interval", type=float, default=1.0)
+    p.add_argument("--prefill-timeout", type=float, default=120.0,
+                   help="seconds a Prefill may take before another worker is tried")  # fmt: skip
 
 
 def _router(args: argparse.Namespace) -> int:
@@ -128,7 +130,7 @@ def _router(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name, prefill=split(args.prefill),
         decode=split(args.decode), policy=args.policy, disagg_threshold=args.disagg_threshold,
         api_keys=tuple(args.api_key), admin_key=args.admin_key, max_pending=args.max_pending,
-        health_interval=args.health_interval,
+        health_interval=args.health_interval, prefill_timeout=args.prefill_timeout,
     ))  # fmt: skip
     return 0
 

@@ -136,3 +136,28 @@ def test_client_disconnect_frees_the_workers_within_a_second(pool, router):
                 break
     seconds = wait_idle([*prefill, *decode], timeout=1.0)
     print(f"workers idle {seconds * 1000:.0f} ms after the client left")
+
+
+def test_prefill_timeout_is_retried_then_503_when_none_is_left(faulty, embedded_dir, tmp_path):
+    redis, prefill, decode, _ = faulty
+    hung = WorkerProcess("prefill", str(embedded_dir), redis.url, tmp_path, dtype="float32").start()
+    args = ("--policy", "round_robin", "--prefill-timeout", "1", "--health-interval", "60")
+    both = RouterProcess(tmp_path, [hung.address, prefill[-1].address], addresses(decode), *args)
+    only_hung = RouterProcess(tmp_path, [hung.address], addresses(decode), *args)
+    try:
+        both.start()  # both see it healthy; it is not asked again for a minute
+        only_hung.start()
+        hung.process.send_signal(signal.SIGSTOP)  # now it answers nothing and closes nothing
+        client = client_of(both)
+        for k in range(2):  # round robin: one of the two goes to the hung worker first
+            r = client.completions.create(model=MODEL, prompt=f"Try {k}", max_tokens=2)
+            assert r.usage.completion_tokens == 2
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 2}
+        response = httpx.post(f"{only_hung.url}/v1/completions", json=body, timeout=10)
+        assert response.status_code == 503 and response.headers["retry-after"] == "1"
+        assert "prefill" in response.json()["error"]["message"]
+    finally:
+        both.stop()
+        only_hung.stop()
+        hung.process.send_signal(signal.SIGCONT)
+        hung.stop()

@@ -3,6 +3,7 @@ engine imports them and continues; tokens equal one engine doing it all."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from services.engine.block_hash import block_hashes
@@ -92,3 +93,33 @@ def _seq(ids):
     from services.engine.request import Sequence
 
     return Sequence("x", 0, len(ids), list(ids), PARAMS, 0, 0)
+
+
+def _import_with_first_two_blocks_unfetched(embedded, ids):
+    """An import of 4 full blocks whose first 2 were not fetched (the worker saw them cached):
+    NaN stands where their values would be, so using them would show in the tokens."""
+    source = Engine(embedded.model, embedded.tokenizer, EngineConfig(num_blocks=64))
+    source.generate([ids], SamplingParams(max_tokens=1))
+    hashes = block_hashes(ids, 16, source.blocks.namespace)[:4]
+    k, v = gather_blocks(source.kv, source.blocks.lookup(hashes))
+    k[:2], v[:2] = float("nan"), float("nan")
+    return ImportedKV(hashes, TensorKV(k, v), 16, skipped=2)
+
+
+@pytest.mark.parametrize("still_cached", [True, False])
+def test_unfetched_leading_blocks_come_from_the_cache_or_are_recomputed(embedded, still_cached):
+    ids = prompt(70)
+    whole = Engine(embedded.model, embedded.tokenizer, EngineConfig(num_blocks=64))
+    expected = whole.generate([ids], PARAMS)[0].choices[0].token_ids
+    decode = Engine(embedded.model, embedded.tokenizer, EngineConfig(num_blocks=64))
+    if still_cached:  # the worker's view held: blocks 0-1 are in this engine's cache
+        decode.generate([ids[:40]], SamplingParams(max_tokens=1))
+    kv = _import_with_first_two_blocks_unfetched(embedded, ids)
+    decode.add_request("r", ids, PARAMS, output_ids=[expected[0]], kv_import=kv)
+    deltas = []
+    while decode.has_unfinished:
+        deltas += decode.step()
+    assert [expected[0], *(t for d in deltas for t in d.token_ids)] == expected
+    # cached: 2 blocks from the cache + 2 from the store; evicted: the import stops at once
+    assert deltas[-1].num_cached_tokens == (64 if still_cached else 0)
+    assert deltas[-1].num_store_tokens == (32 if still_cached else 0)

@@ -1,0 +1,74 @@
+"""Routing policies and the circuit breaker, on the router's worker records alone."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from router.policy import Policy
+from router.workers import Registry, WorkerState
+from services.rpc import worker_pb2 as pb
+
+
+def worker(role: str, address: str, busy: int = 0) -> WorkerState:
+    state = WorkerState(role, address, channel=None, stub=None, healthy=True)  # type: ignore[arg-type]
+    state.inflight = busy
+    return state
+
+
+def picks(policy: Policy, workers: list[WorkerState], hashes: list[bytes], n: int) -> list[str]:
+    return [policy.pick(workers, hashes).address for _ in range(n)]
+
+
+def test_round_robin_takes_turns_per_role():
+    policy = Policy("round_robin")
+    p = [worker("prefill", "p1"), worker("prefill", "p2")]
+    d = [worker("decode", "d1"), worker("decode", "d2")]
+    order = [policy.pick(group, []).address for _ in range(3) for group in (p, d)]
+    assert order == ["p1", "d1", "p2", "d2", "p1", "d1"]  # prefill and decode turn apart
+
+
+def test_least_load_uses_the_larger_of_router_and_worker_counts():
+    policy = Policy("least_load")
+    a, b = worker("decode", "a", busy=1), worker("decode", "b")
+    b.load = pb.LoadReply(running=3, waiting=1)  # the worker knows of more than the router sent
+    assert picks(policy, [a, b], [], 2) == ["a", "a"]
+    a.inflight = 0
+    assert sorted(picks(policy, [a, worker("decode", "c")], [], 2)) == ["a", "c"]  # ties in turn
+
+
+def test_kv_aware_prefers_the_cached_prefix_until_load_is_imbalanced():
+    policy = Policy("kv_aware", imbalance=2)
+    hashes = [b"h0", b"h1", b"h2"]
+    a, b, c = worker("prefill", "a"), worker("prefill", "b"), worker("prefill", "c")
+    b.remember(hashes[:2])
+    c.remember(hashes[:1])
+    assert picks(policy, [a, b, c], hashes, 2) == ["b", "b"]  # the longest prefix
+    b.inflight = 2
+    assert policy.pick([a, b, c], hashes).address == "b"  # busier by 2: still within bound
+    b.inflight = 3
+    assert policy.pick([a, b, c], hashes).address == "c"  # busier by 3: the next best cache
+    assert {policy.pick([a, c], [b"other"]).address for _ in range(2)} == {"a", "c"}  # misses
+
+
+def test_unknown_policy_is_refused():
+    with pytest.raises(ValueError, match="round_robin"):
+        Policy("random")
+
+
+def test_circuit_opens_after_consecutive_failures_and_closes_after_cooldown():
+    registry = Registry(health_interval=1, breaker_failures=3, breaker_cooldown=0.2)
+    w = worker("decode", "d")
+    registry.workers[("decode", "d")] = w
+    registry.failed(w, "x")
+    registry.succeeded(w)  # not consecutive: starts again
+    registry.failed(w, "x")
+    registry.failed(w, "x")
+    assert registry.available("decode") == [w]
+    registry.failed(w, "x")
+    assert registry.available("decode") == []
+    w.healthy = True  # a health check answered; the circuit still holds until the cooldown
+    assert registry.available("decode") == []
+    time.sleep(0.25)
+    assert registry.available("decode") == [w]
