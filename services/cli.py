@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from services import logs
+from services import logs, settings
 from services.model.errors import ModelLoadError
 
-MODEL_HELP = 'model: "embedded" (SmolLM2-135M-Instruct), a .gguf file or a Hugging Face directory'
+if TYPE_CHECKING:
+    from router.config import RouterConfig
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -19,7 +22,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logs.configure()
     try:
         return int(args.run(args))
-    except ModelLoadError as e:
+    except (ModelLoadError, settings.SettingsError) as e:
         print(f"pdserve: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -43,30 +46,35 @@ def _parser() -> argparse.ArgumentParser:
 
     conv = sub.add_parser("convert", help="write the model as a Hugging Face directory")
     conv.add_argument("--out", type=Path, required=True, help="output directory (new or empty)")
-    conv.add_argument("--model", default="embedded", help=MODEL_HELP)
+    conv.add_argument("--model", default="embedded", help=settings.MODEL_HELP)
     conv.set_defaults(run=_convert)
 
     for role, text in (
         ("prefill", "run a prefill worker (gRPC)"),
         ("decode", "run a decode worker (gRPC)"),
+        ("router", "serve the OpenAI API in front of the workers"),
+        ("up", "run router, prefill and decode workers and the KV store together"),
     ):
-        worker = sub.add_parser(role, help=text)
-        _add_worker_args(worker, role)
-        worker.set_defaults(run=_worker, role=role)
+        command = sub.add_parser(role, help=text)
+        settings.add_arguments(command, role)
+        command.set_defaults(run=_serve, role=role)
 
-    router = sub.add_parser("router", help="serve the OpenAI API in front of the workers")
-    _add_router_args(router)
-    router.set_defaults(run=_router)
+    config = sub.add_parser("config", help="settings: `pdserve config show`")
+    config_sub = config.add_subparsers(dest="action", required=True, metavar="ACTION")
+    show = config_sub.add_parser("show", help="print the settings in effect and their sources")
+    show.add_argument("--role", choices=settings.ROLES, help="only the settings of this role")
+    settings.add_arguments(show, None)
+    show.set_defaults(run=_config_show)
 
-    up = sub.add_parser("up", help="run router, prefill and decode workers and the KV store")
-    up.add_argument("--host", default="127.0.0.1")
-    up.add_argument("--port", type=int, default=8000)
-    up.set_defaults(run=_up)
+    health = sub.add_parser("health", help="exit 0 if the service on --port is ready")
+    health.add_argument("--port", type=int, help="default: PDSERVE_PORT, else 8000")
+    health.add_argument("--live", action="store_true", help="answering at all is enough")
+    health.set_defaults(run=_health)
     return parser
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="embedded", help=MODEL_HELP)
+    p.add_argument("--model", default="embedded", help=settings.MODEL_HELP)
     p.add_argument(
         "--dtype",
         default="auto",
@@ -76,89 +84,50 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
 
 
-def _add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument("--port", type=int, default=50051 if role == "prefill" else 50052)
-    _add_model_args(p)
-    p.add_argument("--kv-store", default="local://", help="memory://, local://PATH, redis://...")
-    dtypes = "auto (as computed), float32, float16, bfloat16, fp8"
-    p.add_argument("--kv-store-dtype", default="auto", help=f"stored blocks' dtype: {dtypes}")
-    p.add_argument("--store-timeout", type=float, default=1.0, help="seconds per store call")
-    p.add_argument("--num-blocks", type=_positive_int, help="KV blocks in the pool")
-    p.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV pool size if no --num-blocks")
-    p.add_argument("--max-num-seqs", type=_positive_int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=512)
-    p.add_argument("--grace-period", type=float, default=10.0,
-                   help="seconds in-flight requests get on SIGTERM")  # fmt: skip
-    if role == "decode":
-        p.add_argument("--no-write-back", action="store_true",
-                       help="do not write finished generations' blocks to the store")  # fmt: skip
+def _serve(args: argparse.Namespace) -> int:
+    loaded = settings.load(args.role, args)
+    logs.configure(loaded.settings.log_level)
+    s = loaded.settings
+    if args.role == "up":
+        from services.up import up
+
+        return up(s)
+    if args.role == "router":
+        from router.main import serve
+
+        serve(router_config(s))
+        return 0
+    return _worker(s, args.role)
 
 
-def _add_router_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--model", default="embedded", help="where the tokenizer and template come from")
-    p.add_argument("--served-model-name", help="the model id clients use")
-    p.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT",
-                   help="a prefill worker (repeat, or comma-separate)")  # fmt: skip
-    p.add_argument("--decode", action="append", default=[], metavar="HOST:PORT",
-                   help="a decode worker (repeat, or comma-separate)")  # fmt: skip
-    p.add_argument(
-        "--policy", default="kv_aware", choices=["round_robin", "least_load", "kv_aware"]
-    )
-    p.add_argument("--disagg-threshold", type=int, default=0,
-                   help="prompts with fewer uncached tokens skip prefill (0: off)")  # fmt: skip
-    p.add_argument("--api-key", action="append", default=[], help="accepted API key (repeat)")
-    p.add_argument("--admin-key", help="key for /admin/workers (off without one)")
-    p.add_argument("--max-pending", type=_positive_int, default=256,
-                   help="requests in flight before 429")  # fmt: skip
-    p.add_argument("--health-interval", type=float, default=1.0)
-    p.add_argument("--prefill-timeout", type=float, default=120.0,
-                   help="seconds a Prefill may take before another worker is tried")  # fmt: skip
-
-
-def _router(args: argparse.Namespace) -> int:
+def router_config(s: settings.Settings) -> RouterConfig:
     from router.config import RouterConfig
-    from router.main import serve
 
-    def split(values: list[str]) -> tuple[str, ...]:
-        return tuple(a for v in values for a in v.split(",") if a)
-
-    serve(RouterConfig(
-        host=args.host, port=args.port, model=args.model,
-        served_model_name=args.served_model_name, prefill=split(args.prefill),
-        decode=split(args.decode), policy=args.policy, disagg_threshold=args.disagg_threshold,
-        api_keys=tuple(args.api_key), admin_key=args.admin_key, max_pending=args.max_pending,
-        health_interval=args.health_interval, prefill_timeout=args.prefill_timeout,
-    ))  # fmt: skip
-    return 0
+    return RouterConfig(
+        host=s.host, port=s.port_for("router"), model=s.model,
+        served_model_name=s.served_model_name, prefill=s.prefill, decode=s.decode,
+        policy=s.policy, imbalance=s.imbalance, disagg_threshold=s.disagg_threshold,
+        api_keys=s.api_keys, admin_key=s.admin_key, max_pending=s.max_pending,
+        max_body_bytes=s.max_body_bytes, health_interval=s.health_interval,
+        prefill_timeout=s.prefill_timeout,
+    )  # fmt: skip
 
 
-def _worker(args: argparse.Namespace) -> int:
+def _worker(s: settings.Settings, role: str) -> int:
     import asyncio
 
     from services.worker.server import WorkerConfig
 
     config = WorkerConfig(
-        role=args.role,
-        host=args.host,
-        port=args.port,
-        model=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        kv_store=args.kv_store,
-        kv_store_dtype=args.kv_store_dtype,
-        store_timeout=args.store_timeout,
-        num_blocks=args.num_blocks,
-        kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)),
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        grace_period=args.grace_period,
-        write_back=not getattr(args, "no_write_back", False),
-    )
+        role=role, host=s.host, port=s.port_for(role), model=s.model, dtype=s.dtype,
+        device=s.device, kv_store=s.kv_store, kv_store_dtype=s.kv_store_dtype,
+        kv_store_max_bytes=int(s.kv_store_max_gb * (1 << 30)), store_timeout=s.store_timeout,
+        num_blocks=s.num_blocks, kv_cache_bytes=int(s.kv_cache_gb * (1 << 30)),
+        max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
+        grace_period=s.grace_period, write_back=s.write_back, metrics_port=s.metrics_port,
+    )  # fmt: skip
     # The CLI is the one place that knows every role; the roles' code is imported here only.
-    if args.role == "prefill":
+    if role == "prefill":
         from prefill.worker import PrefillWorker
 
         asyncio.run(PrefillWorker(config).serve())
@@ -167,6 +136,18 @@ def _worker(args: argparse.Namespace) -> int:
 
         asyncio.run(DecodeWorker(config).serve())
     return 0
+
+
+def _config_show(args: argparse.Namespace) -> int:
+    print(settings.show(settings.load(args.role or "up", args), args.role))
+    return 0
+
+
+def _health(args: argparse.Namespace) -> int:
+    from services.health import probe
+
+    port = args.port or int(os.environ.get("PDSERVE_PORT") or 8000)
+    return 0 if probe(port, live=args.live) else 1
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -204,15 +185,6 @@ def _convert(args: argparse.Namespace) -> int:
     out = convert(args.model, args.out)
     print(f"wrote {out}")
     return 0
-
-
-def _up(args: argparse.Namespace) -> int:
-    print(
-        "pdserve: error: `pdserve up` (router + workers) is not built yet; "
-        "run `pdserve generate --chat --prompt ...` to use the model offline",
-        file=sys.stderr,
-    )
-    return 2
 
 
 def _positive_int(text: str) -> int:

@@ -53,6 +53,7 @@ class WorkerConfig:
     device: str = "auto"
     kv_store: str = "local://"
     kv_store_dtype: str = "auto"  # as computed; or float32, float16, bfloat16, fp8
+    kv_store_max_bytes: int | None = None  # cap of a local:// or memory:// store (LRU)
     store_timeout: float = 1.0  # seconds; a slower store counts as unavailable
     num_blocks: int | None = None  # KV pool size; None: as many as kv_cache_bytes holds
     kv_cache_bytes: int = 1 << 30
@@ -60,6 +61,7 @@ class WorkerConfig:
     max_num_batched_tokens: int = 512
     grace_period: float = 10.0  # seconds in-flight requests get on SIGTERM
     write_back: bool = True  # decode: write finished generations' blocks to the store
+    metrics_port: int | None = None  # HTTP /metrics and /health (services/worker/http.py)
 
 
 @dataclass
@@ -99,7 +101,12 @@ class Worker:
         self.engine = Engine(loaded.model, loaded.tokenizer, engine_config, self._export)
         self.cache_dtype: torch.dtype = cache_dtype
         self.codec = BlockCodec(self.layout, storage)
-        self.store = open_store(config.kv_store, self.namespace, timeout=config.store_timeout)
+        self.store = open_store(
+            config.kv_store,
+            self.namespace,
+            timeout=config.store_timeout,
+            max_bytes=config.kv_store_max_bytes,
+        )
         self.blocks = BlockStore(self.store, self.codec)
         self.driver = AsyncEngine(self.engine)
         self.counters = Counters()
@@ -227,6 +234,11 @@ class Worker:
         address = f"{self.config.host}:{self.config.port}"
         server.add_insecure_port(address)
         await server.start()
+        side_door = None
+        if self.config.metrics_port is not None:
+            from services.worker.http import serve_http
+
+            side_door = serve_http(self, self.config.host, self.config.metrics_port)
         self.ready = True
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -242,6 +254,8 @@ class Worker:
         await self.driver.stop()
         with contextlib.suppress(StoreUnavailable):
             await self.store.close()
+        if side_door is not None:
+            side_door.shutdown()
 
 
 async def refuse(context: Any, error: ValidationError) -> None:

@@ -100,7 +100,7 @@ def test_fifty_malformed_requests_then_a_valid_one(router, client):
 def test_api_keys_and_per_key_cache_isolation(pool, tmp_path):
     prefill, decode = pool
     router = RouterProcess(
-        tmp_path, addresses(prefill), addresses(decode), "--api-key", "key-a", "--api-key", "key-b"
+        tmp_path, addresses(prefill), addresses(decode), "--api-keys", "key-a,key-b"
     ).start()
     try:
         url = f"{router.url}/v1/completions"

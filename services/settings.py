@@ -1,0 +1,250 @@
+"""One settings model for every pdserve service (router, prefill, decode, up).
+
+A setting's value comes from, lowest first: its default; a TOML config file (`--config` or
+`PDSERVE_CONFIG`; top-level keys for every role, and tables `[router]`, `[prefill]`,
+`[decode]`, `[up]` for one); an environment variable `PDSERVE_<NAME>`; a command-line flag
+`--<name>`. `pdserve config show` prints the values in effect and where each came from.
+
+Lists (worker addresses, API keys) are comma-separated in the environment, lists or strings
+in the file, and repeated or comma-separated flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import tomllib
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROLES = ("router", "prefill", "decode", "up")
+WORKER = ("prefill", "decode", "up")
+ROUTER = ("router", "up")
+EVERY = ROLES
+DEFAULT_PORTS = {"router": 8000, "prefill": 50051, "decode": 50052, "up": 8000}
+MODEL_HELP = 'model: "embedded" (SmolLM2-135M-Instruct), a .gguf file or a Hugging Face directory'
+
+
+class SettingsError(ValueError):
+    """A value that cannot be used; the message names where it came from."""
+
+
+def setting(default: Any, help: str, roles: Sequence[str], **extra: Any) -> Any:
+    return field(default=default, metadata={"help": help, "roles": tuple(roles), **extra})
+
+
+@dataclass(frozen=True)
+class Settings:
+    # every service
+    host: str = setting("127.0.0.1", "address to listen on", EVERY)
+    port: int | None = setting(None, "port (default: router 8000, prefill 50051, decode 50052)",
+                               EVERY)  # fmt: skip
+    model: str = setting("embedded", MODEL_HELP, EVERY)
+    log_level: str = setting("warning", "debug, info, warning or error", EVERY,
+                             choices=("debug", "info", "warning", "error"))  # fmt: skip
+    # workers
+    dtype: str = setting("auto", "compute dtype; auto = bfloat16 where the CPU has bf16 units",
+                         WORKER, choices=("auto", "float32", "bfloat16", "float16"))  # fmt: skip
+    device: str = setting("auto", "auto, cpu or cuda[:N]", WORKER)
+    kv_store: str = setting("local://", "KV store: local://[PATH], memory://, redis://...",
+                            WORKER)  # fmt: skip
+    kv_store_dtype: str = setting("auto", "stored blocks' dtype: auto, float32, float16, "
+                                  "bfloat16, fp8", WORKER)  # fmt: skip
+    kv_store_max_gb: float = setting(8.0, "size cap of a local:// store (least recently used "
+                                     "blocks go first)", WORKER)  # fmt: skip
+    store_timeout: float = setting(1.0, "seconds per store call before it counts as down",
+                                   WORKER)  # fmt: skip
+    num_blocks: int | None = setting(None, "KV blocks in a worker's pool", WORKER, minimum=1)
+    kv_cache_gb: float = setting(1.0, "KV pool size when --num-blocks is not given", WORKER)
+    max_num_seqs: int = setting(64, "sequences a worker runs at once", WORKER, minimum=1)
+    max_num_batched_tokens: int = setting(512, "tokens per engine step", WORKER, minimum=1)
+    grace_period: float = setting(10.0, "seconds in-flight requests get on SIGTERM", WORKER)
+    write_back: bool = setting(True, "decode: write finished generations' blocks to the store",
+                               WORKER)  # fmt: skip
+    metrics_port: int | None = setting(None, "workers: serve Prometheus /metrics and /health "
+                                       "over HTTP on this port", WORKER)  # fmt: skip
+    # router
+    served_model_name: str | None = setting(None, "the model id clients send", ROUTER)
+    prefill: tuple[str, ...] = setting((), "prefill workers, HOST:PORT (router)", ("router",))
+    decode: tuple[str, ...] = setting((), "decode workers, HOST:PORT (router)", ("router",))
+    policy: str = setting("kv_aware", "routing policy", ROUTER,
+                          choices=("round_robin", "least_load", "kv_aware"))  # fmt: skip
+    imbalance: int = setting(8, "kv_aware: requests a cached worker may be busier by", ROUTER)
+    disagg_threshold: int = setting(0, "prompts with fewer uncached tokens skip prefill (0: off)",
+                                    ROUTER)  # fmt: skip
+    api_keys: tuple[str, ...] = setting((), "accepted API keys (none: no authentication)",
+                                        ROUTER)  # fmt: skip
+    admin_key: str | None = setting(None, "key for /admin/workers (none: admin API off)", ROUTER)
+    max_pending: int = setting(256, "requests in flight before 429", ROUTER, minimum=1)
+    max_body_bytes: int = setting(4 << 20, "largest request body (413 past it)", ROUTER)
+    health_interval: float = setting(1.0, "seconds between worker health checks", ROUTER)
+    prefill_timeout: float = setting(120.0, "seconds a Prefill may take before another worker "
+                                     "is tried", ROUTER)  # fmt: skip
+    # up
+    num_prefill: int = setting(1, "prefill workers to start", ("up",), minimum=1)
+    num_decode: int = setting(1, "decode workers to start", ("up",), minimum=1)
+    redis: bool = setting(False, "start a redis-server child as the KV store", ("up",))
+
+    def port_for(self, role: str) -> int:
+        return self.port if self.port is not None else DEFAULT_PORTS[role]
+
+    @classmethod
+    def names(cls, role: str | None = None) -> list[str]:
+        return [f.name for f in _fields() if role is None or role in f.metadata["roles"]]
+
+
+@dataclass(frozen=True)
+class Loaded:
+    settings: Settings
+    sources: dict[str, str]  # name -> "default", "file PATH", "env PDSERVE_X" or "flag --x"
+
+
+def _fields() -> tuple[dataclasses.Field[Any], ...]:
+    return dataclasses.fields(Settings)
+
+
+def _kind(name: str) -> type:
+    """The value type of a setting: str, int, float, bool or tuple (of str)."""
+    hint = typing.get_type_hints(Settings)[name]
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        hint = args[0]
+    return tuple if typing.get_origin(hint) is tuple else typing.cast(type, hint)
+
+
+def env_name(name: str) -> str:
+    return "PDSERVE_" + name.upper()
+
+
+def flag_name(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_arguments(parser: argparse.ArgumentParser, role: str | None) -> None:
+    """A flag per setting of `role` (all settings with None); unset flags leave no value."""
+    parser.add_argument("--config", type=Path, default=argparse.SUPPRESS,
+                        help="TOML settings file (also PDSERVE_CONFIG)")  # fmt: skip
+    for f in _fields():
+        if role is not None and role not in f.metadata["roles"]:
+            continue
+        kind, help = _kind(f.name), f"{f.metadata['help']} [{env_name(f.name)}]"
+        common: dict[str, Any] = {"default": argparse.SUPPRESS, "help": help, "dest": f.name}
+        if kind is bool:
+            parser.add_argument(flag_name(f.name), action=argparse.BooleanOptionalAction, **common)
+        elif kind is tuple:
+            parser.add_argument(flag_name(f.name), action="append", metavar="VALUE", **common)
+        else:
+            choices = f.metadata.get("choices")
+            parser.add_argument(flag_name(f.name), choices=choices, metavar=None if choices
+                                else f.name.upper(), **common)  # fmt: skip
+
+
+def load(
+    role: str,
+    args: argparse.Namespace | None = None,
+    env: Mapping[str, str] | None = None,
+) -> Loaded:
+    """The settings `role` runs with: defaults < file < environment < flags."""
+    env = os.environ if env is None else env
+    given = vars(args) if args is not None else {}
+    values: dict[str, Any] = {}
+    sources = {f.name: "default" for f in _fields()}
+    path = given.get("config") or env.get("PDSERVE_CONFIG")
+    if path:
+        for name, raw in _read_file(Path(path), role).items():
+            values[name] = _convert(name, raw, f"{path}: {name}")
+            sources[name] = f"file {path}"
+    for f in _fields():
+        if env_name(f.name) in env:
+            where = env_name(f.name)
+            values[f.name] = _convert(f.name, env[where], where)
+            sources[f.name] = f"env {where}"
+        if f.name in given:
+            where = flag_name(f.name)
+            raw = given[f.name]
+            raw = ",".join(raw) if isinstance(raw, list) else raw
+            values[f.name] = _convert(f.name, raw, where)
+            sources[f.name] = f"flag {where}"
+    return Loaded(Settings(**values), sources)
+
+
+def _read_file(path: Path, role: str) -> dict[str, Any]:
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise SettingsError(f"{path}: {e}") from e
+    known = set(Settings.names())
+    merged: dict[str, Any] = {}
+    for key, value in data.items():
+        if key in ROLES and isinstance(value, dict):
+            continue
+        merged[key.replace("-", "_")] = value
+    if isinstance(data.get(role), dict):
+        merged.update({k.replace("-", "_"): v for k, v in data[role].items()})
+    unknown = sorted(set(merged) - known)
+    if unknown:
+        raise SettingsError(f"{path}: unknown settings: {', '.join(unknown)}")
+    return merged
+
+
+def _convert(name: str, raw: Any, where: str) -> Any:
+    kind = _kind(name)
+    f = next(f for f in _fields() if f.name == name)
+    optional = f.default is None
+    try:
+        if optional and isinstance(raw, str) and raw.strip().lower() in ("", "none"):
+            return None
+        if kind is tuple:
+            items = raw if isinstance(raw, list) else str(raw).split(",")
+            return tuple(str(x).strip() for x in items if str(x).strip())
+        if kind is bool:
+            if isinstance(raw, bool):
+                return raw
+            text = str(raw).strip().lower()
+            if text not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+                raise ValueError(f"not a boolean: {raw!r}")
+            return text in ("1", "true", "yes", "on")
+        value = kind(raw)
+    except (TypeError, ValueError) as e:
+        raise SettingsError(f"{where}: {e}") from e
+    choices = f.metadata.get("choices")
+    if choices and value not in choices:
+        raise SettingsError(f"{where}: {value!r} is not one of {', '.join(choices)}")
+    minimum = f.metadata.get("minimum")
+    if minimum is not None and value < minimum:
+        raise SettingsError(f"{where}: must be at least {minimum}, got {value}")
+    return value
+
+
+def child_env(settings: Settings, role: str) -> dict[str, str]:
+    """PDSERVE_* variables that give a child process of `role` these settings."""
+    out = {}
+    for name in Settings.names(role):
+        value = getattr(settings, name)
+        if value is None:
+            continue
+        out[env_name(name)] = ",".join(value) if isinstance(value, tuple) else str(value)
+    return out
+
+
+def show(loaded: Loaded, role: str | None) -> str:
+    """The settings in effect as a table: name, value, where it came from, its variable."""
+    rows = [("setting", "value", "from", "environment")]
+    for name in Settings.names(role):
+        value = getattr(loaded.settings, name)
+        if name == "port":
+            value = loaded.settings.port_for(role or "up")
+        if name in ("api_keys", "admin_key") and value:
+            value = "<set>" if isinstance(value, str) else ",".join("<set>" for _ in value)
+        elif isinstance(value, tuple):
+            value = ",".join(value)
+        rows.append((name, str(value), loaded.sources[name], env_name(name)))
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    return "\n".join(
+        f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:<{widths[2]}}  {r[3]}" for r in rows
+    )

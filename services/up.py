@@ -1,0 +1,189 @@
+"""`pdserve up`: the whole stack on one machine, as child processes of this one.
+
+Starts the KV store (a redis-server child with `--redis`; otherwise the URL given, by default
+the embedded `local://` store the workers share through files), `num_prefill` prefill and
+`num_decode` decode workers on free ports, and the router on `--host`/`--port`. Waits until
+the router's /health says 200, prints the URL and a ready line, and passes the children's
+output through, each line prefixed with the child's name.
+
+A child that dies is reported and started again (same port) after a backoff that doubles
+from 1 s to 30 s, and falls back to 1 s once a child has run for a minute. On SIGINT or
+SIGTERM every child is stopped (router first, KV store last) and waited for; children also
+get SIGTERM from the kernel if this process dies without cleaning up (PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from services.launcher import PDSERVE, free_port
+from services.settings import Settings, SettingsError, child_env
+
+BACKOFF_MAX = 30.0
+STABLE_AFTER = 60.0  # seconds of running that reset a child's backoff
+READY_TIMEOUT = 600.0  # first start converts the model: minutes on a slow machine
+_print_lock = threading.Lock()
+
+
+def say(line: str) -> None:
+    with _print_lock:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec (Linux only)
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    process: subprocess.Popen[bytes] | None = None
+    started: float = 0.0
+    backoff: float = 1.0
+    restart_at: float | None = None
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(
+            self.argv, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent,
+        )  # fmt: skip
+        self.started = time.monotonic()
+        self.restart_at = None
+        threading.Thread(target=self._pump, args=(self.process,), daemon=True).start()
+        say(f"pdserve: {self.name} started (pid {self.process.pid})")
+
+    def _pump(self, process: subprocess.Popen[bytes]) -> None:
+        assert process.stdout is not None
+        for raw in process.stdout:
+            say(f"{self.name} | {raw.decode(errors='replace').rstrip()}")
+
+    def stop(self, timeout: float) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+@dataclass
+class Stack:
+    settings: Settings
+    children: list[Child] = field(default_factory=list)
+    stopping: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.settings.host}:{self.settings.port_for('up')}"
+
+    def build(self, workdir: Path) -> str:
+        """The children to run (not started); returns the KV store URL the workers use."""
+        s = self.settings
+        base = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
+        store = s.kv_store
+        if s.redis:
+            if shutil.which("redis-server") is None:
+                raise SettingsError(
+                    "--redis: redis-server is not installed (apt-get install redis-server); "
+                    "or give --kv-store redis://HOST:PORT"
+                )
+            port = free_port()
+            argv = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                    "--appendonly", "no", "--dir", str(workdir)]  # fmt: skip
+            self.children.append(Child("redis", argv, base))
+            store = f"redis://127.0.0.1:{port}/0"
+        addresses: dict[str, list[str]] = {"prefill": [], "decode": []}
+        for role, count in (("prefill", s.num_prefill), ("decode", s.num_decode)):
+            for i in range(count):
+                port = free_port()
+                env = {**base, **child_env(s, role), "PDSERVE_KV_STORE": store}
+                argv = [PDSERVE, role, "--host", "127.0.0.1", "--port", str(port)]
+                self.children.append(Child(f"{role}-{i}", argv, env))
+                addresses[role].append(f"127.0.0.1:{port}")
+        env = {**base, **child_env(s, "router")}
+        argv = [PDSERVE, "router", "--host", s.host, "--port", str(s.port_for("up")),
+                "--prefill", ",".join(addresses["prefill"]) or "",
+                "--decode", ",".join(addresses["decode"])]  # fmt: skip
+        self.children.append(Child("router", argv, env))
+        return store
+
+    def supervise_once(self) -> None:
+        """Report children that died; start again those whose backoff has passed."""
+        now = time.monotonic()
+        for child in self.children:
+            if child.process is None:
+                continue
+            code = child.process.poll()
+            if code is not None and child.restart_at is None:
+                if now - child.started > STABLE_AFTER:
+                    child.backoff = 1.0
+                child.restart_at = now + child.backoff
+                say(f"pdserve: {child.name} exited with code {code}; "
+                    f"restarting in {child.backoff:.0f}s")  # fmt: skip
+                child.backoff = min(BACKOFF_MAX, child.backoff * 2)
+            elif child.restart_at is not None and now >= child.restart_at:
+                child.start()
+
+    def wait_ready(self) -> bool:
+        deadline = time.monotonic() + READY_TIMEOUT
+        while not self.stopping.is_set() and time.monotonic() < deadline:
+            self.supervise_once()
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return True
+            except httpx.HTTPError:
+                pass
+            self.stopping.wait(0.25)
+        return False
+
+    def stop(self) -> None:
+        order = sorted(self.children, key=lambda c: {"router": 0, "redis": 2}.get(c.name, 1))
+        for child in order:
+            child.stop(self.settings.grace_period + 5)
+
+
+def up(settings: Settings) -> int:
+    from services.model import sources
+
+    stack = Stack(settings)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stack.stopping.set())
+    say(f"pdserve: preparing the model ({settings.model})")
+    sources.resolve(settings.model)  # convert once here, not in every worker at once
+    workdir = Path(os.environ.get("TMPDIR", "/tmp")) / f"pdserve-up-{os.getpid()}"
+    workdir.mkdir(parents=True, exist_ok=True)
+    store = stack.build(workdir)
+    for child in stack.children:
+        child.start()
+    try:
+        if stack.wait_ready():
+            say(f"pdserve: ready at {stack.url}/v1 (prefill x{settings.num_prefill}, "
+                f"decode x{settings.num_decode}, KV store {store}); Ctrl-C stops")  # fmt: skip
+        elif not stack.stopping.is_set():
+            say(f"pdserve: error: not healthy within {READY_TIMEOUT:.0f}s; stopping")
+            return 1
+        while not stack.stopping.is_set():
+            stack.supervise_once()
+            stack.stopping.wait(0.25)
+        say("pdserve: stopping")
+        return 0
+    finally:
+        stack.stop()

@@ -1,0 +1,92 @@
+"""A worker's HTTP side door (with `--metrics-port`): Prometheus `/metrics` for scrapers and
+autoscalers, and `/health` (200 when serving, 503 otherwise) for probes that speak HTTP.
+
+It runs on a thread of its own and reads what the gRPC side already keeps: the engine's
+load snapshot, the store's counters and the worker's own.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+if TYPE_CHECKING:
+    from services.worker.server import Worker
+
+GAUGES = {  # EngineLoad field -> (metric, help)
+    "waiting": ("pdserve_engine_waiting", "Requests queued, not yet running (queue depth)"),
+    "running": ("pdserve_engine_running", "Requests in the running batch"),
+    "free_blocks": ("pdserve_engine_free_blocks", "KV blocks free (cached ones included)"),
+    "cached_blocks": ("pdserve_engine_cached_blocks", "KV blocks matchable by later prompts"),
+    "total_blocks": ("pdserve_engine_total_blocks", "KV blocks in the pool"),
+    "referenced_blocks": ("pdserve_engine_referenced_blocks", "KV blocks held by requests"),
+    "tokens_in_flight": ("pdserve_engine_tokens_in_flight", "Tokens of running requests"),
+}
+
+
+class WorkerCollector:
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+
+    def collect(self) -> Iterator[Metric]:
+        w = self.worker
+        role = [w.role]
+        ready = GaugeMetricFamily("pdserve_engine_ready", "1 while serving", labels=["role"])
+        ready.add_metric(role, 1.0 if w.ready else 0.0)
+        yield ready
+        load = w.driver.load
+        for name, (metric, text) in GAUGES.items():
+            gauge = GaugeMetricFamily(metric, text, labels=["role"])
+            gauge.add_metric(role, float(getattr(load, name)))
+            yield gauge
+        stats = w.store.stats()
+        hits = stats.hits - stats.corrupt
+        counters = {
+            "pdserve_kv_store_block_hits": ("Blocks read from the store", hits),
+            "pdserve_kv_store_block_misses": ("Blocks asked for and not usable", stats.misses),
+            "pdserve_kv_store_block_writes": ("Blocks written to the store", stats.puts),
+            "pdserve_kv_store_corrupt": ("Values refused by the codec", stats.corrupt),
+            "pdserve_kv_store_unavailable": ("Store calls that failed", stats.unavailable),
+            "pdserve_recomputed_tokens": (
+                "Prompt tokens computed because the store missed", w.counters.recomputed_tokens,
+            ),
+        }  # fmt: skip
+        for metric, (text, value) in counters.items():
+            counter = CounterMetricFamily(metric, text, labels=["role"])
+            counter.add_metric(role, float(value))
+            yield counter
+
+
+def serve_http(worker: Worker, host: str, port: int) -> ThreadingHTTPServer:
+    """Start the side door on a daemon thread; shut it down with .shutdown()."""
+    registry = CollectorRegistry()
+    registry.register(WorkerCollector(worker))
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path == "/metrics":
+                self._send(200, generate_latest(registry), "text/plain; version=0.0.4")
+            elif self.path == "/health":
+                ok = worker.ready
+                self._send(200 if ok else 503, b"ok\n" if ok else b"not ready\n", "text/plain")
+            else:
+                self._send(404, b"not found\n", "text/plain")
+
+        def _send(self, status: int, body: bytes, content_type: str) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:  # quiet: scrapes are frequent
+            pass
+
+    server = ThreadingHTTPServer((host, port), Handler)
+    threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
+    return server
