@@ -29,7 +29,8 @@ def create_app(config: RouterConfig, state: RouterState | None = None) -> FastAP
         # channels belong to the serving loop: the configured workers are added here
         for role, addresses in (("prefill", config.prefill), ("decode", config.decode)):
             for address in addresses:
-                state.registry.add(role, address)
+                state.registry.configure(role, address)
+        await state.registry.resolve()
         await state.registry.check_all()
         state.registry.start()
         yield

@@ -1,6 +1,9 @@
 """The router's view of its workers: who exists, who answers, how loaded, what each caches.
 
-Workers come from the configuration and from the admin API. A background task asks each
+Workers come from the configuration and from the admin API. An address `dns:HOST:PORT`
+stands for every address HOST resolves to, resolved again before each round of health
+checks (a Kubernetes headless Service: pods that come and go are added and removed). A
+background task asks each
 worker for Health and Load every `health_interval`; a worker that fails a call (there, or
 while serving a request) `breaker_failures` times in a row is left out for
 `breaker_cooldown` seconds (the circuit is open), then tried again.
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -73,7 +77,35 @@ class Registry:
         self.breaker_failures = breaker_failures
         self.breaker_cooldown = breaker_cooldown
         self.workers: dict[tuple[str, str], WorkerState] = {}
+        self.discovered: dict[tuple[str, str], set[str]] = {}  # (role, dns name) -> addresses
         self._task: asyncio.Task[None] | None = None
+
+    def configure(self, role: str, address: str) -> None:
+        """A worker from the settings: an address, or `dns:HOST:PORT` for all HOST's."""
+        if address.startswith("dns:"):
+            self.discovered.setdefault((role, address.removeprefix("dns:")), set())
+        else:
+            self.add(role, address)
+
+    async def resolve(self) -> None:
+        """Bring the workers behind each DNS name up to date with what it resolves to now."""
+        loop = asyncio.get_running_loop()
+        for (role, name), known in self.discovered.items():
+            host, _, port = name.rpartition(":")
+            try:
+                infos = await loop.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+            except (OSError, ValueError) as e:
+                log.warning(
+                    "cannot resolve workers", extra={"fields": {"name": name, "why": str(e)}}
+                )
+                continue
+            ips = {str(info[4][0]) for info in infos}
+            found = {f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}" for ip in ips}
+            for address in sorted(found - known):
+                self.add(role, address)
+            for address in sorted(known - found):
+                await self.remove(role, address)
+            self.discovered[(role, name)] = found
 
     def add(self, role: str, address: str) -> WorkerState:
         key = (role, address)
@@ -139,6 +171,7 @@ class Registry:
 
     async def _check_forever(self) -> None:
         while True:
+            await self.resolve()
             await self.check_all()
             await asyncio.sleep(self.health_interval)
 

@@ -64,3 +64,50 @@ def workers(redis_server, embedded_dir, tmp_path_factory):
     yield prefill, decode
     prefill.stop()
     decode.stop()
+
+
+# -- a disaggregated cluster of processes: 2 prefill + 2 decode workers (float32, on the
+# session's redis-server) and a kv_aware router in front of them, and the in-process engine
+# whose answers the cluster's must equal
+
+
+@pytest.fixture(scope="session")
+def pool(redis_server, embedded_dir, tmp_path_factory):
+    from tests.support.cluster import start_workers
+
+    logs = tmp_path_factory.mktemp("pool-logs")
+    prefill, decode = start_workers(
+        str(embedded_dir), redis_server.url, logs, 2, 2, "--num-blocks", "400"
+    )
+    yield prefill, decode
+    for w in (*prefill, *decode):
+        w.stop()
+
+
+@pytest.fixture(scope="session")
+def router(pool, tmp_path_factory):
+    """A kv_aware router over the pool."""
+    from services.launcher import RouterProcess
+    from tests.support.cluster import addresses
+
+    prefill, decode = pool
+    proc = RouterProcess(
+        tmp_path_factory.mktemp("router-logs"), addresses(prefill), addresses(decode)
+    ).start()
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture
+def client(router):
+    import openai
+
+    return openai.OpenAI(base_url=f"{router.url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="session")
+def engine(embedded):
+    """The in-process engine the router's answers must equal (float32, as the workers)."""
+    from services.engine.engine import Engine, EngineConfig
+
+    return Engine(embedded.model, embedded.tokenizer, EngineConfig(num_blocks=400))

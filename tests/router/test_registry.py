@@ -1,7 +1,10 @@
-"""Routing policies and the circuit breaker, on the router's worker records alone."""
+"""Routing policies, the circuit breaker and DNS discovery, on the router's worker records
+alone (no worker processes)."""
 
 from __future__ import annotations
 
+import asyncio
+import socket
 import time
 
 import pytest
@@ -72,3 +75,37 @@ def test_circuit_opens_after_consecutive_failures_and_closes_after_cooldown():
     assert registry.available("decode") == []
     time.sleep(0.25)
     assert registry.available("decode") == [w]
+
+
+def test_dns_names_track_what_they_resolve_to(monkeypatch):
+    """A headless Service's pods come and go: workers are added and removed to match (the DNS
+    answers are the one thing faked: a test cannot change what a name resolves to)."""
+    answers = {"workers.svc": ["10.0.0.1", "10.0.0.2"]}
+
+    def getaddrinfo(host, port, *args, **kwargs):
+        if host not in answers:
+            raise socket.gaierror(socket.EAI_NONAME, "unknown")
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, port)) for ip in answers[host]]
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+
+    async def run() -> list[list[str]]:
+        registry = Registry(health_interval=1, breaker_failures=3, breaker_cooldown=1)
+        registry.configure("decode", "dns:workers.svc:50052")
+        registry.configure("decode", "dns:gone.svc:50052")  # unresolvable: logged, skipped
+        registry.configure("prefill", "10.0.0.9:50051")
+        seen = []
+        for change in (None, ["10.0.0.2", "10.0.0.3"], []):
+            if change is not None:
+                answers["workers.svc"] = change
+            await registry.resolve()
+            seen.append(sorted(w.address for w in registry.of("decode")))
+        assert [w.address for w in registry.of("prefill")] == ["10.0.0.9:50051"]
+        await registry.stop()
+        return seen
+
+    assert asyncio.run(run()) == [
+        ["10.0.0.1:50052", "10.0.0.2:50052"],
+        ["10.0.0.2:50052", "10.0.0.3:50052"],
+        [],
+    ]
