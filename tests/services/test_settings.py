@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -89,3 +90,10 @@ def test_config_show_prints_values_and_sources(tmp_path):
     assert bad.stderr.strip() == (
         "pdserve: error: PDSERVE_DTYPE: 'int3' is not one of auto, float32, bfloat16, float16"
     )
+
+
+def test_readme_configuration_table_lists_every_setting():
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    for name in settings.Settings.names():
+        row = f"| `{name}` | `{settings.flag_name(name)}` | `{settings.env_name(name)}` |"
+        assert row in readme, f"README's configuration table lacks {name}"
