@@ -17,6 +17,11 @@ if TYPE_CHECKING:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:  # its own parser (and `pdserve bench compare`)
+        from bench.load.cli import main as bench
+
+        return bench(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
     logs.configure()
@@ -65,6 +70,8 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("--role", choices=settings.ROLES, help="only the settings of this role")
     settings.add_arguments(show, None)
     show.set_defaults(run=_config_show)
+
+    sub.add_parser("bench", help="load-test an OpenAI-compatible server (pdserve bench --help)")
 
     health = sub.add_parser("health", help="exit 0 if the service on --port is ready")
     health.add_argument("--port", type=int, help="default: PDSERVE_PORT, else 8000")

@@ -1,0 +1,138 @@
+"""`pdserve bench` end to end: against `pdserve up` (no failures, token counts equal to the
+server's usage, result JSON and plots written; multi-turn finds more cached prefix than
+random), and against a faulty server (failures counted with reasons, the run goes on)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from bench.load.cli import main as bench
+from bench.load.client import Target
+from bench.load.runner import LoadConfig, run
+from bench.load.workloads import WorkloadConfig, build
+from services.launcher import free_port
+from tests.support.cluster import metrics
+from tests.support.up import Up
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    kv = tmp_path_factory.mktemp("bench-kv")
+    up = Up("--port", str(free_port()), "--kv-store", f"local://{kv}", "--num-blocks", "1024")
+    try:
+        yield up.ready()
+    finally:
+        up.stop()
+
+
+def test_random_workload_against_pdserve_up(stack, tmp_path, capsys):
+    result_file, plots = tmp_path / "run.json", tmp_path / "plots"
+    code = bench([
+        "--base-url", stack.removesuffix("/v1"), "--workload", "random", "--num-prompts", "40",
+        "--request-rate", "8", "--input-len", "48", "--output-len", "12", "--ignore-eos",
+        "--goodput", "ttft:60000", "--result-file", str(result_file), "--plot", str(plots),
+        "--detailed", "--no-progress", "--seed", "3",
+    ])  # fmt: skip
+    assert code == 0
+    result = json.loads(result_file.read_text())
+    assert (result["completed"], result["failed"]) == (40, 0)
+    assert result["model"] == "SmolLM2-135M-Instruct" and result["usage_reported"] is True
+    requests = result["requests"]
+    # the server's usage: prompts of exactly 48 tokens (built from the tokenizer), 12 out
+    assert [r["input_tokens"] for r in requests] == [48] * 40
+    assert [r["output_tokens"] for r in requests] == [12] * 40
+    assert result["total_output_tokens"] == 480 and result["request_goodput"] > 0
+    for key in ("mean_ttft_ms", "p99_itl_ms", "median_tpot_ms", "p90_e2el_ms"):
+        assert result[key] > 0
+    assert {p.name for p in plots.iterdir()} == {"latency_cdf.png", "throughput_over_time.png"}
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in plots.iterdir())
+    assert "Mean TTFT (ms)" in capsys.readouterr().out
+
+
+def hit_ratio_of(stack: str, args: list[str]) -> float:
+    """The router's prefix-cache hit ratio over one run (from /metrics before and after)."""
+    base = stack.removesuffix("/v1")
+    keys = [("pdserve_prefix_cache_hit_tokens_total", ()),
+            ("pdserve_prefix_cache_queried_tokens_total", ())]  # fmt: skip
+    before = [metrics(base).get(k, 0.0) for k in keys]
+    assert bench(["--base-url", base, "--no-progress", *args]) == 0
+    after = [metrics(base)[k] for k in keys]
+    return (after[0] - before[0]) / (after[1] - before[1])
+
+
+def test_multi_turn_finds_more_cached_prefix_than_random(stack):
+    common = ["--endpoint", "chat", "--input-len", "40", "--output-len", "16", "--ignore-eos",
+              "--max-concurrency", "4", "--seed", "5"]  # fmt: skip
+    random_ = hit_ratio_of(stack, ["--workload", "random", "--num-prompts", "16", *common])
+    multi = hit_ratio_of(stack, ["--workload", "multi-turn", "--num-prompts", "4", "--turns",
+                                 "4", *common])  # fmt: skip
+    print(f"prefix-cache hit ratio: multi-turn {multi:.3f}, random {random_:.3f}")
+    assert multi > random_ + 0.2
+
+
+def faulty_server() -> tuple[str, uvicorn.Server]:
+    """An OpenAI-style server where every third request fails with a 500, every third drops
+    the connection mid-stream, and the rest stream properly."""
+    app = FastAPI()
+    count = {"n": 0}
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(request: Request) -> JSONResponse | StreamingResponse:
+        body = await request.json()
+        count["n"] += 1
+        kind = count["n"] % 3
+        if kind == 1:
+            error = {"message": "boom", "type": "server_error", "param": None, "code": None}
+            return JSONResponse({"error": error}, status_code=500)
+
+        async def events():
+            for i in range(body["max_tokens"]):
+                if kind == 2 and i == 2:
+                    raise RuntimeError("the server fell over")  # the connection drops
+                yield f"data: {json.dumps({'choices': [{'index': 0, 'text': ' x'}]})}\n\n"
+                await asyncio.sleep(0.001)
+            usage = {"prompt_tokens": 3, "completion_tokens": body["max_tokens"]}
+            yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    config = uvicorn.Config(app, log_level="critical")
+    server = uvicorn.Server(config)
+    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    return f"http://127.0.0.1:{sock.getsockname()[1]}/v1", server
+
+
+def test_failures_are_counted_with_reasons_and_the_run_goes_on(embedded):
+    base, server = faulty_server()
+    try:
+        conversations = build(WorkloadConfig("random", 30, 8, 5, seed=2), embedded.tokenizer)
+        target = Target(base, "completions", "fake")
+        records, _ = asyncio.run(
+            run(target, conversations, embedded.tokenizer, LoadConfig(max_concurrency=1,
+                                                                       progress=False))
+        )  # fmt: skip
+    finally:
+        server.should_exit = True
+    reasons = [r.error for r in records]
+    assert len(records) == 30
+    assert reasons.count("HTTP 500: boom") == 10
+    dropped = [e for e in reasons if e and e.startswith("connection dropped")]
+    assert len(dropped) == 10
+    ok = [r for r in records if r.ok]
+    assert len(ok) == 10 and all(r.output_tokens == 5 and r.usage_reported for r in ok)
+    assert all(len(r.chunk_times) == 2 for r in records if r.error in dropped)
