@@ -160,9 +160,14 @@ COMPARED = (
 
 
 def compare(paths: Sequence[Path]) -> str:
-    """Runs side by side; each after the first with its ratio to the first."""
-    runs = [json.loads(Path(p).read_text()) for p in paths]
-    names = [Path(p).stem for p in paths]
+    """Runs side by side; each after the first with its ratio to the first. A sweep's file
+    gives one column per rate."""
+    runs, names = [], []
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        for run in data.get("runs", [data]):
+            runs.append(run)
+            names.append(Path(path).stem + (f"@{run['request_rate']}" if "runs" in data else ""))
     header = ["metric", names[0]] + [f"{n} (x {names[0]})" for n in names[1:]]
     rows = [header]
     for key in COMPARED:

@@ -136,3 +136,25 @@ def test_failures_are_counted_with_reasons_and_the_run_goes_on(embedded):
     ok = [r for r in records if r.ok]
     assert len(ok) == 10 and all(r.output_tokens == 5 and r.usage_reported for r in ok)
     assert all(len(r.chunk_times) == 2 for r in records if r.error in dropped)
+
+
+def test_rate_sweep_and_compare(stack, tmp_path, capsys):
+    base = stack.removesuffix("/v1")
+    sweep, plots = tmp_path / "sweep.json", tmp_path / "plots"
+    args = ["--base-url", base, "--num-prompts", "6", "--input-len", "16", "--output-len", "4",
+            "--ignore-eos", "--no-progress", "--goodput", "e2el:60000"]  # fmt: skip
+    assert bench([*args, "--sweep-rate", "2,inf", "--result-file", str(sweep), "--plot",
+                  str(plots)]) == 0  # fmt: skip
+    runs = json.loads(sweep.read_text())["runs"]
+    assert [r["request_rate"] for r in runs] == [2.0, "inf"]
+    assert [r["completed"] for r in runs] == [6, 6]
+    assert (plots / "sweep.png").exists() and (plots / "rate-2" / "latency_cdf.png").exists()
+    single = tmp_path / "single.json"
+    assert bench([*args, "--request-rate", "3", "--result-file", str(single)]) == 0
+    capsys.readouterr()
+    assert bench(["compare", str(single), str(sweep)]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].split() == ["metric", "single", "sweep@2.0", "(x", "single)", "sweep@inf",
+                                "(x", "single)"]  # fmt: skip
+    completed = next(line for line in table if line.startswith("completed")).split()
+    assert completed == ["completed", "6", "6", "(1.00x)", "6", "(1.00x)"]
