@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -70,12 +70,14 @@ class Pipeline:
         block_size: int,
         prefill_timeout: float,
         disagg_threshold: int = 0,
+        on_local_prefill: Callable[[str], None] = lambda reason: None,
     ) -> None:
         self.registry = registry
         self.policy = policy
         self.block_size = block_size
         self.prefill_timeout = prefill_timeout
         self.disagg_threshold = disagg_threshold
+        self.on_local_prefill = on_local_prefill  # called with why a decode worker prefills
 
     async def run(self, jobs: Sequence[Job]) -> AsyncIterator[Delta]:
         """Deltas of every choice of every job, interleaved as they arrive. Choice 0 of each
@@ -125,7 +127,9 @@ class Pipeline:
         )
         try:
             reply = None
-            if not self._compute_on_decode(job, hashes):
+            if self._compute_on_decode(job, hashes):
+                self.on_local_prefill("short_prompt")
+            else:
                 reply = await self._prefill(rid, job, seed, hashes)
             if prefilled is not None:
                 prefilled.set()
@@ -189,6 +193,7 @@ class Pipeline:
                         "kv store down: prefilling on a decode worker",
                         extra={"fields": {"request_id": rid}},
                     )
+                    self.on_local_prefill("kv_store_down")
                     return None
                 self.registry.failed(worker, f"{e.code().name}: {e.details()}")
                 tried.add(worker.address)

@@ -72,6 +72,13 @@ class Metrics:
             "Prompt tokens read from the KV store / prompt tokens, since start",
             registry=r,
         )
+        self.local_prefills = Counter(
+            "pdserve_local_prefills",
+            "Choices a decode worker prefilled itself: short_prompt (conditional "
+            "disaggregation) or kv_store_down",
+            ["reason"],
+            registry=r,
+        )
         labels = ["role", "worker"]
         self.worker_healthy = Gauge(
             "pdserve_worker_healthy", "1 if the worker answers", labels, registry=r

@@ -54,13 +54,20 @@ class RouterState:
             config.health_interval, config.breaker_failures, config.breaker_cooldown
         )
         policy = Policy(config.policy, config.imbalance)
+        metrics = Metrics()
         pipeline = Pipeline(
-            registry, policy, config.block_size, config.prefill_timeout, config.disagg_threshold
+            registry,
+            policy,
+            config.block_size,
+            config.prefill_timeout,
+            config.disagg_threshold,
+            on_local_prefill=lambda reason: metrics.local_prefills.labels(reason).inc(),
         )
         model_id = config.served_model_name or (
             "SmolLM2-135M-Instruct" if config.model == sources.EMBEDDED else path.name
         )
-        return cls(config, Tokenizer.from_dir(path), model, model_id, str(path), registry, pipeline)
+        tokenizer = Tokenizer.from_dir(path)
+        return cls(config, tokenizer, model, model_id, str(path), registry, pipeline, metrics)
 
     # -- edge -------------------------------------------------------------------------
 

@@ -79,9 +79,9 @@ def test_multi_turn_finds_more_cached_prefix_than_random(stack):
     assert multi > random_ + 0.2
 
 
-def faulty_server() -> tuple[str, uvicorn.Server]:
-    """An OpenAI-style server where every third request fails with a 500, every third drops
-    the connection mid-stream, and the rest stream properly."""
+def faulty_server(faults: bool = True) -> tuple[str, uvicorn.Server]:
+    """An OpenAI-style server where (with `faults`) every third request fails with a 500,
+    every third drops the connection mid-stream, and the rest stream properly."""
     app = FastAPI()
     count = {"n": 0}
 
@@ -89,7 +89,7 @@ def faulty_server() -> tuple[str, uvicorn.Server]:
     async def completions(request: Request) -> JSONResponse | StreamingResponse:
         body = await request.json()
         count["n"] += 1
-        kind = count["n"] % 3
+        kind = count["n"] % 3 if faults else 0
         if kind == 1:
             error = {"message": "boom", "type": "server_error", "param": None, "code": None}
             return JSONResponse({"error": error}, status_code=500)
@@ -158,3 +158,21 @@ def test_rate_sweep_and_compare(stack, tmp_path, capsys):
                                 "(x", "single)"]  # fmt: skip
     completed = next(line for line in table if line.startswith("completed")).split()
     assert completed == ["completed", "6", "6", "(1.00x)", "6", "(1.00x)"]
+
+
+def test_duration_bounds_open_and_closed_loops(embedded):
+    base, server = faulty_server(faults=False)
+    target = Target(base, "completions", "fake")
+    conversations = build(WorkloadConfig("random", 4, 8, 3), embedded.tokenizer)
+    try:
+        open_loop = LoadConfig(request_rate=40, duration=1.0, progress=False)
+        records, _ = asyncio.run(run(target, conversations, embedded.tokenizer, open_loop))
+        assert 20 < len(records) < 60  # ~40 arrivals in the second, the 4 prompts cycled
+        assert all(r.ok and r.start < 1.1 for r in records)
+        closed = LoadConfig(max_concurrency=2, duration=0.5, progress=False)
+        records, _ = asyncio.run(run(target, conversations, embedded.tokenizer, closed))
+        assert len(records) > 4 and all(r.ok and r.start < 0.6 for r in records)
+        in_flight = max(sum(o.start <= r.start < o.end for o in records) for r in records)
+        assert in_flight <= 2
+    finally:
+        server.should_exit = True

@@ -14,7 +14,15 @@ import pytest
 
 from services.engine.params import SamplingParams
 from services.launcher import RouterProcess, WorkerProcess
-from tests.support.cluster import MODEL, addresses, load, reference, start_workers, wait_idle
+from tests.support.cluster import (
+    MODEL,
+    addresses,
+    load,
+    metrics,
+    reference,
+    start_workers,
+    wait_idle,
+)
 from tests.support.redis_servers import RedisServer
 
 PROMPT = "Here is a long story about a lighthouse keeper and the sea."
@@ -96,6 +104,8 @@ def test_kv_store_down_decode_workers_prefill(faulty, engine, embedded):
         )
         params = SamplingParams(max_tokens=8, temperature=0)
         assert r.choices[0].text == reference(engine, embedded.tokenizer.encode(prompt), params)[0]
+        down = ("pdserve_local_prefills_total", (("reason", "kv_store_down"),))
+        assert metrics(router.url)[down] == 1
     finally:
         redis.start()
 

@@ -1,5 +1,6 @@
 """Routing policies over 2 prefill and 2 decode workers: KV-aware routing finds prompts in the
-worker's own cache more often than round robin, measured from each router's /metrics."""
+worker's own cache more often than round robin, measured from each router's /metrics; and
+conditional disaggregation."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import random
 
 import openai
 
+from services.engine.params import SamplingParams
 from services.launcher import RouterProcess
-from tests.support.cluster import MODEL, addresses, metrics
+from tests.support.cluster import MODEL, addresses, metrics, reference
 
 GROUPS, PER_GROUP, PREFIX_WORDS = 6, 4, 120
 
@@ -54,3 +56,24 @@ def test_kv_aware_routing_hits_the_prefix_cache_more_than_round_robin(pool, tmp_
     print(f"prefix-cache hit ratio: kv_aware {kv_aware:.3f}, round_robin {round_robin:.3f}")
     assert kv_aware > round_robin + 0.15, (kv_aware, round_robin)
     assert 0.3 < round_robin < 0.5 < kv_aware < 0.75, (kv_aware, round_robin)
+
+
+def test_conditional_disaggregation_sends_short_prompts_straight_to_decode(pool, tmp_path, engine,
+                                                                           embedded):  # fmt: skip
+    prefill, decode = pool
+    router = RouterProcess(
+        tmp_path, addresses(prefill), addresses(decode), "--disagg-threshold", "64"
+    ).start()
+    try:
+        client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="x", max_retries=0)
+        short = "Name a color:"
+        long = "Summarize: " + " ".join(f"fact {i} is that water is wet;" for i in range(40))
+        local = ("pdserve_local_prefills_total", (("reason", "short_prompt"),))
+        params = SamplingParams(max_tokens=6, temperature=0)
+        for prompt, skipped in ((short, 1), (long, 1)):
+            r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0)
+            ids = embedded.tokenizer.encode(prompt)
+            assert r.choices[0].text == reference(engine, ids, params)[0]
+            assert metrics(router.url).get(local, 0) == skipped  # the long one was prefilled
+    finally:
+        router.stop()
