@@ -14,6 +14,7 @@ from router.errors import APIError, bad_request, unavailable
 from router.generation import Job
 from router.openai_format import (
     ChoiceState,
+    Envelope,
     chat_body,
     chat_logprobs,
     completion_body,
@@ -51,6 +52,7 @@ async def completions(request: Request) -> JSONResponse | StreamingResponse:
     )
     created = int(time.time())
     want_usage = req.stream_options is not None and req.stream_options.include_usage
+    envelope = Envelope(rid, "text_completion", created, state.model_id)
 
     def chunk(
         delta_text: str, state_: ChoiceState, logprobs: list[Any], first: bool
@@ -61,20 +63,10 @@ async def completions(request: Request) -> JSONResponse | StreamingResponse:
             if req.logprobs is not None
             else None
         )
-        return {
-            "id": rid,
-            "object": "text_completion",
-            "created": created,
-            "model": state.model_id,
-            "choices": [
-                {
-                    "index": state_.index,
-                    "text": text,
-                    "logprobs": lp,
-                    "finish_reason": state_.finish_reason,
-                }
-            ],
-        }
+        return envelope(
+            [{"index": state_.index, "text": text, "logprobs": lp,
+              "finish_reason": state_.finish_reason}]
+        )  # fmt: skip
 
     def whole(choices: list[ChoiceState], usage_: dict[str, Any]) -> dict[str, Any]:
         return completion_body(
@@ -96,9 +88,7 @@ async def completions(request: Request) -> JSONResponse | StreamingResponse:
         want_usage,
         chunk,
         whole,
-        rid,
-        created,
-        "text_completion",
+        envelope,
         role_chunk=None,
     )
 
@@ -124,26 +114,17 @@ async def chat(request: Request) -> JSONResponse | StreamingResponse:
     jobs = state.jobs(rid, [ids], params, req.seed, state.salt(request))
     created = int(time.time())
     want_usage = req.stream_options is not None and req.stream_options.include_usage
+    envelope = Envelope(rid, "chat.completion.chunk", created, state.model_id)
 
     def chunk(
         delta_text: str, state_: ChoiceState, logprobs: list[Any], first: bool
     ) -> dict[str, Any]:
         lp = chat_logprobs(state.tokenizer, logprobs, top or 0) if req.logprobs else None
         delta = {"content": delta_text} if delta_text or not state_.finish_reason else {}
-        return {
-            "id": rid,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": state.model_id,
-            "choices": [
-                {
-                    "index": state_.index,
-                    "delta": delta,
-                    "logprobs": lp,
-                    "finish_reason": state_.finish_reason,
-                }
-            ],
-        }
+        return envelope(
+            [{"index": state_.index, "delta": delta, "logprobs": lp,
+              "finish_reason": state_.finish_reason}]
+        )  # fmt: skip
 
     def whole(choices: list[ChoiceState], usage_: dict[str, Any]) -> dict[str, Any]:
         return chat_body(
@@ -157,20 +138,10 @@ async def chat(request: Request) -> JSONResponse | StreamingResponse:
         )
 
     def role_chunk(index: int) -> dict[str, Any]:
-        return {
-            "id": rid,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": state.model_id,
-            "choices": [
-                {
-                    "index": index,
-                    "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None,
-                    "finish_reason": None,
-                }
-            ],
-        }
+        return envelope(
+            [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+              "finish_reason": None}]
+        )  # fmt: skip
 
     return await respond(
         request,
@@ -180,9 +151,7 @@ async def chat(request: Request) -> JSONResponse | StreamingResponse:
         want_usage,
         chunk,
         whole,
-        rid,
-        created,
-        "chat.completion.chunk",
+        envelope,
         role_chunk,
     )
 
@@ -213,9 +182,7 @@ async def respond(
     want_usage: bool,
     chunk: Chunk,
     whole: Callable[[list[ChoiceState], dict[str, Any]], dict[str, Any]],
-    rid: str,
-    created: int,
-    chunk_object: str,
+    envelope: Envelope,
     role_chunk: Callable[[int], dict[str, Any]] | None,
 ) -> JSONResponse | StreamingResponse:
     for role in ("prefill", "decode") if not state.config.disagg_threshold else ("decode",):
@@ -224,9 +191,7 @@ async def respond(
     state.admit()
     prompt_tokens = sum(len(j.prompt_ids) for j in jobs)
     if stream:
-        body = stream_events(
-            state, jobs, want_usage, chunk, rid, created, chunk_object, role_chunk, prompt_tokens
-        )
+        body = stream_events(state, jobs, want_usage, chunk, envelope, role_chunk, prompt_tokens)
         return StreamingResponse(body, media_type="text/event-stream")
 
     async def collect() -> dict[str, Any]:
@@ -252,9 +217,7 @@ async def stream_events(
     jobs: list[Job],
     want_usage: bool,
     chunk: Chunk,
-    rid: str,
-    created: int,
-    chunk_object: str,
+    envelope: Envelope,
     role_chunk: Callable[[int], dict[str, Any]] | None,
     prompt_tokens: int,
 ) -> AsyncIterator[bytes]:
@@ -283,14 +246,7 @@ async def stream_events(
                 yield sse(event)
         if want_usage:
             yield sse(
-                {
-                    "id": rid,
-                    "object": chunk_object,
-                    "created": created,
-                    "model": state.model_id,
-                    "choices": [],
-                    "usage": usage(prompt_tokens, completion, min(cached, prompt_tokens)),
-                }
+                envelope([], usage=usage(prompt_tokens, completion, min(cached, prompt_tokens)))
             )
     except APIError as e:  # mid-stream: an error event, then the end of the stream
         yield sse(e.body())

@@ -22,6 +22,20 @@ class ChoiceState:
     finish_reason: str | None = None
 
 
+@dataclass(frozen=True)
+class Envelope:
+    """What every stream chunk of one request carries around its choices."""
+
+    id: str
+    object: str  # "text_completion" or "chat.completion.chunk"
+    created: int
+    model: str
+
+    def __call__(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        return {"id": self.id, "object": self.object, "created": self.created,
+                "model": self.model, "choices": choices, **extra}  # fmt: skip
+
+
 def sse(payload: dict[str, Any] | str) -> bytes:
     data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
     return f"data: {data}\n\n".encode()
