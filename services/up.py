@@ -29,7 +29,7 @@ from pathlib import Path
 import httpx
 
 from services.launcher import PDSERVE, free_port
-from services.settings import Settings, SettingsError, child_env
+from services.settings import Settings, SettingsError, child_env, env_name
 
 BACKOFF_MAX = 30.0
 STABLE_AFTER = 60.0  # seconds of running that reset a child's backoff
@@ -97,7 +97,10 @@ class Stack:
     def build(self, workdir: Path) -> str:
         """The children to run (not started); returns the KV store URL the workers use."""
         s = self.settings
-        base = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
+        # settings reach the children as this process resolved them; other PDSERVE_*
+        # variables (PDSERVE_CACHE_DIR, PDSERVE_KERNELS) pass through
+        ours = {env_name(n) for n in Settings.names()} | {"PDSERVE_CONFIG"}
+        base = {k: v for k, v in os.environ.items() if k not in ours}
         store = s.kv_store
         if s.redis:
             if shutil.which("redis-server") is None:

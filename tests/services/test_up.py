@@ -69,3 +69,27 @@ def test_up_serves_a_chat_restarts_a_dead_child_and_stops_everything(tmp_path):
             process.kill()
     survivors = [name for name, pid in pids.items() if alive(pid) and name != "decode-0"]
     assert survivors == []
+
+
+def test_children_get_the_resolved_settings_and_other_variables(monkeypatch, tmp_path):
+    from services.settings import Settings
+    from services.up import Stack
+
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", "/somewhere/cache")  # not a setting: passed on
+    monkeypatch.setenv("PDSERVE_NUM_BLOCKS", "5")  # a setting: as resolved, not as raw
+    stack = Stack(Settings(num_blocks=77, num_decode=2, port=9999, policy="least_load"))
+    store = stack.build(tmp_path)
+    assert store == "local://"
+    children = {c.name: c for c in stack.children}
+    assert set(children) == {"prefill-0", "decode-0", "decode-1", "router"}
+    for child in children.values():
+        assert child.env["PDSERVE_CACHE_DIR"] == "/somewhere/cache"
+    decode = children["decode-1"].env
+    assert decode["PDSERVE_NUM_BLOCKS"] == "77" and decode["PDSERVE_KV_STORE"] == "local://"
+    assert "PDSERVE_POLICY" not in decode
+    router = children["router"]
+    assert router.env["PDSERVE_POLICY"] == "least_load" and "PDSERVE_NUM_BLOCKS" not in router.env
+    argv = router.argv
+    assert argv[argv.index("--port") + 1] == "9999"
+    workers = argv[argv.index("--decode") + 1].split(",")
+    assert workers == [f"127.0.0.1:{children[f'decode-{i}'].argv[-1]}" for i in (0, 1)]
