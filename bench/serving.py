@@ -34,8 +34,10 @@ def wait_ready(url: str, process: subprocess.Popen[bytes], timeout: float) -> No
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise SystemExit(f"the server exited with code {process.returncode}")
-        try:
-            if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
+        try:  # /health where the server has one (pdserve's: workers ready too), else /v1/models
+            health = httpx.get(f"{url}/health", timeout=2).status_code
+            models = httpx.get(f"{url}/v1/models", timeout=2).status_code
+            if health == 200 or (health == 404 and models == 200):
                 return
         except httpx.HTTPError:
             pass

@@ -33,18 +33,21 @@ def faulty(embedded_dir, tmp_path_factory):
     """2 prefill + 2 decode workers on a redis-server of this module's own (it is killed)."""
     logs = tmp_path_factory.mktemp("fault-logs")
     redis = RedisServer(logs / "redis").start()
-    prefill, decode = start_workers(
-        str(embedded_dir), redis.url, logs, 2, 2, "--num-blocks", "300", "--store-timeout", "0.5"
-    )
-    router = RouterProcess(
-        logs, addresses(prefill), addresses(decode), "--policy", "round_robin",
-        "--health-interval", "0.5",
-    ).start()  # fmt: skip
-    yield redis, prefill, decode, router
-    router.stop()
-    for w in (*prefill, *decode):
-        w.stop()
-    redis.stop()
+    try:
+        args = ("--num-blocks", "300", "--store-timeout", "0.5")
+        prefill, decode = start_workers(str(embedded_dir), redis.url, logs, 2, 2, *args)
+        router = RouterProcess(
+            logs, addresses(prefill), addresses(decode), "--policy", "round_robin",
+            "--health-interval", "0.5",
+        )  # fmt: skip
+        try:
+            yield redis, prefill, decode, router.start()
+        finally:
+            router.stop()
+            for w in (*prefill, *decode):
+                w.stop()
+    finally:
+        redis.stop()
 
 
 def client_of(router: RouterProcess) -> openai.OpenAI:

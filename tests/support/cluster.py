@@ -31,8 +31,13 @@ def start_workers(
     d = [WorkerProcess("decode", model, store, logs, *args, dtype="float32") for _ in range(decode)]
     for w in (*p, *d):
         w.launch()
-    for w in (*p, *d):
-        w.wait_ready()
+    try:
+        for w in (*p, *d):
+            w.wait_ready()
+    except BaseException:  # none outlives a failed start
+        for w in (*p, *d):
+            w.stop()
+        raise
     return p, d
 
 
