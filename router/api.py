@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -23,7 +24,7 @@ from router.openai_format import (
     usage,
 )
 from router.protocol import ChatCompletionRequest, CompletionRequest
-from router.state import RouterState, new_id, read_model, watch_disconnect
+from router.state import Admission, RouterState, new_id, read_model, watch_disconnect
 
 routes = APIRouter()
 
@@ -188,16 +189,20 @@ async def respond(
     for role in ("prefill", "decode") if not state.config.disagg_threshold else ("decode",):
         if not state.registry.available(role):  # before a stream starts: a plain 503
             raise unavailable(f"no {role} worker is available", retry_after=1)
-    state.admit()
+    admission = state.admit()
     prompt_tokens = sum(len(j.prompt_ids) for j in jobs)
     if stream:
-        body = stream_events(state, jobs, want_usage, chunk, envelope, role_chunk, prompt_tokens)
+        body = stream_events(
+            state, jobs, admission, want_usage, chunk, envelope, role_chunk, prompt_tokens
+        )
+        # a stream the server never starts (the client left first) still gives its place back
+        weakref.finalize(body, admission.release)
         return StreamingResponse(body, media_type="text/event-stream")
 
     async def collect() -> dict[str, Any]:
         choices: dict[int, ChoiceState] = {}
         cached = 0
-        async for delta, choice in state.run(jobs):
+        async for delta, choice in state.run(jobs, admission):
             choices[choice.index] = choice
             cached += delta.cached_tokens
         ordered = [choices[i] for i in sorted(choices)]
@@ -210,11 +215,13 @@ async def respond(
         return JSONResponse(await task)
     finally:
         watcher.cancel()
+        admission.release()  # if the task was cancelled before it began
 
 
 async def stream_events(
     state: RouterState,
     jobs: list[Job],
+    admission: Admission,
     want_usage: bool,
     chunk: Chunk,
     envelope: Envelope,
@@ -224,7 +231,7 @@ async def stream_events(
     started: set[int] = set()
     completion, cached = 0, 0
     try:
-        async for delta, choice in state.run(jobs):
+        async for delta, choice in state.run(jobs, admission):
             first = choice.index not in started
             if first and role_chunk is not None:
                 event = role_chunk(choice.index)

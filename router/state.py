@@ -144,7 +144,8 @@ class RouterState:
 
     # -- running ---------------------------------------------------------------------
 
-    def admit(self) -> None:
+    def admit(self) -> Admission:
+        """A place among the requests in flight, or 429 when there is none."""
         if self.pending >= self.config.max_pending:
             raise APIError(
                 429,
@@ -155,21 +156,22 @@ class RouterState:
             )
         self.pending += 1
         self.metrics.waiting.inc()
+        return Admission(self)
 
-    async def run(self, jobs: Sequence[Job]) -> AsyncIterator[tuple[Delta, ChoiceState]]:
-        """Deltas with their choice's accumulated state; timing and token metrics recorded."""
+    async def run(
+        self, jobs: Sequence[Job], admission: Admission
+    ) -> AsyncIterator[tuple[Delta, ChoiceState]]:
+        """Deltas with their choice's accumulated state; timing and token metrics recorded;
+        the admission released at the end, however it comes."""
         start = time.perf_counter()
         choices: dict[int, ChoiceState] = {}
         last: dict[int, float] = {}
         cached = stored = 0
-        streaming = False
         try:
             async for delta in self.pipeline.run(jobs):
                 now = time.perf_counter()
-                if not streaming:
-                    streaming = True
-                    self.metrics.waiting.dec()
-                    self.metrics.running.inc()
+                if not admission.streaming:
+                    admission.start_streaming()
                     self.metrics.ttft.observe(now - start)
                 if delta.index in last and delta.token_ids:
                     self.metrics.itl.observe(now - last[delta.index])
@@ -189,8 +191,28 @@ class RouterState:
             queried = sum(len(j.prompt_ids) * j.n for j in jobs)
             self.metrics.finished(prompt, generated, queried, cached, stored)
         finally:
-            self.pending -= 1
-            (self.metrics.running if streaming else self.metrics.waiting).dec()
+            admission.release()
+
+
+@dataclass
+class Admission:
+    """One request counted in flight (and in the waiting, then running gauge) until
+    released; releasing twice is harmless."""
+
+    state: RouterState
+    streaming: bool = False
+    released: bool = False
+
+    def start_streaming(self) -> None:
+        self.streaming = True
+        self.state.metrics.waiting.dec()
+        self.state.metrics.running.inc()
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.state.pending -= 1
+            (self.state.metrics.running if self.streaming else self.state.metrics.waiting).dec()
 
 
 def bearer(request: Request) -> str | None:
