@@ -190,3 +190,4 @@ def up(settings: Settings) -> int:
         return 0
     finally:
         stack.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
