@@ -10,6 +10,7 @@ from typing import Any
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from router.api import routes, state_of
 from router.config import RouterConfig
@@ -47,6 +48,7 @@ def create_app(config: RouterConfig, state: RouterState | None = None) -> FastAP
     app.middleware("http")(_edge)
     app.add_exception_handler(APIError, _api_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
     _small_endpoints(app, state)
     return app
 
@@ -73,12 +75,20 @@ async def _edge(request: Request, call_next: Callable[[Request], Awaitable[Respo
         response = await call_next(request)
     except APIError as e:
         response = e.response()
-    state.metrics.requests.labels(path, str(response.status_code)).inc()
+    # unknown paths share one label: a scanner's random URLs must not grow the series
+    known = path in OPEN_PATHS or path in request.app.openapi()["paths"]  # openapi() caches
+    state.metrics.requests.labels(path if known else "other", str(response.status_code)).inc()
     return response
 
 
 async def _api_error(request: Request, error: APIError) -> JSONResponse:
     return error.response()
+
+
+async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+    """Routing's own errors (404 no such path, 405 wrong method) in OpenAI's shape too."""
+    headers = dict(error.headers or {})
+    return APIError(error.status_code, str(error.detail), None, None, headers).response()
 
 
 async def _validation_error(request: Request, error: RequestValidationError) -> JSONResponse:

@@ -31,6 +31,10 @@ def test_metrics_count_what_was_sent(pool, tmp_path):
             prompt_tokens += usage.prompt_tokens
             completion_tokens += usage.completion_tokens
         assert httpx.post(f"{router.url}/v1/completions", json={"prompt": 1}).status_code == 400
+        for path in ("/wp-admin", "/.env"):  # unknown paths: one label, OpenAI's error shape
+            response = httpx.get(f"{router.url}{path}")
+            assert response.status_code == 404
+            assert response.json()["error"]["message"] == "Not Found"
 
         values = metrics(router.url)
         assert values[("pdserve_requests_total", COMPLETIONS)] == 3
@@ -38,6 +42,7 @@ def test_metrics_count_what_was_sent(pool, tmp_path):
         assert values[("pdserve_requests_total", chat)] == 2
         bad = (("endpoint", "/v1/completions"), ("status", "400"))
         assert values[("pdserve_requests_total", bad)] == 1
+        assert values[("pdserve_requests_total", (("endpoint", "other"), ("status", "404")))] == 2
         assert values[("pdserve_prompt_tokens_total", ())] == prompt_tokens
         assert values[("pdserve_generation_tokens_total", ())] == completion_tokens
         for name in ("time_to_first_token", "e2e_request_latency"):
