@@ -246,6 +246,11 @@ class Worker:
         log.warning("serving", extra={"fields": {"role": self.role, "address": address,
                                                   "namespace": self.namespace}})  # fmt: skip
         await stop.wait()
+        # On the way out for good: a second signal (a supervisor repeating its SIGTERM) must
+        # not kill the process with the default action once the loop has closed.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._loop.remove_signal_handler(sig)
+            signal.signal(sig, signal.SIG_IGN)
         self.ready = False
         log.warning("draining", extra={"fields": {"grace_seconds": self.config.grace_period}})
         await server.stop(self.config.grace_period)

@@ -48,6 +48,13 @@ def test_sigterm_drains_then_exits(embedded_dir, tmp_path):
 
     tokens, finish = asyncio.run(run())
     assert len(tokens) == 40 and finish == pb.FINISH_REASON_LENGTH  # finished, not cut off
+    # A supervisor may repeat its SIGTERM while the worker is on its way out: the worker still
+    # exits cleanly, whenever in its teardown the signal lands.
+    process = worker.process
+    assert process is not None
     start = time.monotonic()
-    assert worker.stop(timeout=30) == 0
+    while process.poll() is None and time.monotonic() - start < 10:
+        process.send_signal(signal.SIGTERM)
+        time.sleep(0.02)
+    assert process.wait(timeout=1) == 0
     assert time.monotonic() - start < 10
