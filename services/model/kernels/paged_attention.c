@@ -2,19 +2,22 @@
  * Decode attention over a paged KV cache, for CPUs: one query token per sequence, keys and
  * values read in place from their blocks (no gather), float32 arithmetic.
  *
- * Each (sequence, KV head) is one task. For each block of the sequence, the G query heads
- * sharing that KV head score all the block's tokens at once (K is stored transposed, so the
- * tokens are contiguous along each head dimension and the arithmetic runs along them); then
- * softmax; then the weighted sum of the value rows. The order of every sum depends on the
- * sequence alone, never on the batch around it: a sequence gets bit-identical results alone
- * or in any batch.
+ * Each sequence is one task, and it reads each of its blocks once, in the order they lie in
+ * memory (a block's KV heads are adjacent). For each block and KV head, the G query heads
+ * sharing that KV head score the block's 16 tokens (K is stored transposed, so a block's
+ * tokens lie contiguous along each head dimension and the arithmetic runs along them), fold
+ * them into a running softmax (maximum, sum and output rescaled as the maximum grows, as
+ * flash-decoding does), and add the block's value rows to their outputs; meanwhile the same
+ * head's next block is prefetched, so memory streams while the arithmetic runs. The order of
+ * every sum depends on the sequence alone, never on the batch around it: a sequence gets
+ * bit-identical results alone or in any batch.
  *
  * Layouts (contiguous; see services/model/kv_cache.py):
  *   q, out:  [B, H, D] float32
  *   k:       [num_blocks, KVH, D, BLOCK]  float32 or bfloat16 (one layer)
  *   v:       [num_blocks, KVH, BLOCK, D]
  *   tables:  [B, W] int64 block ids; lens: [B] int64 context lengths (>= 1)
- * BLOCK is 16, pdserve's block size: a block's scores then fit one 512-bit register.
+ * BLOCK is 16, pdserve's block size; D a multiple of 8 (a vector), at most 256.
  * Reference: _decode in services/model/attention.py; tests compare the two.
  */
 #include <float.h>
@@ -26,82 +29,181 @@
 #define BLOCK 16
 #define MAX_GROUP 16
 #define MAX_DIM 256
+#define LANES 8
+#define LINE 64 /* bytes in a cache line */
 
-typedef struct {
-    const void *k, *v;
-    int bf16;
-    int64_t kv_heads, group, dim;
-} layer_t;
+typedef float vf __attribute__((vector_size(LANES * sizeof(float))));
+typedef uint32_t vu __attribute__((vector_size(LANES * sizeof(uint32_t))));
+typedef uint16_t vh __attribute__((vector_size(LANES * sizeof(uint16_t))));
+typedef int32_t vi __attribute__((vector_size(LANES * sizeof(int32_t))));
 
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
+#define INLINE static inline __attribute__((always_inline))
 
-/* One row of BLOCK (K) or D (V) elements as float32. */
-static inline void load_row(const layer_t *L, const void *base, int64_t at, int64_t n, float *dst) {
-    if (L->bf16) {
-        const uint16_t *src = (const uint16_t *)base + at;
-        for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_f32(src[i]);
+/* LANES consecutive elements at `at` as float32 (bfloat16 is float32's upper half). */
+INLINE vf load(const void *base, int64_t at, int bf16) {
+    vf x;
+    if (bf16) {
+        vh h;
+        memcpy(&h, (const uint16_t *)base + at, sizeof h);
+        vu u = __builtin_convertvector(h, vu) << 16;
+        memcpy(&x, &u, sizeof x);
     } else {
-        memcpy(dst, (const float *)base + at, (size_t)n * sizeof(float));
+        memcpy(&x, (const float *)base + at, sizeof x);
     }
+    return x;
 }
 
-/* scores[g][t] for the tokens of one block: sum over d of q[g][d] * K[d][t]. */
-static void score_block(const layer_t *L, int64_t block, int64_t kh,
-                        float qs[][MAX_DIM], float s[][BLOCK]) {
-    float row[BLOCK];
-    int64_t base = (block * L->kv_heads + kh) * L->dim * BLOCK;
-    for (int64_t g = 0; g < L->group; g++)
-        for (int t = 0; t < BLOCK; t++) s[g][t] = 0.0f;
-    for (int64_t d = 0; d < L->dim; d++) {
-        load_row(L, L->k, base + d * BLOCK, BLOCK, row);
-        for (int64_t g = 0; g < L->group; g++) {
-            float qd = qs[g][d];
-            for (int t = 0; t < BLOCK; t++) s[g][t] += qd * row[t];
+/* e^x for x in [-87, 0] (x is clamped to it), to about 2 ulp: x = n ln2 + r with
+ * |r| <= ln2 / 2, e^r by its Taylor polynomial to r^7, times 2^n built in the exponent bits.
+ * Below -87, where e^x leaves float32's normal range, it returns about e^-87; callers zero
+ * what must be exactly 0. */
+INLINE vf vexp(vf x) {
+    const vf lowest = (vf){0} - 87.0f, zero = {0};
+    vi below = x < lowest, above = x > zero;
+    x = (vf)(((vi)x & ~below) | ((vi)lowest & below));
+    x = (vf)((vi)x & ~above);
+    vi n = __builtin_convertvector(x * 1.44269504f - 0.5f, vi); /* toward zero: round(x/ln2) */
+    vf r = x - __builtin_convertvector(n, vf) * 0.693147181f;
+    vf p = r * (1.0f / 5040) + 1.0f / 720;
+    p = p * r + 1.0f / 120;
+    p = p * r + 1.0f / 24;
+    p = p * r + 1.0f / 6;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    return (vf)((vi)p + (n << 23));
+}
+
+/* Where one KV head of a sequence stands: its G query heads, scaled; their running maxima
+ * and sums; their outputs so far, scaled by e^-max. Sized for the largest shape. */
+typedef struct {
+    float qs[MAX_GROUP][MAX_DIM], m[MAX_GROUP], l[MAX_GROUP];
+    vf acc[MAX_GROUP][MAX_DIM / LANES];
+} __attribute__((aligned(LINE))) head_t;
+
+/* Fold the first `n` tokens of one block of a KV head (K at k + at, V at v + at) into its
+ * state, prefetching that head's next block (nk, nv; NULL for none) meanwhile. G and D are
+ * compile-time constants where the dispatcher below knows them, so the scores and the
+ * accumulators of a vector's worth of dimensions stay in registers. */
+INLINE void visit(head_t *h, const void *k, const void *v, int64_t at, int64_t n, int bf16,
+                  const char *nk, const char *nv, const int64_t G, const int64_t D) {
+    const int64_t elem = bf16 ? 2 : 4;
+    /* scores, s[g] = q[g] . K[:, 0..15]: two vectors per query head, and two partial sums of
+     * each (even and odd d) so that twice the multiply-adds are in flight */
+    vf s[MAX_GROUP][2], odd[MAX_GROUP][2];
+    for (int64_t g = 0; g < G; g++) s[g][0] = s[g][1] = odd[g][0] = odd[g][1] = (vf){0};
+    for (int64_t d = 0; d < D; d += 2) {
+        vf k0 = load(k, at + d * BLOCK, bf16), k1 = load(k, at + d * BLOCK + LANES, bf16);
+        vf k2 = load(k, at + (d + 1) * BLOCK, bf16);
+        vf k3 = load(k, at + (d + 1) * BLOCK + LANES, bf16);
+        if (nk) /* as many lines of the next K and V as these two rows span */
+            for (int64_t o = d * BLOCK * elem; o < (d + 2) * BLOCK * elem; o += LINE) {
+                __builtin_prefetch(nk + o, 0, 0);
+                __builtin_prefetch(nv + o, 0, 0);
+            }
+        for (int64_t g = 0; g < G; g++) {
+            s[g][0] += h->qs[g][d] * k0;
+            s[g][1] += h->qs[g][d] * k1;
+            odd[g][0] += h->qs[g][d + 1] * k2;
+            odd[g][1] += h->qs[g][d + 1] * k3;
         }
     }
+    /* the running softmax: a larger maximum rescales what was summed so far */
+    float p[MAX_GROUP][BLOCK];
+    for (int64_t g = 0; g < G; g++) {
+        vf s0 = s[g][0] + odd[g][0], s1 = s[g][1] + odd[g][1];
+        float sc[BLOCK], top = h->m[g], sum = 0.0f;
+        memcpy(sc, &s0, sizeof s0);
+        memcpy(sc + LANES, &s1, sizeof s1);
+        for (int64_t t = 0; t < n; t++) top = sc[t] > top ? sc[t] : top;
+        const float rescale = expf(h->m[g] - top);
+        vf e0 = vexp(s0 - top), e1 = vexp(s1 - top);
+        memcpy(p[g], &e0, sizeof e0);
+        memcpy(p[g] + LANES, &e1, sizeof e1);
+        for (int64_t t = n; t < BLOCK; t++) p[g][t] = 0.0f;
+        for (int t = 0; t < BLOCK; t++) sum += p[g][t];
+        h->l[g] = h->l[g] * rescale + sum;
+        h->m[g] = top;
+        for (int64_t c = 0; c < D / LANES; c++) h->acc[g][c] *= rescale;
+    }
+    /* values: acc[g] += sum over t of p[g][t] * V[t], a vector of dimensions at a time */
+    for (int64_t c = 0; c < D / LANES; c++) {
+        vf a[MAX_GROUP];
+        for (int64_t g = 0; g < G; g++) a[g] = h->acc[g][c];
+        for (int64_t t = 0; t < n; t++) {
+            vf row = load(v, at + t * D + c * LANES, bf16);
+            for (int64_t g = 0; g < G; g++) a[g] += p[g][t] * row;
+        }
+        for (int64_t g = 0; g < G; g++) h->acc[g][c] = a[g];
+    }
 }
 
-static int attend(const layer_t *L, const float *q, const int64_t *table, int64_t len,
-                  int64_t kh, float scale, float *out) {
-    int64_t group = L->group, dim = L->dim, blocks = (len + BLOCK - 1) / BLOCK;
-    int64_t padded = blocks * BLOCK;
-    float *scores = malloc((size_t)(group * padded) * sizeof(float)); /* [group, padded] */
-    if (scores == NULL) return -1;
-    float qs[MAX_GROUP][MAX_DIM], acc[MAX_GROUP][MAX_DIM], s[MAX_GROUP][BLOCK], row[MAX_DIM];
-    for (int64_t g = 0; g < group; g++) {
-        for (int64_t d = 0; d < dim; d++) qs[g][d] = q[g * dim + d] * scale;
-        memset(acc[g], 0, (size_t)dim * sizeof(float));
-    }
+/* One task: every head of one sequence. Block by block, each KV head in turn, so the
+ * sequence's KV is read in the order it lies in memory (a block's heads are adjacent). */
+INLINE int attend(const float *q, const void *k, const void *v, int bf16, const int64_t *table,
+                  int64_t len, int64_t kv_heads, float scale, float *out, const int64_t G,
+                  const int64_t D) {
+    const int64_t elem = bf16 ? 2 : 4, head_elems = D * BLOCK;
+    head_t *heads = aligned_alloc(LINE, (size_t)kv_heads * sizeof *heads); /* vf: aligned */
+    if (heads == NULL) return -1;
+    for (int64_t kh = 0; kh < kv_heads; kh++)
+        for (int64_t g = 0; g < G; g++) {
+            const float *qg = q + (kh * G + g) * D;
+            for (int64_t d = 0; d < D; d++) heads[kh].qs[g][d] = qg[d] * scale;
+            for (int64_t c = 0; c < D / LANES; c++) heads[kh].acc[g][c] = (vf){0};
+            heads[kh].m[g] = -FLT_MAX;
+            heads[kh].l[g] = 0.0f;
+        }
+    const int64_t blocks = (len + BLOCK - 1) / BLOCK;
     for (int64_t b = 0; b < blocks; b++) {
-        score_block(L, table[b], kh, qs, s);
-        for (int64_t g = 0; g < group; g++)
-            memcpy(scores + g * padded + b * BLOCK, s[g], sizeof s[g]);
-    }
-    float total[MAX_GROUP];
-    for (int64_t g = 0; g < group; g++) {
-        float *sg = scores + g * padded, m = -FLT_MAX, sum = 0.0f;
-        for (int64_t t = 0; t < len; t++) m = sg[t] > m ? sg[t] : m;
-        for (int64_t t = 0; t < len; t++) sg[t] = expf(sg[t] - m);
-        for (int64_t t = 0; t < len; t++) sum += sg[t];
-        total[g] = sum;
-    }
-    for (int64_t t = 0; t < len; t++) {
-        int64_t at = ((table[t / BLOCK] * L->kv_heads + kh) * BLOCK + t % BLOCK) * dim;
-        load_row(L, L->v, at, dim, row);
-        for (int64_t g = 0; g < group; g++) {
-            float p = scores[g * padded + t];
-            for (int64_t d = 0; d < dim; d++) acc[g][d] += p * row[d];
+        const int64_t n = len - b * BLOCK < BLOCK ? len - b * BLOCK : BLOCK;
+        for (int64_t kh = 0; kh < kv_heads; kh++) {
+            const int64_t at = (table[b] * kv_heads + kh) * head_elems;
+            const char *nk = NULL, *nv = NULL;
+            if (b + 1 < blocks) {
+                const int64_t next = (table[b + 1] * kv_heads + kh) * head_elems;
+                nk = (const char *)k + next * elem;
+                nv = (const char *)v + next * elem;
+            }
+            visit(&heads[kh], k, v, at, n, bf16, nk, nv, G, D);
         }
     }
-    for (int64_t g = 0; g < group; g++)
-        for (int64_t d = 0; d < dim; d++) out[g * dim + d] = acc[g][d] / total[g];
-    free(scores);
+    for (int64_t kh = 0; kh < kv_heads; kh++)
+        for (int64_t g = 0; g < G; g++)
+            for (int64_t c = 0; c < D / LANES; c++) {
+                vf o = heads[kh].acc[g][c] / heads[kh].l[g];
+                memcpy(out + (kh * G + g) * D + c * LANES, &o, sizeof o);
+            }
+    free(heads);
     return 0;
+}
+
+typedef int (*attend_fn)(const float *, const void *, const void *, int, const int64_t *,
+                         int64_t, int64_t, float, float *, int64_t, int64_t);
+
+/* attend() for shapes of common models, G and D fixed at compile time, and for any other. */
+#define SHAPES(X) \
+    X(1, 64) X(2, 64) X(3, 64) X(4, 64) X(1, 128) X(2, 128) X(4, 128) X(7, 128) X(8, 128)
+#define DEFINE(g, d)                                                                          \
+    static int attend_##g##_##d(const float *q, const void *k, const void *v, int bf16,      \
+                                const int64_t *table, int64_t len, int64_t kv_heads,         \
+                                float scale, float *out, int64_t G, int64_t D) {             \
+        (void)G, (void)D;                                                                     \
+        return attend(q, k, v, bf16, table, len, kv_heads, scale, out, g, d);                \
+    }
+SHAPES(DEFINE)
+
+static int attend_any(const float *q, const void *k, const void *v, int bf16,
+                      const int64_t *table, int64_t len, int64_t kv_heads, float scale,
+                      float *out, int64_t G, int64_t D) {
+    return attend(q, k, v, bf16, table, len, kv_heads, scale, out, G, D);
+}
+
+static attend_fn pick(int64_t G, int64_t D) {
+#define PICK(g, d) \
+    if (G == g && D == d) return attend_##g##_##d;
+    SHAPES(PICK)
+    return attend_any;
 }
 
 /* Returns 0, or -1 if a size is out of range or memory ran out. */
@@ -109,16 +211,15 @@ int paged_decode_attention(const float *q, const void *k, const void *v, int bf1
                            const int64_t *tables, const int64_t *lens, float *out,
                            int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
                            int64_t block_size, int64_t width, float scale) {
-    layer_t L = {k, v, bf16, kv_heads, heads / kv_heads, dim};
-    if (block_size != BLOCK || L.group > MAX_GROUP || dim > MAX_DIM ||
-        L.group * kv_heads != heads)
+    const int64_t G = heads / kv_heads;
+    if (block_size != BLOCK || G > MAX_GROUP || G * kv_heads != heads || dim > MAX_DIM ||
+        dim % LANES != 0)
         return -1;
+    const attend_fn fn = pick(G, dim);
     int failed = 0;
-#pragma omp parallel for collapse(2) schedule(dynamic, 1) reduction(| : failed)
+#pragma omp parallel for schedule(dynamic, 1) reduction(| : failed)
     for (int64_t b = 0; b < batch; b++)
-        for (int64_t kh = 0; kh < kv_heads; kh++) {
-            int64_t first = (b * heads + kh * L.group) * dim;
-            failed |= attend(&L, q + first, tables + b * width, lens[b], kh, scale, out + first);
-        }
+        failed |= fn(q + b * heads * dim, k, v, bf16, tables + b * width, lens[b], kv_heads,
+                     scale, out + b * heads * dim, G, dim);
     return failed ? -1 : 0;
 }
