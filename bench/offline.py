@@ -130,8 +130,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min-len", type=int, default=128)
     p.add_argument("--max-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument(
+        "--kv-cache-gb", type=float, default=4.0, help="the engine's KV pool (vLLM CPU's default)"
+    )
     p.add_argument("--hf-batch", type=int, default=64, help="transformers' batch size")
     p.add_argument("--skip-transformers", action="store_true")
     p.add_argument("--json", type=Path)
@@ -141,10 +144,15 @@ def main(argv: list[str] | None = None) -> int:
     dtype_name = str(loaded.model.dtype).removeprefix("torch.")
     prompts = workload(args.num_prompts, args.min_len, args.max_len)
     config = EngineConfig(
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)),
     )
     log(f"engine: {len(prompts)} requests, {dtype_name}")
-    ours = run_engine(Engine(loaded.model, loaded.tokenizer, config), prompts, args.output_len)
+    offline = Engine(loaded.model, loaded.tokenizer, config)
+    ours = run_engine(offline, prompts, args.output_len)
+    preemptions = offline.scheduler.num_preemptions
+    del offline  # its KV pool
     engine = Engine(loaded.model, loaded.tokenizer, config)
     overhead = decode_overhead(engine, batch=32, steps=20)
     results = [ours]
@@ -156,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
     print(f"dtype {dtype_name}, {len(prompts)} requests, prompts {args.min_len}-{args.max_len}"
-          f" tokens, {args.output_len} output tokens each")  # fmt: skip
+          f" tokens, {args.output_len} output tokens each; engine: max {args.max_num_seqs}"
+          f" sequences, {args.kv_cache_gb:g} GiB of KV, {preemptions} preemptions")  # fmt: skip
     print("| system | seconds | output tok/s | total tok/s |")
     print("| --- | ---: | ---: | ---: |")
     for r in results:
@@ -170,7 +179,11 @@ def main(argv: list[str] | None = None) -> int:
         f"sampling/output = {100 * overhead['overhead_share']:.1f}%"
     )
     if args.json:
-        payload = {"results": [asdict(r) for r in results], "decode_overhead": overhead}
+        payload = {
+            "results": [asdict(r) for r in results],
+            "decode_overhead": overhead,
+            "preemptions": preemptions,
+        }
         args.json.write_text(json.dumps(payload, indent=2))
     return 0
 

@@ -1,0 +1,95 @@
+"""Decode attention over the paged KV cache: the C kernel against the torch path, in one run.
+
+    python -m bench.attention [--dtype float32] [--batches 8,32,64] [--contexts 128,512,1024]
+
+For each batch size B and context length C: B sequences, each decoding its C-th token over
+blocks scattered through a pool as large as a model's (`--layers` layers of it, visited in
+turn, so the KV comes from memory, not from cache, as in a real forward pass). Shapes are the
+embedded model's (9 query heads sharing 3 KV heads of 64 dimensions). Reported per layer: the
+kernel's and the torch path's (gather + scaled_dot_product_attention) time, the rate at which
+the kernel reads KV, the ratio, and the largest difference between the two outputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+from services.model import kernels
+from services.model.attention import CpuAttention, DecodePlan, TorchAttention, _decode_plan
+from services.model.batch import ForwardBatch, SeqChunk
+from services.model.kv_cache import _allocate
+from services.model.loader import DTYPES
+
+BLOCK, HEADS, KV_HEADS, DIM = 16, 9, 3, 64
+
+
+def setup(
+    batch: int, context: int, layers: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, DecodePlan]:
+    """Query [B, heads, D], K and V pools [layers, blocks, ...], the batch's plan."""
+    gen = torch.Generator().manual_seed(0)
+    per_seq = -(-context // BLOCK)
+    blocks = batch * per_seq
+    k = _allocate((layers, blocks, KV_HEADS, DIM, BLOCK), dtype, "cpu")
+    v = _allocate((layers, blocks, KV_HEADS, BLOCK, DIM), dtype, "cpu")
+    k.copy_(torch.randn(k.shape, generator=gen))
+    v.copy_(torch.randn(v.shape, generator=gen))
+    order = torch.randperm(blocks, generator=gen).tolist()  # scattered, as after churn
+    chunks = [
+        SeqChunk([0], context - 1, order[i * per_seq : (i + 1) * per_seq]) for i in range(batch)
+    ]
+    plan = _decode_plan(list(ForwardBatch.build(chunks, BLOCK).seqs), BLOCK, torch.device("cpu"))
+    q = torch.randn(batch, HEADS, DIM, generator=gen).to(dtype)
+    return q, k, v, plan
+
+
+def per_layer(attend: TorchAttention, q, k, v, plan: DecodePlan, rounds: int) -> float:
+    """Median seconds per layer over `rounds` passes through every layer."""
+    layers = k.shape[0]
+    times = []
+    for _ in range(rounds + 1):  # the first pass warms up
+        start = time.perf_counter()
+        for i in range(layers):
+            attend._decode(q, k[i], v[i], plan)
+        times.append((time.perf_counter() - start) / layers)
+    return sorted(times[1:])[len(times[1:]) // 2]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--batches", default="8,32,64")
+    p.add_argument("--contexts", default="128,512,1024")
+    p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args(argv)
+
+    library = kernels.load("paged_attention")
+    if library is None:
+        print("the C kernel could not be built here (no C compiler?)", file=sys.stderr)
+        return 1
+    dtype = DTYPES[args.dtype]
+    kernel, reference = CpuAttention(library), TorchAttention()
+    print(f"decode attention, {args.dtype}, {torch.get_num_threads()} threads, per layer")
+    print("| batch | context | kernel us | torch us | kernel reads KV at | ratio | max diff |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for batch in map(int, args.batches.split(",")):
+        for context in map(int, args.contexts.split(",")):
+            q, k, v, plan = setup(batch, context, args.layers, dtype)
+            ours = per_layer(kernel, q, k, v, plan, args.rounds)
+            torch_path = per_layer(reference, q, k, v, plan, args.rounds)
+            kv_bytes = batch * context * KV_HEADS * DIM * 2 * k.element_size()
+            diff = kernel._decode(q, k[0], v[0], plan) - reference._decode(q, k[0], v[0], plan)
+            print(f"| {batch} | {context} | {ours * 1e6:.0f} | {torch_path * 1e6:.0f} | "
+                  f"{kv_bytes / ours / 1e9:.1f} GB/s | {torch_path / ours:.2f}x | "
+                  f"{diff.abs().max().item():.1e} |")  # fmt: skip
+            del q, k, v
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
