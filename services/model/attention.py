@@ -130,13 +130,26 @@ class CpuAttention(TorchAttention):
 
 
 KERNEL_BLOCK_SIZE = 16  # the block size the C kernel is specialised for
+KERNEL_LANES, KERNEL_MAX_DIM = 8, 256  # head dims it takes: multiples of one vector, up to 256
+KERNEL_MAX_GROUP = 16  # query heads sharing one KV head
 
 
 def default_attention(
-    device: torch.device, dtype: torch.dtype, block_size: int = KERNEL_BLOCK_SIZE
+    device: torch.device,
+    dtype: torch.dtype,
+    head_dim: int,
+    group: int,
+    block_size: int = KERNEL_BLOCK_SIZE,
 ) -> Attention:
-    """The C decode kernel on CPUs where it builds, for float32 and bfloat16 caches."""
-    supported = dtype in (torch.float32, torch.bfloat16) and block_size == KERNEL_BLOCK_SIZE
+    """The C decode kernel on CPUs where it builds, for float32 and bfloat16 caches and the
+    shapes it takes (`group`: query heads per KV head); the torch path otherwise."""
+    supported = (
+        dtype in (torch.float32, torch.bfloat16)
+        and block_size == KERNEL_BLOCK_SIZE
+        and head_dim % KERNEL_LANES == 0
+        and head_dim <= KERNEL_MAX_DIM
+        and group <= KERNEL_MAX_GROUP
+    )
     if device.type == "cpu" and supported:
         from services.model import kernels
 

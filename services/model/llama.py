@@ -49,7 +49,9 @@ class LlamaModel:
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
-        self.attention: Attention = attention or default_attention(self.device, dtype)
+        self.attention: Attention = attention or default_attention(
+            self.device, dtype, config.head_dim, config.num_heads // config.num_kv_heads
+        )
         if packed is None:
             packed = packed_linear_available(self.device, dtype)
         self.packed = packed

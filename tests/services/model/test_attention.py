@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from services.model import kernels, kv_cache
-from services.model.attention import CpuAttention, TorchAttention
+from services.model.attention import CpuAttention, TorchAttention, default_attention
 from services.model.batch import ForwardBatch, SeqChunk
 
 BLOCK = 16
@@ -68,3 +68,14 @@ def test_kernel_result_does_not_depend_on_the_batch():
         alone = attn.forward(q[i : i + 1], k[i : i + 1], v[i : i + 1], kc.clone(), vc.clone(),
                              attn.plan(one))  # fmt: skip
         assert torch.equal(alone[0], together[i])
+
+
+@needs_kernel
+def test_kernel_only_for_shapes_it_takes():
+    cpu = torch.device("cpu")
+    assert isinstance(default_attention(cpu, torch.float32, 64, 3), CpuAttention)
+    assert isinstance(default_attention(cpu, torch.bfloat16, 128, 16), CpuAttention)
+    # not a whole number of vectors; past the kernel's arrays; too many heads per KV head
+    for head_dim, group in ((36, 3), (264, 1), (64, 32)):
+        assert type(default_attention(cpu, torch.float32, head_dim, group)) is TorchAttention
+    assert type(default_attention(cpu, torch.float16, 64, 3)) is TorchAttention
