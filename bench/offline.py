@@ -152,9 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     offline = Engine(loaded.model, loaded.tokenizer, config)
     ours = run_engine(offline, prompts, args.output_len)
     preemptions = offline.scheduler.num_preemptions
-    del offline  # its KV pool
-    engine = Engine(loaded.model, loaded.tokenizer, config)
-    overhead = decode_overhead(engine, batch=32, steps=20)
+    overhead = decode_overhead(offline, batch=32, steps=20)  # the same engine, idle again
+    del offline  # its KV pool, before transformers runs
     results = [ours]
     if not args.skip_transformers:
         log(f"transformers: {len(prompts)} requests, batches of {args.hf_batch}")
