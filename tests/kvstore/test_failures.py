@@ -30,14 +30,17 @@ def test_killing_redis_mid_batch_then_restarting(tmp_path):
 
         def kill_soon():
             time.sleep(0.02)
-            server.kill()
+            # the time the signal is sent: the store may notice before kill() has reaped
             killed_at.append(time.monotonic())
+            server.kill()
 
-        threading.Thread(target=kill_soon).start()
+        killer = threading.Thread(target=kill_soon)
+        killer.start()
         with pytest.raises(StoreUnavailable):
             for _ in range(50):  # big batches until the kill lands in one of them
                 await store.put_many(items)
         failed_at = time.monotonic()
+        killer.join()
         assert killed_at and failed_at - killed_at[0] <= TIMEOUT + 0.5
         start = time.monotonic()
         with pytest.raises(StoreUnavailable):
