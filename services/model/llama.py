@@ -9,14 +9,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from services.model.attention import Attention, default_attention
 from services.model.batch import ForwardBatch
 from services.model.config import ModelConfig
 from services.model.kv_cache import KVCache
+from services.model.layer_ops import LayerOps, default_layer_ops
 from services.model.linear import Linear, make_linear, packed_linear_available
-from services.model.rope import Rotary, apply_rotary
+from services.model.rope import Rotary
 
 
 @dataclass(frozen=True)
@@ -29,12 +29,6 @@ class LayerWeights:
     down: Linear  # ff -> hidden
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()  # statistics in float32 whatever the compute dtype, as transformers does
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
 class LlamaModel:
     def __init__(
         self,
@@ -44,8 +38,10 @@ class LlamaModel:
         device: torch.device | str = "cpu",
         attention: Attention | None = None,
         packed: bool | None = None,
+        ops: LayerOps | None = None,
     ) -> None:
-        """`packed`: oneDNN-prepacked weights (default: wherever they work, i.e. CPUs)."""
+        """`packed`: oneDNN-prepacked weights (default: wherever they work, i.e. CPUs);
+        `attention`, `ops`: the kernels (default: the fastest the device has)."""
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
@@ -84,44 +80,43 @@ class LlamaModel:
                     down=linear(p + "mlp.down_proj"),
                 )
             )
-        self.rotary = Rotary(config, dtype, self.device)
+        self.ops: LayerOps = ops or default_layer_ops(
+            config, Rotary(config, dtype, self.device), self.device, dtype
+        )
 
     def new_kv_cache(self, num_blocks: int, block_size: int = 16) -> KVCache:
         return KVCache(self.config, num_blocks, block_size, self.dtype, self.device)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
-        """Logits [len(batch.logits_rows), vocab] in float32; K/V of every row is cached."""
+        """Logits [len(batch.logits_rows), vocab] in float32; K/V of every row is cached.
+
+        The residual stream h is updated in place; each add is fused with the norm after it.
+        """
+        c, ops = self.config, self.ops
         plan = self.attention.plan(batch)
-        cos, sin = self.rotary.tables(batch.positions)
-        h = self.embed[batch.token_ids]  # [T, hidden]
+        at = ops.positions(batch.positions)
+        h = self.embed.index_select(0, batch.token_ids)  # [T, hidden]
+        x = ops.add_rms_norm(h, None, self.layers[0].input_norm, c.rms_norm_eps)
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = kv.layer(i)
-            h = h + self._attention(layer, h, cos, sin, k_cache, v_cache, plan)
-            h = h + self._mlp(layer, h)
-        h = rms_norm(h[batch.logits_rows], self.norm, self.config.rms_norm_eps)
-        return self.lm_head(h).float()
+            attended = self._attention(layer, x, at, k_cache, v_cache, plan)
+            x = ops.add_rms_norm(h, attended, layer.post_norm, c.rms_norm_eps)
+            mlp = layer.down(ops.silu_mul(layer.gate_up(x)))
+            last = i + 1 == len(self.layers)
+            norm = self.norm if last else self.layers[i + 1].input_norm
+            x = ops.add_rms_norm(h, mlp, norm, c.rms_norm_eps)
+        return self.lm_head(x[batch.logits_rows]).float()
 
     def _attention(
         self,
         layer: LayerWeights,
-        h: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        x: torch.Tensor,
+        at: object,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         plan: object,
     ) -> torch.Tensor:
-        c = self.config
-        x = rms_norm(h, layer.input_norm, c.rms_norm_eps)
-        q, k, v = layer.qkv(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-        q = apply_rotary(q.view(-1, c.num_heads, c.head_dim), cos, sin)
-        k = apply_rotary(k.view(-1, c.num_kv_heads, c.head_dim), cos, sin)
-        v = v.reshape(-1, c.num_kv_heads, c.head_dim)
+        q, k, v = self.ops.rotary(layer.qkv(x), at)
         out = self.attention.forward(q, k, v, k_cache, v_cache, plan)  # [T, heads, D]
-        return layer.o(out.reshape(-1, c.q_size))
-
-    def _mlp(self, layer: LayerWeights, h: torch.Tensor) -> torch.Tensor:
-        x = rms_norm(h, layer.post_norm, self.config.rms_norm_eps)
-        gate, up = layer.gate_up(x).chunk(2, dim=-1)
-        return layer.down(F.silu(gate) * up)
+        return layer.o(out.reshape(-1, self.config.q_size))

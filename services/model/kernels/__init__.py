@@ -24,12 +24,15 @@ from pathlib import Path
 log = logging.getLogger("pdserve.kernels")
 
 HERE = Path(__file__).parent
-FLAGS = [
-    "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11",
-    # vectorised sums and expf (glibc's libmvec); the order is still fixed by the code, so
-    # results stay deterministic. The kernels keep away from inf and NaN, as this assumes.
-    "-ffast-math",
-]  # fmt: skip
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+# Kernels that may reorder float arithmetic: vectorised sums and expf (glibc's libmvec). The
+# order is still fixed by the code, so results stay deterministic; these kernels keep away
+# from inf and NaN, as it assumes. The others keep IEEE rounding to match torch's.
+FAST_MATH = {"paged_attention": ["-ffast-math"]}
+
+
+def flags(name: str) -> list[str]:
+    return FLAGS + FAST_MATH.get(name, [])
 
 
 def _cpu_identity() -> str:
@@ -41,7 +44,7 @@ def _cpu_identity() -> str:
         return platform.processor() or platform.machine()
 
 
-def _build(source: Path, out: Path) -> None:
+def _build(source: Path, out: Path, flags: list[str]) -> None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise OSError("no C compiler found (set CC)")
@@ -49,7 +52,7 @@ def _build(source: Path, out: Path) -> None:
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         target = Path(tmp) / out.name
         subprocess.run(
-            [compiler, *FLAGS, "-o", str(target), str(source), "-lm"],
+            [compiler, *flags, "-o", str(target), str(source), "-lm"],
             check=True,
             capture_output=True,
             text=True,
@@ -66,12 +69,12 @@ def load(name: str) -> ctypes.CDLL | None:
 
     source = HERE / f"{name}.c"
     key = hashlib.sha256(
-        source.read_bytes() + " ".join(FLAGS).encode() + _cpu_identity().encode()
+        source.read_bytes() + " ".join(flags(name)).encode() + _cpu_identity().encode()
     ).hexdigest()[:16]
     out = cache_root() / "kernels" / f"{name}-{key}.so"
     try:
         if not out.is_file():
-            _build(source, out)
+            _build(source, out, flags(name))
         return ctypes.CDLL(str(out))
     except (OSError, subprocess.CalledProcessError) as e:
         detail = getattr(e, "stderr", "") or str(e)

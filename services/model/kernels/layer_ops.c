@@ -1,0 +1,167 @@
+/*
+ * The element-wise work of a decoder layer, for CPUs, one pass over each row where torch
+ * makes several: residual add + RMS norm, rotary embedding of q and k, SiLU(gate) * up.
+ *
+ * Each function reproduces the torch reference's roundings (services/model/layer_ops.py:
+ * TorchLayerOps): every intermediate torch rounds to the compute dtype is rounded here too,
+ * statistics are float32 as transformers computes them. Rotary and the residual add are
+ * bit-identical to torch in both dtypes; the norm's sum and SiLU's exp differ from torch's in
+ * the last bits of a float32. Built without -ffast-math so the compiler keeps every rounding
+ * and contracts nothing into a fused multiply-add (tests compare with the reference).
+ *
+ * Rows are independent: a row's result never depends on the other rows of the call, so a
+ * request gets the same numbers alone or in any batch. Tensors are contiguous, rows of
+ * `dim` elements, float32 or bfloat16 (`bf16`); every dim is a multiple of LANES (the Python
+ * side checks and falls back to torch otherwise).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define LANES 16
+
+typedef float vf __attribute__((vector_size(LANES * sizeof(float))));
+typedef uint32_t vu __attribute__((vector_size(LANES * sizeof(uint32_t))));
+typedef uint16_t vh __attribute__((vector_size(LANES * sizeof(uint16_t))));
+typedef int32_t vi __attribute__((vector_size(LANES * sizeof(int32_t))));
+
+#define INLINE static inline __attribute__((always_inline))
+/* rows of a call worth a second thread: below this, waking it costs more than it saves */
+#define PARALLEL_ELEMS 16384
+
+INLINE vf load(const void *base, int64_t at, int bf16) {
+    vf x;
+    if (bf16) {
+        vh h;
+        memcpy(&h, (const uint16_t *)base + at, sizeof h);
+        vu u = __builtin_convertvector(h, vu) << 16;
+        memcpy(&x, &u, sizeof x);
+    } else {
+        memcpy(&x, (const float *)base + at, sizeof x);
+    }
+    return x;
+}
+
+/* float32 to bfloat16, rounding to nearest even as torch does (no NaNs reach here). */
+INLINE vh to_bf16(vf x) {
+    vu u;
+    memcpy(&u, &x, sizeof u);
+    u += 0x7FFF + ((u >> 16) & 1);
+    return __builtin_convertvector(u >> 16, vh);
+}
+
+/* x rounded to the compute dtype, kept as float32 for the next operation. */
+INLINE vf round_to(vf x, int bf16) {
+    if (!bf16) return x;
+    vu u = __builtin_convertvector(to_bf16(x), vu) << 16;
+    memcpy(&x, &u, sizeof x);
+    return x;
+}
+
+INLINE void store(void *base, int64_t at, vf x, int bf16) {
+    if (bf16) {
+        vh h = to_bf16(x);
+        memcpy((uint16_t *)base + at, &h, sizeof h);
+    } else {
+        memcpy((float *)base + at, &x, sizeof x);
+    }
+}
+
+/* where mask (all ones or zeros per lane), b; elsewhere a */
+INLINE vf select(vi mask, vf a, vf b) { return (vf)(((vi)a & ~mask) | ((vi)b & mask)); }
+
+/* e^x to a few ulp for x in [-87, 88] (clamped to it): x = n ln2 + r, |r| <= ln2 / 2 (ln2 in
+ * two parts, the first exact in n ln2, so r stays accurate for large n), e^r by its Taylor
+ * polynomial to r^7, times 2^n built in the exponent bits. */
+INLINE vf vexp(vf x) {
+    const vf lo = (vf){0} - 87.0f, hi = (vf){0} + 88.0f, half = (vf){0} + 0.5f;
+    x = select(x < lo, x, lo);
+    x = select(x > hi, x, hi);
+    vf t = x * 1.44269504f;
+    vi n = __builtin_convertvector(t + select(t < 0, half, -half), vi); /* nearest */
+    const vf nf = __builtin_convertvector(n, vf);
+    vf r = (x - nf * 0.693145752f) - nf * 1.42860677e-6f;
+    vf p = r * (1.0f / 5040) + 1.0f / 720;
+    p = p * r + 1.0f / 120;
+    p = p * r + 1.0f / 24;
+    p = p * r + 1.0f / 6;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    return (vf)((vi)p + (n << 23));
+}
+
+/* h += delta (if delta), then out = weight * dtype(h * rsqrt(mean(h^2) + eps)), per row.
+ * h, delta, out: [rows, dim]; weight: [dim]. */
+void add_rms_norm(void *h, const void *delta, const void *weight, void *out, int64_t rows,
+                  int64_t dim, float eps, int bf16) {
+#pragma omp parallel for schedule(static) if (rows * dim >= PARALLEL_ELEMS)
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t row = r * dim;
+        vf sq = {0};
+        for (int64_t c = 0; c < dim; c += LANES) {
+            vf x = load(h, row + c, bf16);
+            if (delta) {
+                x = round_to(x + load(delta, row + c, bf16), bf16);
+                store(h, row + c, x, bf16);
+            }
+            sq += x * x;
+        }
+        float sum = 0.0f;
+        for (int i = 0; i < LANES; i++) sum += sq[i];
+        const float inv = 1.0f / sqrtf(sum / (float)dim + eps);
+        for (int64_t c = 0; c < dim; c += LANES) {
+            vf x = round_to(load(h, row + c, bf16) * inv, bf16);
+            store(out, row + c, load(weight, c, bf16) * x, bf16);
+        }
+    }
+}
+
+/* Rotate-half rotary embedding of `heads` heads of `dim` at x + row * stride, into out
+ * ([rows, heads, dim]): out = x * cos + rotate_half(x) * sin, each product rounded. */
+INLINE void rotate(const void *x, int64_t stride, const void *cos, const void *sin,
+                   const int64_t *positions, void *out, int64_t rows, int64_t heads,
+                   int64_t dim, int bf16) {
+    const int64_t half = dim / 2;
+#pragma omp parallel for schedule(static) if (rows * heads * dim >= PARALLEL_ELEMS)
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t at = positions[r] * dim;
+        for (int64_t h = 0; h < heads; h++) {
+            const int64_t in = r * stride + h * dim, to = (r * heads + h) * dim;
+            for (int64_t c = 0; c < half; c += LANES) {
+                vf a = load(x, in + c, bf16), b = load(x, in + half + c, bf16);
+                vf lo = round_to(a * load(cos, at + c, bf16), bf16) +
+                        round_to(-b * load(sin, at + c, bf16), bf16);
+                vf hi = round_to(b * load(cos, at + half + c, bf16), bf16) +
+                        round_to(a * load(sin, at + half + c, bf16), bf16);
+                store(out, to + c, lo, bf16);
+                store(out, to + half + c, hi, bf16);
+            }
+        }
+    }
+}
+
+/* q and k of a fused qkv projection ([rows, (heads + 2 kv_heads) * dim]: q, then k, then v),
+ * rotated into q_out [rows, heads, dim] and k_out [rows, kv_heads, dim]. cos, sin:
+ * [max_positions, dim] tables; positions: [rows]. */
+void rotary(const void *qkv, const void *cos, const void *sin, const int64_t *positions,
+            void *q_out, void *k_out, int64_t rows, int64_t heads, int64_t kv_heads,
+            int64_t dim, int bf16) {
+    const int64_t stride = (heads + 2 * kv_heads) * dim;
+    const int64_t elem = bf16 ? 2 : 4;
+    rotate(qkv, stride, cos, sin, positions, q_out, rows, heads, dim, bf16);
+    rotate((const char *)qkv + heads * dim * elem, stride, cos, sin, positions, k_out, rows,
+           kv_heads, dim, bf16);
+}
+
+/* out = dtype(silu(gate)) * up, per row of gate_up ([rows, 2 ff]: gate, then up);
+ * out: [rows, ff]. silu(x) = x / (1 + e^-x) in float32, as torch computes it. */
+void silu_mul(const void *gate_up, void *out, int64_t rows, int64_t ff, int bf16) {
+#pragma omp parallel for schedule(static) if (rows * ff >= PARALLEL_ELEMS)
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = 0; c < ff; c += LANES) {
+            vf g = load(gate_up, r * 2 * ff + c, bf16), u = load(gate_up, r * 2 * ff + ff + c, bf16);
+            vf s = round_to(g / (1.0f + vexp(-g)), bf16);
+            store(out, r * ff + c, s * u, bf16);
+        }
+}

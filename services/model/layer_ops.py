@@ -1,0 +1,161 @@
+"""The element-wise work of a decoder layer: residual add + RMS norm, rotary, SiLU * up.
+
+One seam, two implementations: `TorchLayerOps`, plain torch and the reference (its roundings
+are transformers'), and `CpuLayerOps`, a C kernel per operation (kernels/layer_ops.c) that
+makes one pass over each row where torch makes five to ten, for the shapes it takes.
+
+Contract of a `LayerOps`:
+- `add_rms_norm(h, delta, weight, eps)` adds `delta` into `h` in place (when given), then
+  returns RMS-norm(h) * weight as a new tensor. Row by row: a row's result never depends on
+  the others.
+- `positions(p)` runs once per forward pass; `rotary(qkv, at)` then splits a fused qkv
+  projection [T, (heads + 2 kv_heads) * D] into q [T, heads, D] and k [T, kv_heads, D], both
+  rotated to the positions, and v [T, kv_heads, D] (possibly a view of qkv).
+- `silu_mul(gate_up)` is silu(gate) * up for gate_up [T, 2 ff] = [gate | up].
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from services.model.config import ModelConfig
+from services.model.rope import Rotary, apply_rotary
+
+
+class LayerOps(Protocol):
+    def add_rms_norm(
+        self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor: ...
+
+    def positions(self, positions: torch.Tensor) -> object: ...
+
+    def rotary(
+        self, qkv: torch.Tensor, at: object
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()  # statistics in float32 whatever the compute dtype, as transformers does
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class TorchLayerOps:
+    def __init__(self, config: ModelConfig, rotary: Rotary) -> None:
+        self.config = config
+        self.tables = rotary
+
+    def add_rms_norm(
+        self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        if delta is not None:
+            h.add_(delta)
+        return rms_norm(h, weight, eps)
+
+    def positions(self, positions: torch.Tensor) -> object:
+        return self.tables.tables(positions)  # cos, sin: [T, 1, D]
+
+    def rotary(
+        self, qkv: torch.Tensor, at: object
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        c = self.config
+        assert isinstance(at, tuple)
+        cos, sin = at
+        q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q = apply_rotary(q.view(-1, c.num_heads, c.head_dim), cos, sin)
+        k = apply_rotary(k.view(-1, c.num_kv_heads, c.head_dim), cos, sin)
+        return q, k, v.reshape(-1, c.num_kv_heads, c.head_dim)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+KERNEL_LANES = 16  # every row length the C kernels see is a multiple of this
+
+
+class CpuLayerOps(TorchLayerOps):
+    """C kernels, one pass per row; contiguous float32 or bfloat16 tensors on the CPU."""
+
+    def __init__(self, config: ModelConfig, rotary: Rotary, library: ctypes.CDLL) -> None:
+        super().__init__(config, rotary)
+        p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+        self._norm = _bind(library.add_rms_norm, [p] * 4 + [i64] * 2 + [f32, ctypes.c_int])
+        self._rotary = _bind(library.rotary, [p] * 6 + [i64] * 4 + [ctypes.c_int])
+        self._silu_mul = _bind(library.silu_mul, [p] * 2 + [i64] * 2 + [ctypes.c_int])
+        self.bf16 = int(rotary.cos.dtype == torch.bfloat16)
+
+    def add_rms_norm(
+        self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        out = torch.empty_like(h)
+        rows, dim = h.shape
+        self._norm(
+            h.data_ptr(), None if delta is None else _contiguous(delta).data_ptr(),
+            weight.data_ptr(), out.data_ptr(), rows, dim, eps, self.bf16,
+        )  # fmt: skip
+        return out
+
+    def positions(self, positions: torch.Tensor) -> object:
+        return positions.contiguous()
+
+    def rotary(
+        self, qkv: torch.Tensor, at: object
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        c = self.config
+        assert isinstance(at, torch.Tensor)
+        qkv = _contiguous(qkv)
+        rows = qkv.shape[0]
+        q = qkv.new_empty(rows, c.num_heads, c.head_dim)
+        k = qkv.new_empty(rows, c.num_kv_heads, c.head_dim)
+        self._rotary(
+            qkv.data_ptr(), self.tables.cos.data_ptr(), self.tables.sin.data_ptr(),
+            at.data_ptr(), q.data_ptr(), k.data_ptr(),
+            rows, c.num_heads, c.num_kv_heads, c.head_dim, self.bf16,
+        )  # fmt: skip
+        v = qkv[:, c.q_size + c.kv_size :].view(rows, c.num_kv_heads, c.head_dim)
+        return q, k, v
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate_up = _contiguous(gate_up)
+        rows, ff = gate_up.shape[0], gate_up.shape[1] // 2
+        out = gate_up.new_empty(rows, ff)
+        self._silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, ff, self.bf16)
+        return out
+
+
+def _bind(fn: Any, argtypes: list[type]) -> Any:
+    """A library function, typed for ctypes; it returns nothing."""
+    fn.restype = None
+    fn.argtypes = argtypes
+    return fn
+
+
+def _contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.is_contiguous() else x.contiguous()
+
+
+def default_layer_ops(
+    config: ModelConfig, rotary: Rotary, device: torch.device, dtype: torch.dtype
+) -> LayerOps:
+    """The C kernels on CPUs where they build, for float32 and bfloat16 and rows they take;
+    the torch reference otherwise."""
+    supported = (
+        dtype in (torch.float32, torch.bfloat16)
+        and config.hidden_size % KERNEL_LANES == 0
+        and config.intermediate_size % KERNEL_LANES == 0
+        and config.head_dim % (2 * KERNEL_LANES) == 0
+    )
+    if device.type == "cpu" and supported:
+        from services.model import kernels
+
+        library = kernels.load("layer_ops")
+        if library is not None:
+            return CpuLayerOps(config, rotary, library)
+    return TorchLayerOps(config, rotary)

@@ -1,0 +1,108 @@
+"""The C element-wise kernels (kernels/layer_ops.c) against the torch reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.model import kernels
+from services.model.config import ModelConfig
+from services.model.layer_ops import CpuLayerOps, TorchLayerOps, default_layer_ops
+from services.model.rope import Rotary
+
+LIBRARY = kernels.load("layer_ops")
+needs_kernel = pytest.mark.skipif(LIBRARY is None, reason="no C compiler here")
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _config(head_dim: int = 64, hidden: int = 96) -> ModelConfig:
+    return ModelConfig(
+        architecture="LlamaForCausalLM", vocab_size=100, hidden_size=hidden,
+        intermediate_size=160, num_layers=1, num_heads=5, num_kv_heads=1, head_dim=head_dim,
+        rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=4096,
+        tie_word_embeddings=True, attention_bias=False,
+    )  # fmt: skip
+
+
+def _ops(dtype: torch.dtype) -> tuple[CpuLayerOps, TorchLayerOps]:
+    assert LIBRARY is not None
+    config = _config()
+    rotary = Rotary(config, dtype, torch.device("cpu"))
+    return CpuLayerOps(config, rotary, LIBRARY), TorchLayerOps(config, rotary)
+
+
+def _randn(*shape: int, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(sum(shape))
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_is_bit_identical_to_torch(dtype):
+    kernel, reference = _ops(dtype)
+    c = kernel.config
+    qkv = _randn(300, c.q_size + 2 * c.kv_size, dtype=dtype)
+    positions = torch.randint(0, 4096, (300,), generator=torch.Generator().manual_seed(1))
+    got = kernel.rotary(qkv, kernel.positions(positions))
+    expected = reference.rotary(qkv, reference.positions(positions))
+    for a, b in zip(got, expected, strict=True):
+        assert a.shape == b.shape and a.dtype == dtype
+        assert torch.equal(a, b)
+
+
+@needs_kernel
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 2e-6), (torch.bfloat16, 0.0)])
+def test_add_rms_norm_matches_torch(dtype, tol):
+    kernel, reference = _ops(dtype)
+    h, delta = _randn(300, 96, dtype=dtype, scale=3.0), _randn(301, 96, dtype=dtype)[1:]
+    weight = _randn(96, dtype=dtype)
+    h_kernel, h_reference = h.clone(), h.clone()
+    got = kernel.add_rms_norm(h_kernel, delta, weight, 1e-5)
+    expected = reference.add_rms_norm(h_reference, delta, weight, 1e-5)
+    assert torch.equal(h_kernel, h_reference)  # the residual add: one rounding, the same
+    assert got.dtype == dtype
+    assert (got.float() - expected.float()).abs().max().item() <= tol
+    # without delta, h is left alone
+    before = h.clone()
+    kernel.add_rms_norm(h, None, weight, 1e-5)
+    assert torch.equal(h, before)
+
+
+@needs_kernel
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-6), (torch.bfloat16, 0.0)])
+def test_silu_mul_matches_torch_over_the_whole_range(dtype, tol):
+    kernel, reference = _ops(dtype)
+    gate_up = _randn(64, 320, dtype=dtype, scale=30.0)  # exp's arguments far past +-88
+    got, expected = kernel.silu_mul(gate_up), reference.silu_mul(gate_up)
+    assert got.shape == (64, 160)
+    # relative to the value, but silu(x) for x < -88 is a float32 denormal (below 1e-34)
+    # where torch flushes it to 0: there the difference is absolute
+    error = (got.float() - expected.float()).abs()
+    assert (error <= tol * expected.float().abs() + 1e-34).all()
+
+
+@needs_kernel
+def test_rows_do_not_depend_on_the_batch():
+    kernel, _ = _ops(torch.float32)
+    h = _randn(200, 96, dtype=torch.float32)
+    weight = _randn(96, dtype=torch.float32)
+    alone = kernel.add_rms_norm(h[7:8].clone(), None, weight, 1e-5)
+    batched = kernel.add_rms_norm(h.clone(), None, weight, 1e-5)
+    assert torch.equal(alone[0], batched[7])
+    gate_up = _randn(200, 320, dtype=torch.float32)
+    assert torch.equal(kernel.silu_mul(gate_up[7:8].clone())[0], kernel.silu_mul(gate_up)[7])
+
+
+def test_kernels_only_for_row_lengths_they_take():
+    cpu = torch.device("cpu")
+    odd = _config(head_dim=48)  # half a head is not a whole vector of 16
+    assert isinstance(
+        default_layer_ops(odd, Rotary(odd, torch.float32, cpu), cpu, torch.float32), TorchLayerOps
+    )
+    assert type(default_layer_ops(odd, Rotary(odd, torch.float16, cpu), cpu, torch.float16)) is (
+        TorchLayerOps
+    )
+    if LIBRARY is not None:
+        ok = _config()
+        made = default_layer_ops(ok, Rotary(ok, torch.float32, cpu), cpu, torch.float32)
+        assert isinstance(made, CpuLayerOps)
