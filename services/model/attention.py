@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -96,37 +96,161 @@ class TorchAttention:
         return _decode(q, k_cache, v_cache, plan)
 
 
-class CpuAttention(TorchAttention):
-    """The torch path, with decode rows done by a C kernel that reads KV blocks in place
-    (kernels/paged_attention.c): no gather, and results independent of the batch."""
+@dataclass(frozen=True)
+class PrefillSpans:
+    """The prefill chunks of a batch, as the C kernel takes them."""
+
+    rows: torch.Tensor  # [S] first row of each chunk
+    qlens: torch.Tensor  # [S] its queries
+    lens: torch.Tensor  # [S] context length: its last query's position + 1
+    tables: torch.Tensor  # [S, max_blocks] block tables, padded with block 0
+
+
+@dataclass(frozen=True)
+class CpuPlan:
+    slots: torch.Tensor  # [T]
+    decode: DecodePlan | None
+    prefill: PrefillSpans | None
+
+
+class CpuAttention:
+    """C kernels that read KV blocks in place (kernels/paged_attention.c): no gather, no
+    masks, and results independent of the batch. Decode rows and prefill chunks each take one
+    call per layer."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
-        self.kernel = library.paged_decode_attention
-        self.kernel.restype = ctypes.c_int
-        self.kernel.argtypes = (
-            [ctypes.c_void_p] * 3
-            + [ctypes.c_int]
+        self.kernel = _bind(library.paged_decode_attention, arrays=4)
+        self.prefill_kernel = _bind(library.paged_prefill_attention, arrays=5)
+        self.write_kernel = library.write_kv
+        self.write_kernel.restype = None
+        self.write_kernel.argtypes = (
+            [ctypes.c_void_p] * 2
+            + [ctypes.c_int64]
             + [ctypes.c_void_p] * 3
-            + [ctypes.c_int64] * 6
-            + [ctypes.c_float]
+            + [ctypes.c_int64] * 3
+            + [ctypes.c_int]
         )
+
+    def plan(self, batch: ForwardBatch) -> CpuPlan:
+        device = batch.token_ids.device
+        decodes = [s for s in batch.seqs if s.is_decode]
+        prefills = [s for s in batch.seqs if not s.is_decode]
+        return CpuPlan(
+            batch.slot_mapping,
+            _decode_plan(decodes, batch.block_size, device) if decodes else None,
+            _prefill_spans(prefills, device) if prefills else None,
+        )
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        plan: object,
+    ) -> torch.Tensor:
+        assert isinstance(plan, CpuPlan)
+        self._write(k, v, k_cache, v_cache, plan.slots)
+        q = q.to(k_cache.dtype).contiguous()  # the kernels take q in the cache's dtype
+        out = torch.empty_like(q)
+        if plan.decode is not None:
+            self._decode_into(q, k_cache, v_cache, plan.decode, out)
+        if plan.prefill is not None:
+            self._prefill_into(q, k_cache, v_cache, plan.prefill, out)
+        return out
+
+    def _write(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> None:
+        k, v = k.to(k_cache.dtype).contiguous(), v.to(v_cache.dtype)
+        if v.stride()[1:] != (v.shape[2], 1):  # the kernel takes rows of v at any stride
+            v = v.contiguous()
+        self.write_kernel(
+            k.data_ptr(), v.data_ptr(), v.stride(0), slots.data_ptr(), k_cache.data_ptr(),
+            v_cache.data_ptr(), k.shape[0], k.shape[1], k.shape[2],
+            int(k_cache.dtype == torch.bfloat16),
+        )  # fmt: skip
 
     def _decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan
     ) -> torch.Tensor:
-        queries = q[plan.rows].float().contiguous()  # [B, heads, D]
+        queries = q.to(k_cache.dtype).contiguous()
         out = torch.empty_like(queries)
-        batch, heads, dim = queries.shape
-        status = self.kernel(
-            queries.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+        self._decode_into(queries, k_cache, v_cache, plan, out)
+        return out[plan.rows]
+
+    def _decode_into(
+        self,
+        q: torch.Tensor,  # [T, heads, D] contiguous, in the cache's dtype
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        plan: DecodePlan,
+        out: torch.Tensor,  # [T, heads, D] like q: the decode rows are written
+    ) -> None:
+        _, heads, dim = q.shape
+        _check(self.kernel(
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
             int(k_cache.dtype == torch.bfloat16),
-            plan.tables.data_ptr(), plan.lens.data_ptr(), out.data_ptr(),
-            batch, heads, k_cache.shape[1], dim, v_cache.shape[2], plan.tables.shape[1],
-            dim**-0.5,
-        )  # fmt: skip
-        if status != 0:
-            raise RuntimeError("paged_decode_attention failed (sizes out of range or no memory)")
-        return out.to(q.dtype)
+            plan.tables.data_ptr(), plan.lens.data_ptr(), plan.rows.data_ptr(), out.data_ptr(),
+            plan.rows.shape[0], heads, k_cache.shape[1], dim, v_cache.shape[2],
+            plan.tables.shape[1], dim**-0.5,
+        ))  # fmt: skip
+
+    def _prefill_into(
+        self,
+        q: torch.Tensor,  # [T, heads, D] contiguous, in the cache's dtype
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        spans: PrefillSpans,
+        out: torch.Tensor,  # [T, heads, D] like q: the chunks' rows are written
+    ) -> None:
+        _, heads, dim = q.shape
+        _check(self.prefill_kernel(
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+            int(k_cache.dtype == torch.bfloat16), spans.tables.data_ptr(),
+            spans.rows.data_ptr(), spans.qlens.data_ptr(), spans.lens.data_ptr(), out.data_ptr(),
+            spans.rows.shape[0], heads, k_cache.shape[1], dim, v_cache.shape[2],
+            spans.tables.shape[1], dim**-0.5,
+        ))  # fmt: skip
+
+
+def _bind(fn: Any, arrays: int) -> Any:
+    """A kernel's signature: q, k, v, the bf16 flag, `arrays` more pointers, six sizes (count,
+    heads, kv_heads, head dim, block size, table width) and the scale; it returns 0 or -1."""
+    fn.restype = ctypes.c_int
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    fn.argtypes = (
+        [pointer] * 3 + [ctypes.c_int] + [pointer] * arrays + [size] * 6 + [ctypes.c_float]
+    )
+    return fn
+
+
+def _check(status: int) -> None:
+    if status != 0:
+        raise RuntimeError("paged attention kernel failed (sizes out of range or no memory)")
+
+
+def _prefill_spans(spans: list[SeqSpan], device: torch.device) -> PrefillSpans:
+    width = max(len(s.block_table) for s in spans)
+    tables = torch.zeros(len(spans), width, dtype=torch.int64, device=device)
+    for i, s in enumerate(spans):
+        tables[i, : len(s.block_table)] = s.block_table
+
+    def t(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
+    return PrefillSpans(
+        t([s.row for s in spans]),
+        t([s.query_len for s in spans]),
+        t([s.context_len for s in spans]),
+        tables,
+    )
 
 
 KERNEL_BLOCK_SIZE = 16  # the block size the C kernel is specialised for

@@ -1,6 +1,7 @@
 /*
- * Decode attention over a paged KV cache, for CPUs: one query token per sequence, keys and
- * values read in place from their blocks (no gather), float32 arithmetic.
+ * Attention over a paged KV cache, for CPUs, keys and values read in place from their blocks
+ * (no gather), float32 arithmetic: decode (one query token per sequence) first, then prefill
+ * (the chunks of prompts) further down.
  *
  * Each sequence is one task, and it reads each of its blocks once, in the order they lie in
  * memory (a block's KV heads are adjacent). For each block and KV head, the G query heads
@@ -12,9 +13,9 @@
  * every sum depends on the sequence alone, never on the batch around it: a sequence gets
  * bit-identical results alone or in any batch.
  *
- * Layouts (contiguous; see services/model/kv_cache.py):
- *   q, out:  [B, H, D] float32
- *   k:       [num_blocks, KVH, D, BLOCK]  float32 or bfloat16 (one layer)
+ * Layouts (contiguous; see services/model/kv_cache.py), all float32 or all bfloat16:
+ *   q, out:  [T, H, D], a row per token of the forward pass; sequence b's at rows[b]
+ *   k:       [num_blocks, KVH, D, BLOCK] (one layer)
  *   v:       [num_blocks, KVH, BLOCK, D]
  *   tables:  [B, W] int64 block ids; lens: [B] int64 context lengths (>= 1)
  * BLOCK is 16, pdserve's block size; D a multiple of 8 (a vector), at most 256.
@@ -51,6 +52,33 @@ INLINE vf load(const void *base, int64_t at, int bf16) {
         memcpy(&x, (const float *)base + at, sizeof x);
     }
     return x;
+}
+
+/* element i of a float32 or bfloat16 array, as float32 */
+INLINE float scalar(const void *base, int64_t i, int bf16) {
+    if (!bf16) return ((const float *)base)[i];
+    const uint32_t u = (uint32_t)((const uint16_t *)base)[i] << 16;
+    float x;
+    memcpy(&x, &u, sizeof x);
+    return x;
+}
+
+/* LANES floats stored at `at` in the array's dtype (bfloat16: rounded to nearest even) */
+INLINE void store(void *base, int64_t at, vf x, int bf16) {
+    if (!bf16) {
+        memcpy((float *)base + at, &x, sizeof x);
+        return;
+    }
+    vu u;
+    memcpy(&u, &x, sizeof u);
+    u += 0x7FFF + ((u >> 16) & 1);
+    vh h = __builtin_convertvector(u >> 16, vh);
+    memcpy((uint16_t *)base + at, &h, sizeof h);
+}
+
+/* the array p advanced by i elements */
+INLINE void *advance(const void *p, int64_t i, int bf16) {
+    return (char *)p + i * (bf16 ? 2 : 4);
 }
 
 /* e^x for x in [-87, 0] (x is clamped to it), to about 2 ulp: x = n ln2 + r with
@@ -140,16 +168,16 @@ INLINE void visit(head_t *h, const void *k, const void *v, int64_t at, int64_t n
 
 /* One task: every head of one sequence. Block by block, each KV head in turn, so the
  * sequence's KV is read in the order it lies in memory (a block's heads are adjacent). */
-INLINE int attend(const float *q, const void *k, const void *v, int bf16, const int64_t *table,
-                  int64_t len, int64_t kv_heads, float scale, float *out, const int64_t G,
+INLINE int attend(const void *q, const void *k, const void *v, int bf16, const int64_t *table,
+                  int64_t len, int64_t kv_heads, float scale, void *out, const int64_t G,
                   const int64_t D) {
     const int64_t elem = bf16 ? 2 : 4, head_elems = D * BLOCK;
     head_t *heads = aligned_alloc(LINE, (size_t)kv_heads * sizeof *heads); /* vf: aligned */
     if (heads == NULL) return -1;
     for (int64_t kh = 0; kh < kv_heads; kh++)
         for (int64_t g = 0; g < G; g++) {
-            const float *qg = q + (kh * G + g) * D;
-            for (int64_t d = 0; d < D; d++) heads[kh].qs[g][d] = qg[d] * scale;
+            for (int64_t d = 0; d < D; d++)
+                heads[kh].qs[g][d] = scalar(q, (kh * G + g) * D + d, bf16) * scale;
             for (int64_t c = 0; c < D / LANES; c++) heads[kh].acc[g][c] = (vf){0};
             heads[kh].m[g] = -FLT_MAX;
             heads[kh].l[g] = 0.0f;
@@ -171,31 +199,31 @@ INLINE int attend(const float *q, const void *k, const void *v, int bf16, const 
     for (int64_t kh = 0; kh < kv_heads; kh++)
         for (int64_t g = 0; g < G; g++)
             for (int64_t c = 0; c < D / LANES; c++) {
-                vf o = heads[kh].acc[g][c] / heads[kh].l[g];
-                memcpy(out + (kh * G + g) * D + c * LANES, &o, sizeof o);
+                store(out, (kh * G + g) * D + c * LANES, heads[kh].acc[g][c] / heads[kh].l[g],
+                      bf16);
             }
     free(heads);
     return 0;
 }
 
-typedef int (*attend_fn)(const float *, const void *, const void *, int, const int64_t *,
-                         int64_t, int64_t, float, float *, int64_t, int64_t);
+typedef int (*attend_fn)(const void *, const void *, const void *, int, const int64_t *,
+                         int64_t, int64_t, float, void *, int64_t, int64_t);
 
 /* attend() for shapes of common models, G and D fixed at compile time, and for any other. */
 #define SHAPES(X) \
     X(1, 64) X(2, 64) X(3, 64) X(4, 64) X(1, 128) X(2, 128) X(4, 128) X(7, 128) X(8, 128)
 #define DEFINE(g, d)                                                                          \
-    static int attend_##g##_##d(const float *q, const void *k, const void *v, int bf16,      \
+    static int attend_##g##_##d(const void *q, const void *k, const void *v, int bf16,      \
                                 const int64_t *table, int64_t len, int64_t kv_heads,         \
-                                float scale, float *out, int64_t G, int64_t D) {             \
+                                float scale, void *out, int64_t G, int64_t D) {             \
         (void)G, (void)D;                                                                     \
         return attend(q, k, v, bf16, table, len, kv_heads, scale, out, g, d);                \
     }
 SHAPES(DEFINE)
 
-static int attend_any(const float *q, const void *k, const void *v, int bf16,
+static int attend_any(const void *q, const void *k, const void *v, int bf16,
                       const int64_t *table, int64_t len, int64_t kv_heads, float scale,
-                      float *out, int64_t G, int64_t D) {
+                      void *out, int64_t G, int64_t D) {
     return attend(q, k, v, bf16, table, len, kv_heads, scale, out, G, D);
 }
 
@@ -207,8 +235,9 @@ static attend_fn pick(int64_t G, int64_t D) {
 }
 
 /* Returns 0, or -1 if a size is out of range or memory ran out. */
-int paged_decode_attention(const float *q, const void *k, const void *v, int bf16,
-                           const int64_t *tables, const int64_t *lens, float *out,
+int paged_decode_attention(const void *q, const void *k, const void *v, int bf16,
+                           const int64_t *tables, const int64_t *lens, const int64_t *rows,
+                           void *out,
                            int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
                            int64_t block_size, int64_t width, float scale) {
     const int64_t G = heads / kv_heads;
@@ -219,7 +248,198 @@ int paged_decode_attention(const float *q, const void *k, const void *v, int bf1
     int failed = 0;
 #pragma omp parallel for schedule(dynamic, 1) reduction(| : failed)
     for (int64_t b = 0; b < batch; b++)
-        failed |= fn(q + b * heads * dim, k, v, bf16, tables + b * width, lens[b], kv_heads,
-                     scale, out + b * heads * dim, G, dim);
+        failed |= fn(advance(q, rows[b] * heads * dim, bf16), k, v, bf16, tables + b * width,
+                     lens[b], kv_heads, scale, advance(out, rows[b] * heads * dim, bf16), G, dim);
     return failed ? -1 : 0;
+}
+
+/* ---- Prefill: the new tokens of a sequence (a chunk of its prompt) attend causally over its
+ * cached tokens and themselves, all read from the blocks (written before the call).
+ *
+ * A task is one KV head of one tile of TILE_ROWS / G consecutive queries: their G * QT query
+ * heads share every K and V vector the tile loads. Block by block up to the tile's last
+ * position: scores for all rows (one vector of a block's 16 tokens per row), keys past a row's
+ * position masked, the running softmax, then the values. A row's numbers depend on its own
+ * query and the blocks alone, so they are the same in any tile, chunk or batch. */
+#ifdef __AVX512F__
+#define TILE_ROWS 12 /* 12 score vectors + a key vector fit in 32 registers */
+#else
+#define TILE_ROWS 6
+#endif
+#define MAX_ROWS (TILE_ROWS > MAX_GROUP ? TILE_ROWS : MAX_GROUP)
+
+typedef float vb __attribute__((vector_size(BLOCK * sizeof(float)))); /* a block's tokens */
+typedef int32_t vbi __attribute__((vector_size(BLOCK * sizeof(int32_t))));
+
+INLINE vb load_block(const void *base, int64_t at, int bf16) {
+    vb x;
+    memcpy(&x, (vf[2]){load(base, at, bf16), load(base, at + LANES, bf16)}, sizeof x);
+    return x;
+}
+
+INLINE vb vexp_block(vb x) {
+    vf lo, hi;
+    memcpy(&lo, &x, sizeof lo);
+    memcpy(&hi, (float *)&x + LANES, sizeof hi);
+    memcpy(&x, (vf[2]){vexp(lo), vexp(hi)}, sizeof x);
+    return x;
+}
+
+typedef struct {
+    float qs[MAX_ROWS][MAX_DIM], m[MAX_ROWS], l[MAX_ROWS], p[MAX_ROWS][BLOCK];
+    vf acc[MAX_ROWS][MAX_DIM / LANES];
+} __attribute__((aligned(LINE))) tile_t;
+
+/* Rows r = i * G + g: query q0 + i of the chunk (position first + q0 + i), head kh * G + g.
+ * A tile always computes QT queries (G, D and so its rows known at compile time, its scores
+ * held in registers); past the chunk's `qt` the last query is repeated and not written. */
+INLINE void prefill_tile(tile_t *w, const void *q, const void *k, const void *v, int bf16,
+                         const int64_t *table, int64_t first, int64_t q0, int64_t qt,
+                         int64_t kh, int64_t kv_heads, float scale, void *out, const int64_t G,
+                         const int64_t D) {
+    const int64_t QT = TILE_ROWS / G > 0 ? TILE_ROWS / G : 1, rows = QT * G;
+    const int64_t heads = kv_heads * G, head_elems = D * BLOCK;
+    int64_t query[MAX_ROWS];
+    for (int64_t r = 0; r < rows; r++) {
+        query[r] = q0 + (r / G < qt ? r / G : qt - 1);
+        for (int64_t d = 0; d < D; d++)
+            w->qs[r][d] = scalar(q, (query[r] * heads + kh * G + r % G) * D + d, bf16) * scale;
+        for (int64_t c = 0; c < D / LANES; c++) w->acc[r][c] = (vf){0};
+        w->m[r] = -FLT_MAX;
+        w->l[r] = 0.0f;
+    }
+    vbi token;
+    for (int t = 0; t < BLOCK; t++) token[t] = t;
+    const int64_t last = first + q0 + qt - 1; /* the tile's last position */
+    for (int64_t b = 0; b <= last / BLOCK; b++) {
+        const int64_t at = (table[b] * kv_heads + kh) * head_elems, start = b * BLOCK;
+        const int64_t n = last + 1 - start < BLOCK ? last + 1 - start : BLOCK;
+        vb s[MAX_ROWS];
+        for (int64_t r = 0; r < rows; r++) s[r] = (vb){0};
+        for (int64_t d = 0; d < D; d++) {
+            const vb kd = load_block(k, at + d * BLOCK, bf16);
+            for (int64_t r = 0; r < rows; r++) s[r] += w->qs[r][d] * kd;
+        }
+        for (int64_t r = 0; r < rows; r++) {
+            /* keys of this block at or before the row's position */
+            const vbi seen = token <= (vbi){0} + (int32_t)(first + query[r] - start);
+            const vb masked = (vb)(((vbi)s[r] & seen) | ((vbi)((vb){0} - FLT_MAX) & ~seen));
+            float top = w->m[r], sum = 0.0f;
+            for (int t = 0; t < BLOCK; t++) top = masked[t] > top ? masked[t] : top;
+            const float rescale = expf(w->m[r] - top);
+            const vb e = (vb)((vbi)vexp_block(masked - top) & seen);
+            memcpy(w->p[r], &e, sizeof e);
+            for (int t = 0; t < BLOCK; t++) sum += e[t];
+            w->l[r] = w->l[r] * rescale + sum;
+            w->m[r] = top;
+            for (int64_t c = 0; c < D / LANES; c++) w->acc[r][c] *= rescale;
+        }
+        for (int64_t c = 0; c < D / LANES; c++) {
+            vf a[MAX_ROWS];
+            for (int64_t r = 0; r < rows; r++) a[r] = w->acc[r][c];
+            for (int64_t t = 0; t < n; t++) {
+                const vf row = load(v, at + t * D + c * LANES, bf16);
+                for (int64_t r = 0; r < rows; r++) a[r] += w->p[r][t] * row;
+            }
+            for (int64_t r = 0; r < rows; r++) w->acc[r][c] = a[r];
+        }
+    }
+    for (int64_t r = 0; r < qt * G; r++)
+        for (int64_t c = 0; c < D / LANES; c++) {
+            store(out, (query[r] * heads + kh * G + r % G) * D + c * LANES,
+                  w->acc[r][c] / w->l[r], bf16);
+        }
+}
+
+typedef void (*tile_fn)(tile_t *, const void *, const void *, const void *, int,
+                        const int64_t *, int64_t, int64_t, int64_t, int64_t, int64_t, float,
+                        void *, int64_t, int64_t);
+
+#define DEFINE_TILE(g, d)                                                                     \
+    static void tile_##g##_##d(tile_t *w, const void *q, const void *k, const void *v,       \
+                               int bf16, const int64_t *table, int64_t first, int64_t q0,    \
+                               int64_t qt, int64_t kh, int64_t kv_heads, float scale,        \
+                               void *out, int64_t G, int64_t D) {                           \
+        (void)G, (void)D;                                                                     \
+        prefill_tile(w, q, k, v, bf16, table, first, q0, qt, kh, kv_heads, scale, out, g, d); \
+    }
+SHAPES(DEFINE_TILE)
+
+static void tile_any(tile_t *w, const void *q, const void *k, const void *v, int bf16,
+                     const int64_t *table, int64_t first, int64_t q0, int64_t qt, int64_t kh,
+                     int64_t kv_heads, float scale, void *out, int64_t G, int64_t D) {
+    prefill_tile(w, q, k, v, bf16, table, first, q0, qt, kh, kv_heads, scale, out, G, D);
+}
+
+static tile_fn pick_tile(int64_t G, int64_t D) {
+#define PICK_TILE(g, d) \
+    if (G == g && D == d) return tile_##g##_##d;
+    SHAPES(PICK_TILE)
+    return tile_any;
+}
+
+/* Prefill chunks of `spans` sequences. Chunk s: queries q[rows[s] .. rows[s] + qlens[s]),
+ * the last at position lens[s] - 1, its blocks tables[s]. q, out: [T, H, D]; only the
+ * chunks' rows of out are written. Returns 0, or -1 if a size is out of range or memory ran
+ * out. */
+int paged_prefill_attention(const void *q, const void *k, const void *v, int bf16,
+                            const int64_t *tables, const int64_t *rows, const int64_t *qlens,
+                            const int64_t *lens, void *out, int64_t spans, int64_t heads,
+                            int64_t kv_heads, int64_t dim, int64_t block_size, int64_t width,
+                            float scale) {
+    const int64_t G = heads / kv_heads;
+    if (block_size != BLOCK || G > MAX_GROUP || G * kv_heads != heads || dim > MAX_DIM ||
+        dim % LANES != 0)
+        return -1;
+    const int64_t qt = TILE_ROWS / G > 0 ? TILE_ROWS / G : 1;
+    int64_t count = 0;
+    for (int64_t s = 0; s < spans; s++) count += kv_heads * ((qlens[s] + qt - 1) / qt);
+    int64_t(*tasks)[3] = malloc((size_t)(count > 0 ? count : 1) * sizeof *tasks);
+    if (tasks == NULL) return -1;
+    count = 0;
+    for (int64_t s = 0; s < spans; s++) /* the longest tiles (last queries) first */
+        for (int64_t t = (qlens[s] + qt - 1) / qt - 1; t >= 0; t--)
+            for (int64_t kh = 0; kh < kv_heads; kh++) {
+                tasks[count][0] = s, tasks[count][1] = t * qt, tasks[count][2] = kh;
+                count++;
+            }
+    const tile_fn fn = pick_tile(G, dim);
+    int failed = 0;
+#pragma omp parallel reduction(| : failed)
+    {
+        tile_t *w = aligned_alloc(LINE, sizeof *w);
+        failed |= w == NULL;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < count; i++) {
+            if (w == NULL) continue;
+            const int64_t s = tasks[i][0], q0 = tasks[i][1], kh = tasks[i][2];
+            const int64_t n = qlens[s] - q0 < qt ? qlens[s] - q0 : qt;
+            fn(w, advance(q, rows[s] * heads * dim, bf16), k, v, bf16, tables + s * width,
+               lens[s] - qlens[s], q0, n, kh, kv_heads, scale,
+               advance(out, rows[s] * heads * dim, bf16), G, dim);
+        }
+        free(w);
+    }
+    free(tasks);
+    return failed ? -1 : 0;
+}
+
+/* Store the K and V rows of T new tokens at their slots (block * BLOCK + offset) of one layer's
+ * cache; services/model/kv_cache.py's write() is the reference. k: [T, KVH, D] contiguous;
+ * v: rows of [KVH, D] contiguous, `v_stride` elements apart (a view of the qkv projection). */
+void write_kv(const void *k, const void *v, int64_t v_stride, const int64_t *slots,
+              void *k_cache, void *v_cache, int64_t rows, int64_t kv_heads, int64_t dim,
+              int bf16) {
+    const int64_t elem = bf16 ? 2 : 4;
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t block = slots[r] / BLOCK, offset = slots[r] % BLOCK;
+        for (int64_t h = 0; h < kv_heads; h++) {
+            const int64_t head = block * kv_heads + h, from = (r * kv_heads + h) * dim;
+            for (int64_t d = 0; d < dim; d++) /* K transposed within its block */
+                memcpy((char *)k_cache + ((head * dim + d) * BLOCK + offset) * elem,
+                       (const char *)k + (from + d) * elem, (size_t)elem);
+            memcpy((char *)v_cache + (head * BLOCK + offset) * dim * elem,
+                   (const char *)v + (r * v_stride + h * dim) * elem, (size_t)(dim * elem));
+        }
+    }
 }

@@ -79,3 +79,80 @@ def test_kernel_only_for_shapes_it_takes():
     for head_dim, group in ((36, 3), (264, 1), (64, 32)):
         assert type(default_attention(cpu, torch.float32, head_dim, group)) is TorchAttention
     assert type(default_attention(cpu, torch.float16, 64, 3)) is TorchAttention
+
+
+def _prefill_setup(dtype, specs, heads=9, kv_heads=3, dim=64):
+    """Chunks (start, length): each sequence's first `start` tokens already cached (random
+    K/V), then `length` new tokens; blocks scattered through the pool."""
+    gen = torch.Generator().manual_seed(0)
+    blocks = sum(-(-(s + n) // BLOCK) for s, n in specs) + 2
+    k_cache = torch.randn(blocks, kv_heads, dim, BLOCK, generator=gen).to(dtype)
+    v_cache = torch.randn(blocks, kv_heads, BLOCK, dim, generator=gen).to(dtype)
+    perm = torch.randperm(blocks, generator=gen).tolist()
+    chunks, used = [], 0
+    for start, n in specs:
+        need = -(-(start + n) // BLOCK)
+        chunks.append(SeqChunk([0] * n, start, perm[used : used + need]))
+        used += need
+    batch = ForwardBatch.build(chunks, BLOCK)
+    rows = batch.num_tokens
+    q = torch.randn(rows, heads, dim, generator=gen).to(dtype)
+    k = torch.randn(rows, kv_heads, dim, generator=gen).to(dtype)
+    v = torch.randn(rows, kv_heads, dim, generator=gen).to(dtype)
+    return q, k, v, k_cache, v_cache, batch
+
+
+# whole prompts, chunks after cached tokens (block-aligned or not), decodes among them
+MIXED = [(0, 1), (0, 5), (0, 16), (0, 17), (16, 40), (256, 200), (3, 1), (100, 1), (0, 300),
+         (37, 29)]  # fmt: skip
+
+
+@needs_kernel
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 4e-6), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim"), [(9, 3, 64), (8, 8, 32), (14, 2, 128), (4, 2, 16)]
+)
+def test_prefill_kernel_matches_torch(dtype, tol, heads, kv_heads, dim):
+    q, k, v, kc, vc, batch = _prefill_setup(dtype, MIXED, heads, kv_heads, dim)
+    reference, kernel = TorchAttention(), CpuAttention(LIBRARY)
+    expected = reference.forward(q, k, v, kc.clone(), vc.clone(), reference.plan(batch))
+    kc_kernel, vc_kernel = kc.clone(), vc.clone()
+    got = kernel.forward(q, k, v, kc_kernel, vc_kernel, kernel.plan(batch))
+    assert got.dtype == dtype
+    assert (got.float() - expected.float()).abs().max().item() < tol
+    reference.forward(q, k, v, kc, vc, reference.plan(batch))  # the same K/V written
+    assert torch.equal(kc_kernel, kc) and torch.equal(vc_kernel, vc)
+
+
+@needs_kernel
+def test_prefill_rows_do_not_depend_on_chunking_or_batch():
+    """A prompt's rows are the same computed whole, as a later chunk, or among others."""
+    q, k, v, kc, vc, batch = _prefill_setup(torch.float32, [(0, 300)])
+    attn = CpuAttention(LIBRARY)
+    whole = attn.forward(q, k, v, kc, vc, attn.plan(batch))  # the cache now holds all 300
+    table = batch.seqs[0].block_table.tolist()
+    tail = ForwardBatch.build([SeqChunk([0] * 44, 256, table)], BLOCK)
+    alone = attn.forward(q[256:], k[256:], v[256:], kc, vc, attn.plan(tail))
+    assert torch.equal(alone, whole[256:])
+    others = [SeqChunk([0], 40, table[:3]), SeqChunk([0] * 44, 256, table),
+              SeqChunk([0] * 7, 0, table[:1])]  # fmt: skip
+    mixed = ForwardBatch.build(others, BLOCK)
+    qm = torch.cat([q[40:41], q[256:], q[:7]])
+    km, vm = torch.cat([k[40:41], k[256:], k[:7]]), torch.cat([v[40:41], v[256:], v[:7]])
+    together = attn.forward(qm, km, vm, kc, vc, attn.plan(mixed))
+    assert torch.equal(together[1:45], whole[256:])
+    assert torch.equal(together[45:], whole[:7])
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_writes_kv_like_the_reference_from_a_qkv_view(dtype):
+    q, k, v, kc, vc, batch = _prefill_setup(dtype, [(5, 40), (0, 1), (16, 16)])
+    qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)  # as the model has it
+    v_view = qkv[:, -v[0].numel() :].view(v.shape)
+    assert not v_view.is_contiguous()
+    attn = CpuAttention(LIBRARY)
+    kc_kernel, vc_kernel = kc.clone(), vc.clone()
+    attn._write(k, v_view, kc_kernel, vc_kernel, batch.slot_mapping)
+    kv_cache.write(kc, vc, batch.slot_mapping, k, v)
+    assert torch.equal(kc_kernel, kc) and torch.equal(vc_kernel, vc)
