@@ -47,7 +47,9 @@ def setup(
     return q, k, v, plan
 
 
-def per_layer(attend: TorchAttention, q, k, v, plan: DecodePlan, rounds: int) -> float:
+def per_layer(
+    attend: TorchAttention | CpuAttention, q, k, v, plan: DecodePlan, rounds: int
+) -> float:
     """Median seconds per layer over `rounds` passes through every layer."""
     layers = k.shape[0]
     times = []
