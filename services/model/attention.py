@@ -254,7 +254,7 @@ def _prefill_spans(spans: list[SeqSpan], device: torch.device) -> PrefillSpans:
 
 
 KERNEL_BLOCK_SIZE = 16  # the block size the C kernel is specialised for
-KERNEL_LANES, KERNEL_MAX_DIM = 8, 256  # head dims it takes: multiples of one vector, up to 256
+KERNEL_MAX_DIM = 256  # head dims it takes: multiples of its vector width, up to 256
 KERNEL_MAX_GROUP = 16  # query heads sharing one KV head
 
 
@@ -265,12 +265,11 @@ def default_attention(
     group: int,
     block_size: int = KERNEL_BLOCK_SIZE,
 ) -> Attention:
-    """The C decode kernel on CPUs where it builds, for float32 and bfloat16 caches and the
-    shapes it takes (`group`: query heads per KV head); the torch path otherwise."""
+    """The C kernels on CPUs where they build, for float32 and bfloat16 caches and the
+    shapes they take (`group`: query heads per KV head); the torch path otherwise."""
     supported = (
         dtype in (torch.float32, torch.bfloat16)
         and block_size == KERNEL_BLOCK_SIZE
-        and head_dim % KERNEL_LANES == 0
         and head_dim <= KERNEL_MAX_DIM
         and group <= KERNEL_MAX_GROUP
     )
@@ -278,7 +277,7 @@ def default_attention(
         from services.model import kernels
 
         library = kernels.load("paged_attention")
-        if library is not None:
+        if library is not None and head_dim % library.paged_attention_lanes() == 0:
             return CpuAttention(library)
     return TorchAttention()
 
