@@ -453,16 +453,21 @@ int paged_prefill_attention(const void *q, const void *k, const void *v, int bf1
 void write_kv(const void *k, const void *v, int64_t v_stride, const int64_t *slots,
               void *k_cache, void *v_cache, int64_t rows, int64_t kv_heads, int64_t dim,
               int bf16) {
-    const int64_t elem = bf16 ? 2 : 4;
     for (int64_t r = 0; r < rows; r++) {
         const int64_t block = slots[r] / BLOCK, offset = slots[r] % BLOCK;
         for (int64_t h = 0; h < kv_heads; h++) {
             const int64_t head = block * kv_heads + h, from = (r * kv_heads + h) * dim;
-            for (int64_t d = 0; d < dim; d++) /* K transposed within its block */
-                memcpy((char *)k_cache + ((head * dim + d) * BLOCK + offset) * elem,
-                       (const char *)k + (from + d) * elem, (size_t)elem);
-            memcpy((char *)v_cache + (head * BLOCK + offset) * dim * elem,
-                   (const char *)v + (r * v_stride + h * dim) * elem, (size_t)(dim * elem));
+            const int64_t kt = head * dim * BLOCK + offset, vt = (head * BLOCK + offset) * dim;
+            const int64_t vs = r * v_stride + h * dim;
+            if (bf16) { /* K transposed within its block: a dimension every BLOCK elements */
+                for (int64_t d = 0; d < dim; d++)
+                    ((uint16_t *)k_cache)[kt + d * BLOCK] = ((const uint16_t *)k)[from + d];
+                memcpy((uint16_t *)v_cache + vt, (const uint16_t *)v + vs, dim * 2);
+            } else {
+                for (int64_t d = 0; d < dim; d++)
+                    ((float *)k_cache)[kt + d * BLOCK] = ((const float *)k)[from + d];
+                memcpy((float *)v_cache + vt, (const float *)v + vs, dim * 4);
+            }
         }
     }
 }
