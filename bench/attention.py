@@ -1,6 +1,7 @@
-"""Decode attention over the paged KV cache: the C kernel against the torch path, in one run.
+"""Attention over the paged KV cache: the C kernels against the torch path, in one run.
 
     python -m bench.attention [--dtype float32] [--batches 8,32,64] [--contexts 128,512,1024]
+                              [--chunks 0+256,256+256,0+512]
 
 For each batch size B and context length C: B sequences, each decoding its C-th token over
 blocks scattered through a pool as large as a model's (`--layers` layers of it, visited in
@@ -8,6 +9,11 @@ turn, so the KV comes from memory, not from cache, as in a real forward pass). S
 embedded model's (9 query heads sharing 3 KV heads of 64 dimensions). Reported per layer: the
 kernel's and the torch path's (gather + scaled_dot_product_attention) time, the rate at which
 the kernel reads KV, the ratio, and the largest difference between the two outputs.
+
+Then prefill: for each chunk START+N, one sequence with START tokens cached computes N more
+(causal over all START + N), K/V written first, as in a forward pass; per layer, both paths'
+time (the torch path gathers the cached blocks and runs scaled_dot_product_attention), the
+kernel's rate in useful multiply-adds (causal half only), the ratio and the largest difference.
 """
 
 from __future__ import annotations
@@ -61,6 +67,45 @@ def per_layer(
     return sorted(times[1:])[len(times[1:]) // 2]
 
 
+def prefill_setup(start: int, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """q [n, heads, D], new k, v [n, kv_heads, D], K and V pools, and the chunk's batch."""
+    gen = torch.Generator().manual_seed(0)
+    blocks = -(-(start + n) // BLOCK)
+    pool = 4 * blocks  # scattered through a pool larger than the sequence
+    k = torch.randn(pool, KV_HEADS, DIM, BLOCK, generator=gen).to(dtype)
+    v = torch.randn(pool, KV_HEADS, BLOCK, DIM, generator=gen).to(dtype)
+    table = torch.randperm(pool, generator=gen)[:blocks].tolist()
+    chunk = ForwardBatch.build([SeqChunk([0] * n, start, table)], BLOCK)
+    q = torch.randn(n, HEADS, DIM, generator=gen).to(dtype)
+    k_new = torch.randn(n, KV_HEADS, DIM, generator=gen).to(dtype)
+    v_new = torch.randn(n, KV_HEADS, DIM, generator=gen).to(dtype)
+    return q, k_new, v_new, k, v, chunk
+
+
+def prefill_table(kernel: CpuAttention, chunks: str, dtype: torch.dtype, rounds: int) -> None:
+    print("\n| cached | new tokens | kernel us | torch us | kernel GFLOP/s | ratio | max diff |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    reference = TorchAttention()
+    for spec in chunks.split(","):
+        start, n = map(int, spec.split("+"))
+        q, k_new, v_new, k, v, chunk = prefill_setup(start, n, dtype)
+        seconds, outs = [], []
+        for attend in (kernel, reference):
+            plan = attend.plan(chunk)
+            times = []
+            for _ in range(rounds + 1):  # the first warms up
+                begin = time.perf_counter()
+                out = attend.forward(q, k_new, v_new, k, v, plan)
+                times.append(time.perf_counter() - begin)
+            seconds.append(sorted(times[1:])[len(times[1:]) // 2])
+            outs.append(out.float())
+        # q.k and p.v over keys 0..position for every query: 2 products of D, 2 FLOP each
+        flop = 4 * HEADS * DIM * sum(start + i + 1 for i in range(n))
+        print(f"| {start} | {n} | {seconds[0] * 1e6:.0f} | {seconds[1] * 1e6:.0f} | "
+              f"{flop / seconds[0] / 1e9:.0f} | {seconds[1] / seconds[0]:.2f}x | "
+              f"{(outs[0] - outs[1]).abs().max().item():.1e} |")  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -68,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--contexts", default="128,512,1024")
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--chunks", default="0+256,256+256,0+512", help="prefill: CACHED+NEW,...")
     args = p.parse_args(argv)
 
     library = kernels.load("paged_attention")
@@ -90,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{kv_bytes / ours / 1e9:.1f} GB/s | {torch_path / ours:.2f}x | "
                   f"{diff.abs().max().item():.1e} |")  # fmt: skip
             del q, k, v
+    prefill_table(kernel, args.chunks, dtype, args.rounds)
     return 0
 
 
