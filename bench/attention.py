@@ -67,7 +67,9 @@ def per_layer(
     return sorted(times[1:])[len(times[1:]) // 2]
 
 
-def prefill_setup(start: int, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+def prefill_setup(
+    start: int, n: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, ForwardBatch]:
     """q [n, heads, D], new k, v [n, kv_heads, D], K and V pools, and the chunk's batch."""
     gen = torch.Generator().manual_seed(0)
     blocks = -(-(start + n) // BLOCK)

@@ -144,8 +144,10 @@ def _contiguous(x: torch.Tensor) -> torch.Tensor:
 def default_layer_ops(
     config: ModelConfig, rotary: Rotary, device: torch.device, dtype: torch.dtype
 ) -> LayerOps:
-    """The C kernels on CPUs where they build, for float32 and bfloat16 and rows they take;
-    the torch reference otherwise."""
+    """The C kernels on CPUs where they build, for the rows they take, in float32, and in
+    bfloat16 where the CPU has AVX-512 (without it, packing floats back into bfloat16 takes
+    GCC several instructions a vector: the kernels ran at 0.6x torch's speed); the torch
+    reference otherwise."""
     supported = (
         dtype in (torch.float32, torch.bfloat16)
         and config.hidden_size % KERNEL_LANES == 0
@@ -156,6 +158,7 @@ def default_layer_ops(
         from services.model import kernels
 
         library = kernels.load("layer_ops")
-        if library is not None:
+        wide = library is not None and library.layer_ops_lanes() >= KERNEL_LANES
+        if library is not None and (dtype == torch.float32 or wide):
             return CpuLayerOps(config, rotary, library)
     return TorchLayerOps(config, rotary)

@@ -18,7 +18,11 @@
 #include <stdint.h>
 #include <string.h>
 
-#define LANES 16
+#ifdef __AVX512F__
+#define LANES 16 /* floats in a vector register; the Python side sends rows of multiples of 16 */
+#else
+#define LANES 8
+#endif
 
 typedef float vf __attribute__((vector_size(LANES * sizeof(float))));
 typedef uint32_t vu __attribute__((vector_size(LANES * sizeof(uint32_t))));
@@ -66,6 +70,9 @@ INLINE void store(void *base, int64_t at, vf x, int bf16) {
         memcpy((float *)base + at, &x, sizeof x);
     }
 }
+
+/* The vector width the library was built for. */
+int layer_ops_lanes(void) { return LANES; }
 
 /* where mask (all ones or zeros per lane), b; elsewhere a */
 INLINE vf select(vi mask, vf a, vf b) { return (vf)(((vi)a & ~mask) | ((vi)b & mask)); }

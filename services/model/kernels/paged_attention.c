@@ -107,47 +107,77 @@ INLINE vf vexp(vf x) {
     return (vf)((vi)p + (n << 23));
 }
 
-/* A block's 16 tokens in one or two vectors, depending on the registers' width. */
-typedef float vb __attribute__((vector_size(BLOCK * sizeof(float))));
-typedef int32_t vbi __attribute__((vector_size(BLOCK * sizeof(int32_t))));
+/* A block's 16 tokens in one or two vectors, depending on the registers' width (a struct of
+ * vectors: GCC's code for a 16-float vector type on AVX2 went through the stack). */
 #define PER_BLOCK (BLOCK / LANES)
+typedef struct {
+    vf v[PER_BLOCK];
+} vb;
+typedef struct {
+    vi v[PER_BLOCK];
+} vbi;
 
 INLINE vb load_block(const void *base, int64_t at, int bf16) {
-    vf part[PER_BLOCK];
-    for (int i = 0; i < PER_BLOCK; i++) part[i] = load(base, at + i * LANES, bf16);
     vb x;
-    memcpy(&x, part, sizeof x);
+    for (int i = 0; i < PER_BLOCK; i++) x.v[i] = load(base, at + i * LANES, bf16);
     return x;
+}
+
+INLINE vb zero_block(void) {
+    vb x;
+    for (int i = 0; i < PER_BLOCK; i++) x.v[i] = (vf){0};
+    return x;
+}
+
+/* s += a * x */
+INLINE void fma_block(vb *s, float a, vb x) {
+    for (int i = 0; i < PER_BLOCK; i++) s->v[i] += a * x.v[i];
+}
+
+/* a + b - c */
+INLINE vb add_sub(vb a, vb b, float c) {
+    for (int i = 0; i < PER_BLOCK; i++) a.v[i] = a.v[i] + b.v[i] - c;
+    return a;
 }
 
 INLINE vb vexp_block(vb x) {
-    vf part[PER_BLOCK];
-    memcpy(part, &x, sizeof x);
-    for (int i = 0; i < PER_BLOCK; i++) part[i] = vexp(part[i]);
-    memcpy(&x, part, sizeof x);
+    for (int i = 0; i < PER_BLOCK; i++) x.v[i] = vexp(x.v[i]);
     return x;
 }
 
-/* x where seen (all ones), else `other` */
+/* all ones for the block's tokens t <= last, else zeros */
+INLINE vbi up_to(int64_t last) {
+    static const int32_t index[BLOCK] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    vbi seen;
+    for (int i = 0; i < PER_BLOCK; i++) {
+        vi lane;
+        memcpy(&lane, index + i * LANES, sizeof lane);
+        seen.v[i] = lane <= (vi){0} + (int32_t)(last < BLOCK ? last : BLOCK);
+    }
+    return seen;
+}
+
+/* x where seen, else `other` */
 INLINE vb where(vbi seen, vb x, float other) {
-    return (vb)(((vbi)x & seen) | ((vbi)((vb){0} + other) & ~seen));
+    const vi fill = (vi)((vf){0} + other);
+    for (int i = 0; i < PER_BLOCK; i++)
+        x.v[i] = (vf)(((vi)x.v[i] & seen.v[i]) | (fill & ~seen.v[i]));
+    return x;
 }
 
 INLINE float hmax(vb x, float top) {
-    for (int t = 0; t < BLOCK; t++) top = x[t] > top ? x[t] : top;
+    vf m = x.v[0];
+    for (int i = 1; i < PER_BLOCK; i++) m = (vf)(((vi)m & (m >= x.v[i])) | ((vi)x.v[i] & (m < x.v[i])));
+    for (int j = 0; j < LANES; j++) top = m[j] > top ? m[j] : top;
     return top;
 }
 
 INLINE float hsum(vb x) {
+    vf t = x.v[0];
+    for (int i = 1; i < PER_BLOCK; i++) t += x.v[i];
     float sum = 0.0f;
-    for (int t = 0; t < BLOCK; t++) sum += x[t];
+    for (int j = 0; j < LANES; j++) sum += t[j];
     return sum;
-}
-
-INLINE vbi tokens(void) {
-    vbi t;
-    for (int i = 0; i < BLOCK; i++) t[i] = i;
-    return t;
 }
 
 /* Where one KV head of a sequence stands: its G query heads, scaled; their running maxima
@@ -167,7 +197,7 @@ INLINE void visit(head_t *h, const void *k, const void *v, int64_t at, int64_t n
     /* scores, s[g] = q[g] . K[:, 0..15], in two partial sums (even and odd d) so that twice
      * the multiply-adds are in flight */
     vb s[MAX_GROUP], odd[MAX_GROUP];
-    for (int64_t g = 0; g < G; g++) s[g] = odd[g] = (vb){0};
+    for (int64_t g = 0; g < G; g++) s[g] = odd[g] = zero_block();
     for (int64_t d = 0; d < D; d += 2) {
         const vb k0 = load_block(k, at + d * BLOCK, bf16);
         const vb k1 = load_block(k, at + (d + 1) * BLOCK, bf16);
@@ -179,17 +209,17 @@ INLINE void visit(head_t *h, const void *k, const void *v, int64_t at, int64_t n
                 __builtin_prefetch(nv + o, 0, 1);
             }
         for (int64_t g = 0; g < G; g++) {
-            s[g] += h->qs[g][d] * k0;
-            odd[g] += h->qs[g][d + 1] * k1;
+            fma_block(&s[g], h->qs[g][d], k0);
+            fma_block(&odd[g], h->qs[g][d + 1], k1);
         }
     }
     /* the running softmax: a larger maximum rescales what was summed so far */
-    const vbi seen = tokens() < (vbi){0} + (int32_t)n;
+    const vbi seen = up_to(n - 1);
     float p[MAX_GROUP][BLOCK];
     for (int64_t g = 0; g < G; g++) {
-        const vb masked = where(seen, s[g] + odd[g], -FLT_MAX);
+        const vb masked = where(seen, add_sub(s[g], odd[g], 0.0f), -FLT_MAX);
         const float top = hmax(masked, h->m[g]), rescale = expf(h->m[g] - top);
-        const vb e = where(seen, vexp_block(masked - top), 0.0f);
+        const vb e = where(seen, vexp_block(add_sub(masked, zero_block(), top)), 0.0f);
         memcpy(p[g], &e, sizeof e);
         h->l[g] = h->l[g] * rescale + hsum(e);
         h->m[g] = top;
@@ -335,23 +365,22 @@ INLINE void prefill_tile(tile_t *w, const void *q, const void *k, const void *v,
         w->m[r] = -FLT_MAX;
         w->l[r] = 0.0f;
     }
-    const vbi token = tokens();
     const int64_t last = first + q0 + qt - 1; /* the tile's last position */
     for (int64_t b = 0; b <= last / BLOCK; b++) {
         const int64_t at = (table[b] * kv_heads + kh) * head_elems, start = b * BLOCK;
         const int64_t n = last + 1 - start < BLOCK ? last + 1 - start : BLOCK;
         vb s[MAX_ROWS];
-        for (int64_t r = 0; r < rows; r++) s[r] = (vb){0};
+        for (int64_t r = 0; r < rows; r++) s[r] = zero_block();
         for (int64_t d = 0; d < D; d++) {
             const vb kd = load_block(k, at + d * BLOCK, bf16);
-            for (int64_t r = 0; r < rows; r++) s[r] += w->qs[r][d] * kd;
+            for (int64_t r = 0; r < rows; r++) fma_block(&s[r], w->qs[r][d], kd);
         }
         for (int64_t r = 0; r < rows; r++) {
             /* keys of this block at or before the row's position */
-            const vbi seen = token <= (vbi){0} + (int32_t)(first + query[r] - start);
+            const vbi seen = up_to(first + query[r] - start);
             const vb masked = where(seen, s[r], -FLT_MAX);
             const float top = hmax(masked, w->m[r]), rescale = expf(w->m[r] - top);
-            const vb e = where(seen, vexp_block(masked - top), 0.0f);
+            const vb e = where(seen, vexp_block(add_sub(masked, zero_block(), top)), 0.0f);
             memcpy(w->p[r], &e, sizeof e);
             w->l[r] = w->l[r] * rescale + hsum(e);
             w->m[r] = top;
