@@ -68,8 +68,9 @@ def load(name: str) -> ctypes.CDLL | None:
     from services.model.sources import cache_root
 
     source = HERE / f"{name}.c"
+    headers = b"".join(h.read_bytes() for h in sorted(HERE.glob("*.h")))  # vectors.h
     key = hashlib.sha256(
-        source.read_bytes() + " ".join(flags(name)).encode() + _cpu_identity().encode()
+        source.read_bytes() + headers + " ".join(flags(name)).encode() + _cpu_identity().encode()
     ).hexdigest()[:16]
     out = cache_root() / "kernels" / f"{name}-{key}.so"
     try:

@@ -18,41 +18,10 @@
 #include <stdint.h>
 #include <string.h>
 
-#ifdef __AVX512F__
-#define LANES 16 /* floats in a vector register; the Python side sends rows of multiples of 16 */
-#else
-#define LANES 8
-#endif
+#include "vectors.h"
 
-typedef float vf __attribute__((vector_size(LANES * sizeof(float))));
-typedef uint32_t vu __attribute__((vector_size(LANES * sizeof(uint32_t))));
-typedef uint16_t vh __attribute__((vector_size(LANES * sizeof(uint16_t))));
-typedef int32_t vi __attribute__((vector_size(LANES * sizeof(int32_t))));
-
-#define INLINE static inline __attribute__((always_inline))
 /* rows of a call worth a second thread: below this, waking it costs more than it saves */
 #define PARALLEL_ELEMS 16384
-
-INLINE vf load(const void *base, int64_t at, int bf16) {
-    vf x;
-    if (bf16) {
-        vh h;
-        memcpy(&h, (const uint16_t *)base + at, sizeof h);
-        vu u = __builtin_convertvector(h, vu) << 16;
-        memcpy(&x, &u, sizeof x);
-    } else {
-        memcpy(&x, (const float *)base + at, sizeof x);
-    }
-    return x;
-}
-
-/* float32 to bfloat16, rounding to nearest even as torch does (no NaNs reach here). */
-INLINE vh to_bf16(vf x) {
-    vu u;
-    memcpy(&u, &x, sizeof u);
-    u += 0x7FFF + ((u >> 16) & 1);
-    return __builtin_convertvector(u >> 16, vh);
-}
 
 /* x rounded to the compute dtype, kept as float32 for the next operation. */
 INLINE vf round_to(vf x, int bf16) {
@@ -62,41 +31,8 @@ INLINE vf round_to(vf x, int bf16) {
     return x;
 }
 
-INLINE void store(void *base, int64_t at, vf x, int bf16) {
-    if (bf16) {
-        vh h = to_bf16(x);
-        memcpy((uint16_t *)base + at, &h, sizeof h);
-    } else {
-        memcpy((float *)base + at, &x, sizeof x);
-    }
-}
-
 /* The vector width the library was built for. */
 int layer_ops_lanes(void) { return LANES; }
-
-/* where mask (all ones or zeros per lane), b; elsewhere a */
-INLINE vf select(vi mask, vf a, vf b) { return (vf)(((vi)a & ~mask) | ((vi)b & mask)); }
-
-/* e^x to a few ulp for x in [-87, 88] (clamped to it): x = n ln2 + r, |r| <= ln2 / 2 (ln2 in
- * two parts, the first exact in n ln2, so r stays accurate for large n), e^r by its Taylor
- * polynomial to r^7, times 2^n built in the exponent bits. */
-INLINE vf vexp(vf x) {
-    const vf lo = (vf){0} - 87.0f, hi = (vf){0} + 88.0f, half = (vf){0} + 0.5f;
-    x = select(x < lo, x, lo);
-    x = select(x > hi, x, hi);
-    vf t = x * 1.44269504f;
-    vi n = __builtin_convertvector(t + select(t < 0, half, -half), vi); /* nearest */
-    const vf nf = __builtin_convertvector(n, vf);
-    vf r = (x - nf * 0.693145752f) - nf * 1.42860677e-6f;
-    vf p = r * (1.0f / 5040) + 1.0f / 720;
-    p = p * r + 1.0f / 120;
-    p = p * r + 1.0f / 24;
-    p = p * r + 1.0f / 6;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    return (vf)((vi)p + (n << 23));
-}
 
 /* h += delta (if delta), then out = weight * dtype(h * rsqrt(mean(h^2) + eps)), per row.
  * h, delta, out: [rows, dim]; weight: [dim]. */

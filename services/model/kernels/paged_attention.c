@@ -28,83 +28,16 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "vectors.h"
+
 #define BLOCK 16
 #define MAX_GROUP 16
 #define MAX_DIM 256
-#ifdef __AVX512F__
-#define LANES 16 /* floats in a vector register */
-#else
-#define LANES 8
-#endif
 #define LINE 64 /* bytes in a cache line */
-
-typedef float vf __attribute__((vector_size(LANES * sizeof(float))));
-typedef uint32_t vu __attribute__((vector_size(LANES * sizeof(uint32_t))));
-typedef uint16_t vh __attribute__((vector_size(LANES * sizeof(uint16_t))));
-typedef int32_t vi __attribute__((vector_size(LANES * sizeof(int32_t))));
-
-#define INLINE static inline __attribute__((always_inline))
-
-/* LANES consecutive elements at `at` as float32 (bfloat16 is float32's upper half). */
-INLINE vf load(const void *base, int64_t at, int bf16) {
-    vf x;
-    if (bf16) {
-        vh h;
-        memcpy(&h, (const uint16_t *)base + at, sizeof h);
-        vu u = __builtin_convertvector(h, vu) << 16;
-        memcpy(&x, &u, sizeof x);
-    } else {
-        memcpy(&x, (const float *)base + at, sizeof x);
-    }
-    return x;
-}
-
-/* element i of a float32 or bfloat16 array, as float32 */
-INLINE float scalar(const void *base, int64_t i, int bf16) {
-    if (!bf16) return ((const float *)base)[i];
-    const uint32_t u = (uint32_t)((const uint16_t *)base)[i] << 16;
-    float x;
-    memcpy(&x, &u, sizeof x);
-    return x;
-}
-
-/* LANES floats stored at `at` in the array's dtype (bfloat16: rounded to nearest even) */
-INLINE void store(void *base, int64_t at, vf x, int bf16) {
-    if (!bf16) {
-        memcpy((float *)base + at, &x, sizeof x);
-        return;
-    }
-    vu u;
-    memcpy(&u, &x, sizeof u);
-    u += 0x7FFF + ((u >> 16) & 1);
-    vh h = __builtin_convertvector(u >> 16, vh);
-    memcpy((uint16_t *)base + at, &h, sizeof h);
-}
 
 /* the array p advanced by i elements */
 INLINE void *advance(const void *p, int64_t i, int bf16) {
     return (char *)p + i * (bf16 ? 2 : 4);
-}
-
-/* e^x for x in [-87, 0] (x is clamped to it), to about 2 ulp: x = n ln2 + r with
- * |r| <= ln2 / 2, e^r by its Taylor polynomial to r^7, times 2^n built in the exponent bits.
- * Below -87, where e^x leaves float32's normal range, it returns about e^-87; callers zero
- * what must be exactly 0. */
-INLINE vf vexp(vf x) {
-    const vf lowest = (vf){0} - 87.0f, zero = {0};
-    vi below = x < lowest, above = x > zero;
-    x = (vf)(((vi)x & ~below) | ((vi)lowest & below));
-    x = (vf)((vi)x & ~above);
-    vi n = __builtin_convertvector(x * 1.44269504f - 0.5f, vi); /* toward zero: round(x/ln2) */
-    vf r = x - __builtin_convertvector(n, vf) * 0.693147181f;
-    vf p = r * (1.0f / 5040) + 1.0f / 720;
-    p = p * r + 1.0f / 120;
-    p = p * r + 1.0f / 24;
-    p = p * r + 1.0f / 6;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    return (vf)((vi)p + (n << 23));
 }
 
 /* A block's 16 tokens in one or two vectors, depending on the registers' width (a struct of
