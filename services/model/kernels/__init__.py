@@ -68,7 +68,7 @@ def load(name: str) -> ctypes.CDLL | None:
     from services.model.sources import cache_root
 
     source = HERE / f"{name}.c"
-    headers = b"".join(h.read_bytes() for h in sorted(HERE.glob("*.h")))  # vectors.h
+    headers = b"".join(h.read_bytes() for h in sorted(HERE.glob("*.h")))  # vectors.h, blocks.h
     key = hashlib.sha256(
         source.read_bytes() + headers + " ".join(flags(name)).encode() + _cpu_identity().encode()
     ).hexdigest()[:16]
