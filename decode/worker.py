@@ -11,13 +11,13 @@ conversation finds its prompt and the answer in the store.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
 
+from services.engine.driver import EngineDied
 from services.engine.params import ValidationError
 from services.rpc import worker_pb2 as pb
 from services.rpc import worker_pb2_grpc
@@ -63,10 +63,12 @@ class DecodeWorker(Worker, worker_pb2_grpc.DecodeWorkerServicer):
                 text_sent=request.text_sent if request.HasField("text_sent") else None,
                 kv_import=kv, export=self.config.write_back,
             )  # fmt: skip
+            async for chunk in self._chunks(rid, len(prompt), stream):
+                yield chunk
         except ValidationError as e:
             await refuse(context, e)
-        async for chunk in self._chunks(rid, len(prompt), stream):
-            yield chunk
+        except EngineDied as e:  # the router migrates the stream to another worker
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
 
     async def _chunks(
         self, rid: str, prompt_len: int, stream: AsyncIterator[Any]
@@ -99,5 +101,5 @@ class DecodeWorker(Worker, worker_pb2_grpc.DecodeWorkerServicer):
         finally:
             if not finished:  # the client went away (or the server is stopping)
                 log.info("cancelled", extra={"fields": {"request_id": rid}})
-                await asyncio.shield(self.driver.abort(rid))
+                self.driver.abort_soon(rid)
             self.pending_puts.pop(rid, None)  # write-back finishes on its own

@@ -10,13 +10,13 @@ is written (DESIGN.md: when P replies, every block it names is readable).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Any
 
 import grpc
 
 from kvstore.store import StoreUnavailable
+from services.engine.driver import EngineDied
 from services.engine.params import ValidationError
 from services.engine.request import FinishReason
 from services.rpc import worker_pb2 as pb
@@ -52,17 +52,17 @@ class PrefillWorker(Worker, worker_pb2_grpc.PrefillWorkerServicer):
                 rid, prompt_ids=prompt, params=params, salt=request.salt, kv_import=kv,
                 prefill_only=True, export=True,
             )  # fmt: skip
-        except ValidationError as e:
-            await refuse(context, e)
-        try:
+            # a caller gone (cancelled) aborts the request as the stream is left
             delta = [d async for d in stream][-1]
             await self.wait_for_puts(rid)
+        except ValidationError as e:
+            await refuse(context, e)
         except StoreUnavailable as e:  # the blocks may not all be readable: no reply
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"kv store: {e}")
-        except asyncio.CancelledError:  # the caller went away: free everything at once
-            await self.driver.abort(rid)
+        except EngineDied as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        finally:
             self.pending_puts.pop(rid, None)
-            raise
         if delta.finish_reason is FinishReason.ABORT:
             await context.abort(grpc.StatusCode.CANCELLED, f"request {rid} was aborted")
         cached = delta.num_cached_tokens

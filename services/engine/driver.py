@@ -4,15 +4,23 @@ The engine thread owns the engine: requests and aborts reach it as commands, and
 whenever there is work, so a slow coroutine never stalls the batch and a long forward pass
 never stalls the event loop (torch releases the GIL while it computes). Each request's deltas
 arrive, in order, on an asyncio queue; the last one carries the finish reason.
+
+What callers do to their futures never reaches the engine thread: a command whose caller
+gave up before it ran is skipped, a request whose submitter or reader was cancelled is
+aborted. If the thread dies anyway (a bug), every caller and stream gets `EngineDied` at
+once and `failure` says why: the worker reports unhealthy and exits (services/worker/).
+`heartbeat` is when the thread last came round its loop, for the worker's watchdog.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -23,6 +31,15 @@ from services.engine.request import Status
 
 log = logging.getLogger("pdserve.engine")
 T = TypeVar("T")
+Stream = asyncio.Queue[SequenceDelta | BaseException]
+
+
+class EngineDied(RuntimeError):
+    """The engine thread is gone: nothing queued or submitted will run."""
+
+
+class _Killed(BaseException):
+    """Raised on the engine thread by `kill` (a test hook): nothing catches it."""
 
 
 @dataclass(frozen=True)
@@ -38,15 +55,34 @@ class EngineLoad:
     tokens_in_flight: int = 0
 
 
+@dataclass(frozen=True)
+class _Command:
+    fn: Callable[[Engine], Any]
+    future: concurrent.futures.Future[Any]
+
+    def run(self, engine: Engine) -> None:
+        if not self.future.set_running_or_notify_cancel():
+            return  # the caller gave up before it ran: do nothing on its behalf
+        try:
+            result = self.fn(engine)
+        except BaseException as e:
+            self.future.set_exception(e)
+        else:
+            self.future.set_result(result)
+
+
 class AsyncEngine:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()  # None: kill
         self._wake = threading.Event()
         self._stopping = False
-        self._streams: dict[str, asyncio.Queue[SequenceDelta]] = {}
+        self._lock = threading.Lock()  # orders a command's queueing against the thread's death
+        self._streams: dict[str, Stream] = {}  # engine thread only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self.failure: str | None = None  # why the engine thread stopped (None: it serves)
+        self.heartbeat = time.monotonic()
         self.load = EngineLoad()
 
     def start(self) -> None:
@@ -57,60 +93,100 @@ class AsyncEngine:
     async def stop(self) -> None:
         self._stopping = True
         self._wake.set()
-        if self._thread is not None:
+        if self._thread is not None and self.failure is None:
             await asyncio.to_thread(self._thread.join)
+
+    @property
+    def alive(self) -> bool:
+        return self.failure is None and self._thread is not None and self._thread.is_alive()
+
+    def stalled_for(self) -> float:
+        """Seconds since the thread last came round its loop while it had work (else 0)."""
+        if not (self.load.running or self.load.waiting):
+            return 0.0
+        return time.monotonic() - self.heartbeat
 
     # -- called from coroutines --------------------------------------------------------
 
     async def call(self, fn: Callable[[Engine], T]) -> T:
-        """Run fn(engine) on the engine thread, between steps; its result or exception."""
+        """Run fn(engine) on the engine thread, between steps; its result or exception.
+        Cancelling the caller before the command runs means it never runs."""
+        return await asyncio.wrap_future(self._post(fn))
+
+    def _post(self, fn: Callable[[Engine], T]) -> concurrent.futures.Future[T]:
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
-
-        def command() -> None:
-            try:
-                future.set_result(fn(self.engine))
-            except BaseException as e:
-                future.set_exception(e)
-
-        self._commands.put(command)
+        with self._lock:
+            if self.failure is not None:
+                raise EngineDied(self.failure)
+            self._commands.put(_Command(fn, future))
         self._wake.set()
-        return await asyncio.wrap_future(future)
+        return future
 
     async def submit(self, request_id: str, **kwargs: Any) -> AsyncIterator[SequenceDelta]:
         """Add a request (Engine.add_request's arguments); raises its ValidationError before
-        anything is queued. Iterate the result for the request's deltas."""
-        stream: asyncio.Queue[SequenceDelta] = asyncio.Queue()
+        anything is queued. Iterate the result for the request's deltas; a reader that
+        stops before the last one aborts the request."""
+        stream: Stream = asyncio.Queue()
 
         def add(engine: Engine) -> None:
             engine.add_request(request_id, **kwargs)
             self._streams[request_id] = stream  # on the engine thread: before its first step
 
-        await self.call(add)
+        try:
+            await self.call(add)
+        except asyncio.CancelledError:  # the add may have run: undo it if it did
+            self.abort_soon(request_id, stream)
+            raise
         return self._drain(request_id, stream)
 
-    async def _drain(
-        self, request_id: str, stream: asyncio.Queue[SequenceDelta]
-    ) -> AsyncIterator[SequenceDelta]:
-        while True:
-            delta = await stream.get()
-            yield delta
-            if delta.finished:
-                return
+    async def _drain(self, request_id: str, stream: Stream) -> AsyncIterator[SequenceDelta]:
+        finished = False
+        try:
+            while not finished:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self.abort_soon(request_id, stream)
 
     async def abort(self, request_id: str) -> bool:
         """Abort a request if it is still in the engine; True if it was."""
+        return await self.call(lambda engine: self._abort(engine, request_id))
 
-        def abort(engine: Engine) -> bool:
-            found = request_id in engine.requests
-            self._publish(engine.abort(request_id))
-            return found
+    def abort_soon(self, request_id: str, stream: Stream | None = None) -> None:
+        """Abort without waiting (safe in a cancelled task's cleanup); with `stream`, only
+        if the request is still the one that stream belongs to."""
+        with contextlib.suppress(EngineDied):  # dead: nothing left to abort
+            self._post(lambda engine: self._abort(engine, request_id, stream))
 
-        return await self.call(abort)
+    def _abort(self, engine: Engine, request_id: str, stream: Stream | None = None) -> bool:
+        if stream is not None and self._streams.get(request_id) is not stream:
+            return False
+        found = request_id in engine.requests
+        self._publish(engine.abort(request_id))
+        self._streams.pop(request_id, None)
+        return found
+
+    def kill(self) -> None:
+        """Test hook: the engine thread dies at its next command, as it would of a bug."""
+        self._commands.put(None)
+        self._wake.set()
 
     # -- the engine thread -------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as e:
+            log.critical("engine thread died", exc_info=True)
+            self._die(f"engine thread died: {type(e).__name__}: {e}")
+
+    def _serve(self) -> None:
         while not self._stopping:
+            self.heartbeat = time.monotonic()
             self._run_commands()
             if self.engine.has_unfinished:
                 try:
@@ -131,7 +207,25 @@ class AsyncEngine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            command()
+            if command is None:
+                raise _Killed("killed by the test hook")
+            command.run(self.engine)
+
+    def _die(self, why: str) -> None:
+        """Fail every queued command and every stream: nothing will answer them now."""
+        with self._lock:
+            self.failure = why
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if command is not None and command.future.set_running_or_notify_cancel():
+                command.future.set_exception(EngineDied(why))
+        assert self._loop is not None
+        for stream in self._streams.values():
+            self._loop.call_soon_threadsafe(stream.put_nowait, EngineDied(why))
+        self._streams.clear()
 
     def _publish(self, deltas: list[SequenceDelta]) -> None:
         assert self._loop is not None
