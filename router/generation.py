@@ -1,8 +1,9 @@
 """One request through the workers: Prefill on a prefill worker, then Decode on a decode
 worker, for each choice, hiding worker faults from the client.
 
-- Prefill fails or times out: tried again on another prefill worker; when none is left, 503
-  with Retry-After (DESIGN.md).
+- Prefill fails or times out: tried again on another prefill worker, or on one that failed
+  and has come back since (restarted); when none is left for `retry_wait` seconds, 503 with
+  Retry-After (DESIGN.md).
 - The KV store is down (Prefill answers UNAVAILABLE "kv store"): the choice goes to a decode
   worker that computes the prompt itself (local prefill).
 - A decode worker dies mid-stream: Decode is issued again on another decode worker with the
@@ -29,6 +30,7 @@ from services.rpc import worker_pb2 as pb
 
 log = logging.getLogger("pdserve.router")
 REFUSED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_EXISTS)
+RETRY_POLL = 0.25  # seconds between looks for a worker to come back
 
 
 @dataclass(frozen=True)
@@ -71,11 +73,13 @@ class Pipeline:
         prefill_timeout: float,
         disagg_threshold: int = 0,
         on_local_prefill: Callable[[str], None] = lambda reason: None,
+        retry_wait: float = 30.0,
     ) -> None:
         self.registry = registry
         self.policy = policy
         self.block_size = block_size
         self.prefill_timeout = prefill_timeout
+        self.retry_wait = retry_wait
         self.disagg_threshold = disagg_threshold
         self.on_local_prefill = on_local_prefill  # called with why a decode worker prefills
 
@@ -101,16 +105,20 @@ class Pipeline:
 
     async def _job(self, job: Job, queue: asyncio.Queue[Delta | BaseException]) -> None:
         prefilled = asyncio.Event()
+        choices = [asyncio.create_task(self._choice(job, 0, queue, prefilled))]
         try:
-            first = asyncio.create_task(self._choice(job, 0, queue, prefilled))
             await prefilled.wait()
-            others = [asyncio.create_task(self._choice(job, i, queue)) for i in range(1, job.n)]
-            await asyncio.gather(first, *others)
+            choices += [asyncio.create_task(self._choice(job, i, queue)) for i in range(1, job.n)]
+            await asyncio.gather(*choices)
         except asyncio.CancelledError:
             raise
         except BaseException as e:
             prefilled.set()
             queue.put_nowait(e)
+        finally:  # cancelled (the client left) or failed: no choice runs on, not even a prefill
+            for task in choices:
+                task.cancel()
+            await asyncio.gather(*choices, return_exceptions=True)
 
     async def _choice(
         self,
@@ -177,9 +185,9 @@ class Pipeline:
             seed=seed,
             salt=job.salt,
         )
-        tried: set[str] = set()
+        tried = Tried()
         while True:
-            worker = self._pick("prefill", hashes, tried)
+            worker = await self._pick("prefill", hashes, tried)
             worker.inflight += 1
             try:
                 reply: pb.PrefillReply = await worker.stub.Prefill(
@@ -196,7 +204,7 @@ class Pipeline:
                     self.on_local_prefill("kv_store_down")
                     return None
                 self.registry.failed(worker, f"{e.code().name}: {e.details()}")
-                tried.add(worker.address)
+                tried.add(worker)
                 continue
             finally:
                 worker.inflight -= 1
@@ -214,10 +222,10 @@ class Pipeline:
         text_sent: int,
         reply: pb.PrefillReply | None,
     ) -> AsyncIterator[Delta]:
-        tried: set[str] = set()
+        tried = Tried()
         first = reply is None
         while True:
-            worker = self._pick("decode", hashes, tried)
+            worker = await self._pick("decode", hashes, tried)
             request = pb.DecodeRequest(
                 request_id=rid,
                 prompt_token_ids=job.prompt_ids,
@@ -255,7 +263,7 @@ class Pipeline:
                 if e.code() in REFUSED:
                     raise bad_request(e.details() or "refused by the worker") from e
                 self.registry.failed(worker, f"{e.code().name}: {e.details()}")
-                tried.add(worker.address)
+                tried.add(worker)
                 log.warning(
                     "decode worker lost mid-stream: migrating",
                     extra={
@@ -270,11 +278,34 @@ class Pipeline:
                 worker.inflight -= 1
                 call.cancel()
 
-    def _pick(self, role: str, hashes: list[bytes], tried: set[str]) -> WorkerState:
-        candidates = [w for w in self.registry.available(role) if w.address not in tried]
-        if not candidates:
-            raise unavailable(f"no {role} worker can serve the request", retry_after=1)
-        return self.policy.pick(candidates, hashes)
+    async def _pick(self, role: str, hashes: list[bytes], tried: Tried) -> WorkerState:
+        """A worker this request has not given up on; after failures, waits up to
+        `retry_wait` seconds for one to come back; 503 when none does."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.retry_wait if tried else loop.time()
+        while True:
+            candidates = [w for w in self.registry.available(role) if tried.allows(w)]
+            if candidates:
+                return self.policy.pick(candidates, hashes)
+            if loop.time() >= deadline:
+                raise unavailable(f"no {role} worker can serve the request", retry_after=1)
+            await asyncio.sleep(RETRY_POLL)
+
+
+class Tried:
+    """The workers a request gave up on, each until it comes back (a new health epoch)."""
+
+    def __init__(self) -> None:
+        self.epochs: dict[str, int] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.epochs)
+
+    def add(self, worker: WorkerState) -> None:
+        self.epochs[worker.address] = worker.epoch
+
+    def allows(self, worker: WorkerState) -> bool:
+        return self.epochs.get(worker.address, -1) != worker.epoch
 
 
 def int64(seed: int) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from router.workers import Registry
+from router.workers import Registry, WorkerState
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1, 2.5)
@@ -92,6 +92,13 @@ class Metrics:
         self.worker_free_blocks = Gauge(
             "pdserve_worker_free_blocks", "Free KV blocks", labels, registry=r
         )
+        self.worker_unhealthy = Counter(
+            "pdserve_worker_unhealthy",
+            "Times a worker was marked unhealthy (no answer to health checks, not ready, or "
+            "its circuit opened)",
+            labels,
+            registry=r,
+        )
         self.worker_cached_blocks = Gauge(
             "pdserve_worker_cached_blocks",
             "KV blocks matchable by later prompts",
@@ -114,6 +121,10 @@ class Metrics:
         if total:
             self.hit_ratio.set(self.cached_tokens._value.get() / total)
             self.store_hit_ratio.set(self.store_tokens._value.get() / total)
+
+    def health_changed(self, worker: WorkerState, healthy: bool) -> None:
+        if not healthy:
+            self.worker_unhealthy.labels(worker.role, worker.address).inc()
 
     def render(self, registry: Registry) -> bytes:
         for w in registry.workers.values():

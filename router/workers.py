@@ -2,11 +2,15 @@
 
 Workers come from the configuration and from the admin API. An address `dns:HOST:PORT`
 stands for every address HOST resolves to, resolved again before each round of health
-checks (a Kubernetes headless Service: pods that come and go are added and removed). A
-background task asks each
-worker for Health and Load every `health_interval`; a worker that fails a call (there, or
-while serving a request) `breaker_failures` times in a row is left out for
-`breaker_cooldown` seconds (the circuit is open), then tried again.
+checks (a Kubernetes headless Service: pods that come and go are added and removed).
+
+A background task asks each worker for Health and Load every `health_interval`, each call
+allowed `health_timeout` seconds (a busy worker on two cores can answer late). A worker that
+answers "not ready" is left out at once; one that does not answer, after `health_failures`
+checks in a row; one good answer brings it back. A worker whose calls fail while serving
+requests `breaker_failures` times in a row is left out for `breaker_cooldown` seconds (the
+circuit is open), then tried again. Each return to health starts a new `epoch`: a request
+that gave up on a worker may try it again once it has come back (restarted, say).
 
 What a worker caches is inferred, not asked: the router remembers, per worker, the block
 hashes of the prompts (and answers) it sent there, in a bounded LRU set.
@@ -19,7 +23,7 @@ import logging
 import socket
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +34,12 @@ from services.rpc import worker_pb2_grpc as pbg
 
 log = logging.getLogger("pdserve.router")
 REMEMBERED_BLOCKS = 50_000  # per worker
+# gRPC's reconnect backoff grows to 120 s by default: a worker restarted after a crash would
+# stay unreachable long after it serves again. Retry the connection at least every 2 s.
+CHANNEL_OPTIONS = [
+    ("grpc.max_reconnect_backoff_ms", 2000),
+    ("grpc.initial_reconnect_backoff_ms", 250),
+]
 
 
 @dataclass
@@ -42,7 +52,9 @@ class WorkerState:
     namespace: str = ""
     load: pb.LoadReply = field(default_factory=pb.LoadReply)
     inflight: int = 0  # requests the router has on it now
-    failures: int = 0  # consecutive
+    failures: int = 0  # consecutive failed calls while serving
+    check_failures: int = 0  # consecutive health checks without an answer
+    epoch: int = 0  # times it became healthy
     open_until: float = 0.0  # circuit breaker: left out until then
     cached: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
 
@@ -71,11 +83,20 @@ class WorkerState:
 
 class Registry:
     def __init__(
-        self, health_interval: float, breaker_failures: int, breaker_cooldown: float
+        self,
+        health_interval: float,
+        breaker_failures: int,
+        breaker_cooldown: float,
+        health_timeout: float = 5.0,
+        health_failures: int = 3,
+        on_health: Callable[[WorkerState, bool], None] = lambda worker, healthy: None,
     ) -> None:
         self.health_interval = health_interval
         self.breaker_failures = breaker_failures
         self.breaker_cooldown = breaker_cooldown
+        self.health_timeout = health_timeout
+        self.health_failures = health_failures
+        self.on_health = on_health  # called on every change of a worker's health
         self.workers: dict[tuple[str, str], WorkerState] = {}
         self.discovered: dict[tuple[str, str], set[str]] = {}  # (role, dns name) -> addresses
         self._task: asyncio.Task[None] | None = None
@@ -110,7 +131,7 @@ class Registry:
     def add(self, role: str, address: str) -> WorkerState:
         key = (role, address)
         if key not in self.workers:
-            channel = grpc.aio.insecure_channel(address)
+            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
             stub_class = pbg.PrefillWorkerStub if role == "prefill" else pbg.DecodeWorkerStub
             self.workers[key] = WorkerState(role, address, channel, stub_class(channel))
             log.warning("worker added", extra={"fields": {"role": role, "address": address}})
@@ -142,7 +163,7 @@ class Registry:
         worker.failures += 1
         if worker.failures >= self.breaker_failures:
             worker.open_until = time.monotonic() + self.breaker_cooldown
-            worker.healthy = False
+            self._set_health(worker, False, f"circuit open: {why}")
         log.warning(
             "worker call failed",
             extra={
@@ -176,29 +197,29 @@ class Registry:
             await asyncio.sleep(self.health_interval)
 
     async def _check(self, worker: WorkerState) -> None:
-        timeout = max(0.5, self.health_interval)
         try:
-            health = await worker.stub.Health(pb.HealthRequest(), timeout=timeout)
-            worker.load = await worker.stub.Load(pb.LoadRequest(), timeout=timeout)
+            health = await worker.stub.Health(pb.HealthRequest(), timeout=self.health_timeout)
+            worker.load = await worker.stub.Load(pb.LoadRequest(), timeout=self.health_timeout)
         except grpc.aio.AioRpcError as e:
-            if worker.healthy:
-                log.warning(
-                    "worker unhealthy",
-                    extra={
-                        "fields": {
-                            "role": worker.role,
-                            "address": worker.address,
-                            "code": e.code().name,
-                        }
-                    },
-                )
-            worker.healthy = False
+            worker.check_failures += 1
+            if worker.check_failures >= self.health_failures:
+                self._set_health(worker, False, f"{e.code().name} x{worker.check_failures}")
             return
-        was = worker.healthy
-        worker.healthy = bool(health.ready) and health.role == worker.role
+        worker.check_failures = 0
         worker.namespace = health.namespace
-        if worker.healthy and not was:
+        if not health.ready or health.role != worker.role:
+            self._set_health(worker, False, "wrong role" if health.ready else "not ready")
+        elif not worker.healthy:
             worker.failures = 0
-            log.warning(
-                "worker healthy", extra={"fields": {"role": worker.role, "address": worker.address}}
-            )
+            self._set_health(worker, True, "ready")
+
+    def _set_health(self, worker: WorkerState, healthy: bool, why: str) -> None:
+        if worker.healthy == healthy:
+            return
+        worker.healthy = healthy
+        worker.epoch += healthy
+        self.on_health(worker, healthy)
+        log.warning(
+            "worker healthy" if healthy else "worker unhealthy",
+            extra={"fields": {"role": worker.role, "address": worker.address, "why": why}},
+        )

@@ -116,7 +116,9 @@ def test_kv_store_down_decode_workers_prefill(faulty, engine, embedded):
 def test_last_decode_worker_lost_is_an_error_event_then_done(faulty, embedded_dir, tmp_path):
     redis, prefill, _, _ = faulty
     lone = WorkerProcess("decode", str(embedded_dir), redis.url, tmp_path, dtype="float32").start()
-    router = RouterProcess(tmp_path, addresses(prefill), [lone.address]).start()
+    # a request waits --retry-wait seconds for a lost worker to come back: not here
+    router = RouterProcess(tmp_path, addresses(prefill), [lone.address], "--retry-wait", "1")
+    router.start()
     try:
         body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True,
                 "stream": True}  # fmt: skip
@@ -154,7 +156,8 @@ def test_client_disconnect_frees_the_workers_within_a_second(pool, router):
 def test_prefill_timeout_is_retried_then_503_when_none_is_left(faulty, embedded_dir, tmp_path):
     redis, prefill, decode, _ = faulty
     hung = WorkerProcess("prefill", str(embedded_dir), redis.url, tmp_path, dtype="float32").start()
-    args = ("--policy", "round_robin", "--prefill-timeout", "1", "--health-interval", "60")
+    args = ("--policy", "round_robin", "--prefill-timeout", "1", "--health-interval", "60",
+            "--retry-wait", "1")  # fmt: skip
     both = RouterProcess(tmp_path, [hung.address, prefill[-1].address], addresses(decode), *args)
     only_hung = RouterProcess(tmp_path, [hung.address], addresses(decode), *args)
     try:

@@ -1,0 +1,85 @@
+"""Health checks against a real gRPC worker stand-in whose answers the test controls: a late
+answer within `health_timeout` is healthy, `health_failures` missed checks in a row are needed
+before a worker is left out, "not ready" leaves it out at once, one good answer brings it
+back in a new epoch, and every change is counted for /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import grpc
+
+from router.metrics import Metrics
+from router.workers import Registry
+from services.launcher import free_port
+from services.rpc import worker_pb2 as pb
+from services.rpc import worker_pb2_grpc as pbg
+
+
+class StandIn(pbg.PrefillWorkerServicer):
+    """Answers Health and Load after `delay` seconds, saying `ready`."""
+
+    def __init__(self) -> None:
+        self.delay = 0.0
+        self.ready = True
+
+    async def Health(self, request: pb.HealthRequest, context: Any) -> pb.HealthReply:
+        await asyncio.sleep(self.delay)
+        return pb.HealthReply(role="prefill", model="m", ready=self.ready, namespace="ns")
+
+    async def Load(self, request: pb.LoadRequest, context: Any) -> pb.LoadReply:
+        return pb.LoadReply(running=2)
+
+
+def test_health_tolerates_late_answers_and_needs_several_misses():
+    async def run() -> None:
+        stand_in = StandIn()
+        server = grpc.aio.server()
+        pbg.add_PrefillWorkerServicer_to_server(stand_in, server)
+        port = free_port()
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        metrics = Metrics()
+        registry = Registry(1.0, 3, 5.0, health_timeout=0.5, health_failures=3,
+                            on_health=metrics.health_changed)  # fmt: skip
+        worker = registry.add("prefill", f"127.0.0.1:{port}")
+        try:
+            await registry.check_all()
+            assert worker.healthy and worker.epoch == 1 and worker.load.running == 2
+
+            stand_in.delay = 0.3  # busy: late, but within the timeout
+            await registry.check_all()
+            assert worker.healthy and worker.check_failures == 0
+
+            stand_in.delay = 0.8  # past the timeout: two misses are not yet enough
+            for misses in (1, 2):
+                await registry.check_all()
+                assert worker.healthy and worker.check_failures == misses
+            stand_in.delay = 0.0  # an answer in between starts the count again
+            await registry.check_all()
+            assert worker.check_failures == 0
+            stand_in.delay = 0.8
+            for _ in range(3):
+                await registry.check_all()
+            assert not worker.healthy and registry.available("prefill") == []
+
+            stand_in.delay = 0.0  # one good answer: back, in a new epoch
+            await registry.check_all()
+            assert worker.healthy and worker.epoch == 2
+
+            stand_in.ready = False  # draining or engine dead: out at once
+            await registry.check_all()
+            assert not worker.healthy
+            stand_in.ready = True
+            await registry.check_all()
+            assert worker.healthy and worker.epoch == 3
+
+            text = metrics.render(registry).decode()
+            line = f'pdserve_worker_unhealthy_total{{role="prefill",worker="{worker.address}"}}'
+            assert f"{line} 2.0" in text
+        finally:
+            await registry.stop()
+            await server.stop(0)
+
+    asyncio.run(run())
