@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from router.errors import APIError, bad_request, unavailable
 from router.generation import Job
@@ -27,6 +27,7 @@ from router.protocol import ChatCompletionRequest, CompletionRequest
 from router.state import Admission, RouterState, new_id, read_model, watch_disconnect
 
 routes = APIRouter()
+CLIENT_GONE = 499  # the status nginx logs for a client that closed the connection first
 
 
 def state_of(request: Request) -> RouterState:
@@ -35,7 +36,7 @@ def state_of(request: Request) -> RouterState:
 
 
 @routes.post("/v1/completions", response_model=None)
-async def completions(request: Request) -> JSONResponse | StreamingResponse:
+async def completions(request: Request) -> Response:
     state = state_of(request)
     req = await read_model(request, CompletionRequest, state.config.max_body_bytes)
     state.check_model(req.model)
@@ -95,7 +96,7 @@ async def completions(request: Request) -> JSONResponse | StreamingResponse:
 
 
 @routes.post("/v1/chat/completions", response_model=None)
-async def chat(request: Request) -> JSONResponse | StreamingResponse:
+async def chat(request: Request) -> Response:
     state = state_of(request)
     req = await read_model(request, ChatCompletionRequest, state.config.max_body_bytes)
     state.check_model(req.model)
@@ -165,6 +166,11 @@ def prompt_ids(
         return [state.tokenizer.encode(prompt)]
     if not prompt:
         raise bad_request("the prompt is empty", "prompt")
+    batch = not all(isinstance(p, int) for p in prompt)
+    if batch and len(prompt) > state.config.max_prompts:
+        raise bad_request(
+            f"{len(prompt)} prompts in one request; at most {state.config.max_prompts}", "prompt"
+        )
     if all(isinstance(p, int) for p in prompt):
         return [list(prompt)]  # type: ignore[arg-type]
     if all(isinstance(p, str) for p in prompt):
@@ -185,11 +191,11 @@ async def respond(
     whole: Callable[[list[ChoiceState], dict[str, Any]], dict[str, Any]],
     envelope: Envelope,
     role_chunk: Callable[[int], dict[str, Any]] | None,
-) -> JSONResponse | StreamingResponse:
+) -> Response:
     for role in ("prefill", "decode") if not state.config.disagg_threshold else ("decode",):
         if not state.registry.available(role):  # before a stream starts: a plain 503
             raise unavailable(f"no {role} worker is available", retry_after=1)
-    admission = state.admit()
+    admission = state.admit(jobs)
     prompt_tokens = sum(len(j.prompt_ids) for j in jobs)
     if stream:
         body = stream_events(
@@ -213,6 +219,11 @@ async def respond(
     watcher = asyncio.create_task(watch_disconnect(request, task))
     try:
         return JSONResponse(await task)
+    except asyncio.CancelledError:
+        current = asyncio.current_task()
+        if current is not None and current.cancelling():  # the server is stopping
+            raise
+        return Response(status_code=CLIENT_GONE)  # nobody reads it; counted in /metrics
     finally:
         watcher.cancel()
         admission.release()  # if the task was cancelled before it began

@@ -3,21 +3,24 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from router.api import routes, state_of
 from router.config import RouterConfig
 from router.errors import APIError, bad_request, unavailable
 from router.protocol import DetokenizeRequest, TokenizeRequest, WorkerChange
-from router.state import RouterState, bearer, read_model
+from router.state import RouterState, bearer, new_id, read_model
 
+log = logging.getLogger("pdserve.router")
 VERSION = "0.1.0"
 OPEN_PATHS = {"/health", "/version", "/metrics", "/openapi.json", "/docs", "/redoc"}
 
@@ -45,7 +48,7 @@ def create_app(config: RouterConfig, state: RouterState | None = None) -> FastAP
     )
     app.state.router = state
     app.include_router(routes)
-    app.middleware("http")(_edge)
+    app.add_middleware(Edge)
     app.add_exception_handler(APIError, _api_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
@@ -53,32 +56,71 @@ def create_app(config: RouterConfig, state: RouterState | None = None) -> FastAP
     return app
 
 
-async def _edge(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-    """Body size and API keys, before any handler; every answer counted."""
-    state: RouterState = request.app.state.router
+class Edge:
+    """The ASGI layer around every request: body size and API keys before any handler; any
+    exception a handler lets out becomes a 500 in OpenAI's shape with a request id (logged
+    with its traceback); every answer counted by endpoint and status. Plain ASGI, not
+    BaseHTTPMiddleware: a streamed response goes straight to the client, and a client that
+    goes away is seen by the stream at once (its work is cancelled)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request = Request(scope)
+        state: RouterState = request.app.state.router
+        status = 0
+
+        async def counted(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            refusal = _refusal(request, state)
+            if refusal is not None:
+                await refusal.response()(scope, receive, counted)
+            else:
+                await self.app(scope, receive, counted)
+        except Exception:
+            rid = new_id("error")
+            fields = {"request_id": rid, "path": request.url.path}
+            log.exception("unhandled error", extra={"fields": fields})
+            if not status:  # nothing sent yet: the client gets an answer it can parse
+                error = APIError(500, f"Internal server error (request id {rid})", None,
+                                 "internal_error", {"X-Request-Id": rid})  # fmt: skip
+                await error.response()(scope, receive, counted)
+        path = request.url.path
+        # unknown paths share one label: a scanner's random URLs must not grow the series
+        known = path in OPEN_PATHS or path in request.app.openapi()["paths"]  # openapi() caches
+        state.metrics.requests.labels(path if known else "other", str(status or 500)).inc()
+
+
+def _refusal(request: Request, state: RouterState) -> APIError | None:
+    """413 for a body declared too large, 401 for a missing or wrong API key."""
     path = request.url.path
     try:
         length = int(request.headers.get("content-length") or 0)
-        if length > state.config.max_body_bytes:
-            raise APIError(
-                413,
-                f"request body of {length} bytes exceeds {state.config.max_body_bytes}",
-                None,
-                "request_too_large",
-            )
-        keys = state.config.api_keys
-        guarded = keys and path not in OPEN_PATHS and not path.startswith("/admin")
-        if guarded and bearer(request) not in keys:
-            key = bearer(request)
-            why = "Incorrect API key provided" if key else "Missing API key (Authorization: Bearer)"
-            raise APIError(401, why, None, "invalid_api_key")
-        response = await call_next(request)
-    except APIError as e:
-        response = e.response()
-    # unknown paths share one label: a scanner's random URLs must not grow the series
-    known = path in OPEN_PATHS or path in request.app.openapi()["paths"]  # openapi() caches
-    state.metrics.requests.labels(path if known else "other", str(response.status_code)).inc()
-    return response
+    except ValueError:
+        return bad_request("Content-Length is not a number")
+    if length > state.config.max_body_bytes:
+        return APIError(
+            413,
+            f"request body of {length} bytes exceeds {state.config.max_body_bytes}",
+            None,
+            "request_too_large",
+        )
+    keys = state.config.api_keys
+    guarded = keys and path not in OPEN_PATHS and not path.startswith("/admin")
+    key = bearer(request)
+    if guarded and key not in keys:
+        why = "Incorrect API key provided" if key else "Missing API key (Authorization: Bearer)"
+        return APIError(401, why, None, "invalid_api_key")
+    return None
 
 
 async def _api_error(request: Request, error: APIError) -> JSONResponse:

@@ -1,8 +1,10 @@
 """The OpenAI request bodies the router accepts, validated at the edge.
 
-Unknown fields are refused (400 naming the field) rather than silently ignored. The fields
-beyond OpenAI's (top_k, min_p, repetition_penalty, ignore_eos, min_tokens, ...) are vLLM's,
-so clients written for vLLM work unchanged.
+Unknown fields are refused (400 naming the field) rather than silently ignored, and types are
+strict as in OpenAI's API: `"stream": "yes"` or `"max_tokens": "5"` is a 400, not coerced
+(an integer is accepted where a number is expected). The fields beyond OpenAI's (top_k,
+min_p, repetition_penalty, ignore_eos, min_tokens, ...) are vLLM's, so clients written for
+vLLM work unchanged.
 """
 
 from __future__ import annotations
@@ -12,18 +14,19 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(Strict):
     include_usage: bool = False
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(Strict):
     """Fields completions and chat share."""
 
-    model_config = ConfigDict(extra="forbid")
-
     model: str | None = None  # optional, as in vLLM: the one served model
-    n: Annotated[int, Field(ge=1, le=16)] = 1
+    n: Annotated[int, Field(ge=1)] = 1  # at most RouterConfig.max_n
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     top_k: Annotated[int, Field(ge=-1)] | None = None
@@ -57,14 +60,12 @@ class CompletionRequest(SamplingFields):
     suffix: None = None  # accepted only as null: insertion is not supported
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class TextPart(Strict):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ChatMessage(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -86,21 +87,18 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
 
 
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class TokenizeRequest(Strict):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class DetokenizeRequest(Strict):
     model: str | None = None
     tokens: list[int]
 
 
-class WorkerChange(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class WorkerChange(Strict):
     role: Literal["prefill", "decode"]
     address: str

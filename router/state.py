@@ -7,6 +7,7 @@ import asyncio
 import hashlib
 import json
 import random
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -43,18 +44,23 @@ class RouterState:
     registry: Registry
     pipeline: Pipeline
     metrics: Metrics = field(default_factory=Metrics)
-    pending: int = 0  # generation requests admitted and not finished
+    pending: int = 0  # sequences (prompts x n) of the requests admitted and not finished
     started: int = field(default_factory=lambda: int(time.time()))
 
     @classmethod
     def create(cls, config: RouterConfig) -> RouterState:
         path = sources.resolve(config.model)
         model = hf_dir.read_config(path)
+        metrics = Metrics()
         registry = Registry(
-            config.health_interval, config.breaker_failures, config.breaker_cooldown
+            config.health_interval,
+            config.breaker_failures,
+            config.breaker_cooldown,
+            config.health_timeout,
+            config.health_failures,
+            on_health=metrics.health_changed,
         )
         policy = Policy(config.policy, config.imbalance)
-        metrics = Metrics()
         pipeline = Pipeline(
             registry,
             policy,
@@ -62,6 +68,7 @@ class RouterState:
             config.prefill_timeout,
             config.disagg_threshold,
             on_local_prefill=lambda reason: metrics.local_prefills.labels(reason).inc(),
+            retry_wait=config.retry_wait,
         )
         model_id = config.served_model_name or (
             "SmolLM2-135M-Instruct" if config.model == sources.EMBEDDED else path.name
@@ -88,6 +95,8 @@ class RouterState:
     def sampling(
         self, req: SamplingFields, max_tokens: int, logprobs: int | None
     ) -> SamplingParams:
+        if req.n > self.config.max_n:
+            raise bad_request(f"n is {req.n}; at most {self.config.max_n}", "n")
         try:
             params = SamplingParams(
                 max_tokens=max_tokens,
@@ -144,9 +153,18 @@ class RouterState:
 
     # -- running ---------------------------------------------------------------------
 
-    def admit(self) -> Admission:
-        """A place among the requests in flight, or 429 when there is none."""
-        if self.pending >= self.config.max_pending:
+    def admit(self, jobs: Sequence[Job]) -> Admission:
+        """Places for the request's sequences (prompts x n) among those in flight: 429 when
+        they do not fit now, 400 when they never could."""
+        seqs = sum(job.n for job in jobs)
+        limit = self.config.max_pending
+        if seqs > limit:
+            raise bad_request(
+                f"the request asks for {seqs} sequences (prompts x n); at most {limit} run at "
+                "once: send fewer prompts or a smaller n",
+                "n",
+            )
+        if self.pending + seqs > limit:
             raise APIError(
                 429,
                 "Too many requests in flight; retry shortly",
@@ -154,9 +172,9 @@ class RouterState:
                 "rate_limit_exceeded",
                 {"Retry-After": "1"},
             )
-        self.pending += 1
+        self.pending += seqs
         self.metrics.waiting.inc()
-        return Admission(self)
+        return Admission(self, seqs)
 
     async def run(
         self, jobs: Sequence[Job], admission: Admission
@@ -200,6 +218,7 @@ class Admission:
     released; releasing twice is harmless."""
 
     state: RouterState
+    seqs: int = 1  # places it holds in RouterState.pending
     streaming: bool = False
     released: bool = False
 
@@ -211,7 +230,7 @@ class Admission:
     def release(self) -> None:
         if not self.released:
             self.released = True
-            self.state.pending -= 1
+            self.state.pending -= self.seqs
             (self.state.metrics.running if self.streaming else self.state.metrics.waiting).dec()
 
 
@@ -231,14 +250,45 @@ async def read_model(request: Request, model: type[M], limit: int) -> M:
         data: Any = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise bad_request(f"malformed JSON: {e}") from e
+    except RecursionError as e:
+        raise bad_request("malformed JSON: nested too deeply") from e
     if not isinstance(data, dict):
         raise bad_request("the request body must be a JSON object")
+    if SURROGATE_ESCAPE.search(body):  # escapes may pair up into real characters: look
+        check_no_lone_surrogates(data, "")
     try:
         return model.model_validate(data)
     except pydantic.ValidationError as e:
         first = e.errors()[0]
         param = ".".join(str(p) for p in first["loc"]) or None
         raise bad_request(f"{param}: {first['msg']}" if param else first["msg"], param) from e
+
+
+# A UTF-16 surrogate can only enter a str through a JSON escape (the body is strict UTF-8).
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
+
+
+def check_no_lone_surrogates(data: Any, where: str) -> None:
+    """400 naming the field of the first string holding half a surrogate pair (it cannot be
+    encoded, tokenized or sent back as UTF-8)."""
+    stack = [(data, where)]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise bad_request(
+                    f"{path or 'body'}: a lone UTF-16 surrogate (\\u{ord(value[e.start]):04x}) "
+                    "is not text",
+                    path or None,
+                ) from e
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                stack.append((key, path))
+                stack.append((item, f"{path}.{key}" if path else str(key)))
+        elif isinstance(value, list):
+            stack.extend((item, f"{path}.{i}") for i, item in enumerate(value))
 
 
 def new_id(prefix: str) -> str:

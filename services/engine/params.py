@@ -60,7 +60,11 @@ class SamplingParams:
         _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "must be >= 1")
         _check(_finite(self.temperature) and self.temperature >= 0, "temperature", "must be >= 0")
         _check(_finite(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
-        _check(_is_int(self.top_k) and self.top_k >= -1, "top_k", "must be -1 (off) or >= 0")
+        _check(
+            _is_int(self.top_k) and -1 <= self.top_k <= vocab_size,
+            "top_k",
+            f"must be -1 or 0 (off), or 1..{vocab_size} (the vocabulary)",
+        )
         _check(_finite(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)

@@ -94,12 +94,19 @@ def _with_unknown_field(prefill, decode):
          "max_tokens: prompt (10 tokens) plus max_tokens (8190) exceeds the context window"),
         (_prefill(request_id="t", prompt_token_ids=[1, 2], params=to_proto_params(
             SamplingParams(top_p=1.5))), "INVALID_ARGUMENT", "top_p: must be in (0, 1]"),
+        (_prefill(request_id="k", prompt_token_ids=[1, 2], params=to_proto_params(
+            SamplingParams(top_k=49153))), "INVALID_ARGUMENT",
+         "top_k: must be -1 or 0 (off), or 1..49152"),
+        (_decode(request_id="kd", prompt_token_ids=[1, 2], params=to_proto_params(
+            SamplingParams(top_k=1 << 30)), local_prefill=True), "INVALID_ARGUMENT",
+         "top_k: must be -1 or 0 (off), or 1..49152"),
         (_with_unknown_field, "INVALID_ARGUMENT", "request: unknown field number 31"),
         (_decode(request_id="h", prompt_token_ids=list(range(100, 140)), output_token_ids=[5],
                  block_hashes=[b"\x00" * 32] * 3), "INVALID_ARGUMENT",
          "block_hashes: do not match the prompt and salt"),
     ],
-    ids=["empty", "vocabulary", "context", "top_p", "unknown-field", "block-hashes"],
+    ids=["empty", "vocabulary", "context", "top_p", "top_k", "top_k-decode", "unknown-field",
+         "block-hashes"],
 )  # fmt: skip
 def test_bad_input_is_refused_and_the_workers_keep_serving(workers, call, code, message):
     err = _refused(workers, call)

@@ -1,5 +1,6 @@
-"""The requests-in-flight count behind 429s gives every place back: after a request, after a
-stream the server never started (its client left first), and never twice."""
+"""The sequences-in-flight count behind 429s: a request holds prompts x n places, gives every
+place back (after a request, after a stream the server never started because its client
+left first) and never twice; a request larger than the whole count is a 400, not a 429."""
 
 from __future__ import annotations
 
@@ -12,15 +13,21 @@ import pytest
 from router.api import stream_events
 from router.config import RouterConfig
 from router.errors import APIError
+from router.generation import Job
 from router.openai_format import Envelope
 from router.state import RouterState
+from services.rpc import worker_pb2 as pb
+
+
+def jobs(prompts: int = 1, n: int = 1) -> list[Job]:
+    return [Job(f"r-{i}", [1, 2], pb.SamplingParams(), 0, n) for i in range(prompts)]
 
 
 def test_places_are_given_back_once_even_by_unstarted_streams():
     state = RouterState.create(RouterConfig(max_pending=2))
-    first, second = state.admit(), state.admit()
+    first, second = state.admit(jobs()), state.admit(jobs())
     with pytest.raises(APIError) as refused:
-        state.admit()
+        state.admit(jobs())
     assert refused.value.status == 429 and state.pending == 2
     first.release()
     first.release()
@@ -37,7 +44,7 @@ def test_places_are_given_back_once_even_by_unstarted_streams():
 
 def test_a_finished_run_gives_its_place_back():
     state = RouterState.create(RouterConfig())
-    admission = state.admit()
+    admission = state.admit(jobs())
 
     async def drain() -> None:
         async for _ in state.run([], admission):
@@ -45,3 +52,24 @@ def test_a_finished_run_gives_its_place_back():
 
     asyncio.run(drain())
     assert state.pending == 0 and admission.released
+
+
+def test_a_request_holds_a_place_per_sequence():
+    state = RouterState.create(RouterConfig(max_pending=16))
+    big = state.admit(jobs(prompts=2, n=4))  # 8 sequences
+    assert state.pending == 8
+    with pytest.raises(APIError) as refused:
+        state.admit(jobs(prompts=3, n=3))  # 9 more do not fit now: retry later
+    assert refused.value.status == 429
+    state.admit(jobs(n=8))
+    assert state.pending == 16
+    big.release()
+    assert state.pending == 8
+
+
+def test_a_request_larger_than_the_server_admits_is_400():
+    state = RouterState.create(RouterConfig(max_pending=256))
+    with pytest.raises(APIError) as refused:
+        state.admit(jobs(prompts=64, n=16))  # 1,024 sequences could never be admitted
+    assert refused.value.status == 400 and refused.value.param == "n"
+    assert "1024 sequences" in refused.value.message and state.pending == 0

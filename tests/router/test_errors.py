@@ -40,6 +40,15 @@ def error_of(response: httpx.Response, status: int) -> dict:
         ({**GOOD, "prompt": list(range(100, 8300))}, "prompt"),  # past the context window
         ({**GOOD, "logit_bias": {"x": 1}}, "logit_bias"),
         ({**GOOD, "frobnicate": True}, "frobnicate"),  # unknown fields are refused
+        ({**GOOD, "top_k": 49153}, "top_k"),  # larger than the vocabulary
+        ({**GOOD, "top_k": 3_000_000_000}, "top_k"),  # past the wire's int32
+        ({**GOOD, "stream": "yes"}, "stream"),  # types are strict: no coercion
+        ({**GOOD, "max_tokens": "5"}, "max_tokens"),
+        ({**GOOD, "max_tokens": 2.5}, "max_tokens"),
+        ({**GOOD, "echo": 1}, "echo"),
+        ({**GOOD, "n": 17}, "n"),  # past --max-n
+        ({**GOOD, "prompt": ["a"] * 65}, "prompt"),  # past --max-prompts
+        ({**GOOD, "prompt": ["a"] * 64, "n": 16}, "n"),  # 1,024 sequences > --max-pending
         ({"model": MODEL, "max_tokens": 2}, "prompt"),  # missing
     ],
 )
@@ -65,6 +74,32 @@ def test_malformed_json_and_non_objects_are_400(router):
     for raw in (b"{bad json", b"[1, 2]", b"\xff\xfe", b""):
         error = error_of(httpx.post(url, content=raw, headers=headers), 400)
         assert error["type"] == "invalid_request_error"
+
+
+def test_lone_surrogates_are_400_wherever_they_are(router):
+    headers = {"content-type": "application/json"}
+    cases = [
+        ("/v1/completions", b'{"prompt": "hi \\ud800 there", "max_tokens": 2}', "prompt"),
+        ("/v1/completions", b'{"prompt": ["ok", "\\udfff"], "max_tokens": 2}', "prompt.1"),
+        ("/v1/chat/completions",
+         b'{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages.0.content"),
+        ("/tokenize", b'{"prompt": "\\ud800"}', "prompt"),
+        ("/v1/completions", b'{"prompt": "x", "stop": ["\\udbff"], "max_tokens": 2}', "stop.0"),
+    ]  # fmt: skip
+    for path, raw, param in cases:
+        error = error_of(httpx.post(f"{router.url}{path}", content=raw, headers=headers), 400)
+        assert error["param"] == param and "surrogate" in error["message"]
+    pair = b'{"prompt": "\\ud83d\\ude00", "max_tokens": 1}'  # a whole pair is an emoji: fine
+    assert httpx.post(f"{router.url}/v1/completions", content=pair, headers=headers).is_success
+
+
+@pytest.mark.parametrize("depth", [1500, 900])
+def test_deeply_nested_json_is_400(router, depth):
+    raw = b'{"prompt": ' + b"[" * depth + b"]" * depth + b"}"
+    response = httpx.post(
+        f"{router.url}/v1/completions", content=raw, headers={"content-type": "application/json"}
+    )
+    assert error_of(response, 400)["type"] == "invalid_request_error"
 
 
 def test_unknown_model_is_404(router, client):
@@ -174,3 +209,42 @@ def test_too_much_waiting_work_is_429_with_retry_after(pool, tmp_path):
         assert httpx.post(f"{router.url}/v1/completions", json=GOOD).status_code == 200
     finally:
         router.stop()
+
+
+def test_an_unexpected_exception_is_a_500_in_openai_shape_logged_with_its_id(caplog):
+    import logging
+    import time
+
+    import uvicorn
+
+    from router.app import create_app
+    from router.config import RouterConfig
+    from services.launcher import free_port
+
+    app = create_app(RouterConfig())
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("tokenizer bug")
+
+    app.state.router.tokenizer.encode = broken  # a bug anywhere below a handler
+    server = uvicorn.Server(uvicorn.Config(app, port=free_port(), log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        url = f"http://127.0.0.1:{server.config.port}/tokenize"
+        with caplog.at_level(logging.ERROR, logger="pdserve.router"):
+            response = httpx.post(url, json={"prompt": "hello"})
+        error = error_of(response, 500)
+        assert error["type"] == "server_error" and error["code"] == "internal_error"
+        rid = response.headers["x-request-id"]
+        assert rid in error["message"]
+        record = next(r for r in caplog.records if r.getMessage() == "unhandled error")
+        assert record.fields["request_id"] == rid and "tokenizer bug" in caplog.text
+        assert httpx.get(f"http://127.0.0.1:{server.config.port}/version").status_code == 200
+    finally:
+        server.should_exit = True
+        thread.join(10)
