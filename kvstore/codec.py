@@ -1,19 +1,40 @@
 """The block codec: one store value per KV block, safe to read from an untrusted store.
 
-    value = header | scales | payload
+    value = header | scales | payload | mac
     header  fixed 96 bytes, little-endian (FORMAT below)
     scales  fp8 only: float32 [layers, 2] (K, V), the factor each layer's values were divided by
     payload per layer: K [kv_heads, head_dim, block_size] then V [kv_heads, block_size, head_dim]
             in the storage dtype (the worker's cache layout, services/model/kv_cache.py)
+    mac     keyed codecs only (header flag FLAG_MAC): HMAC-SHA256 of everything before it
 
 Decoding checks every header field against what the reader expects (namespace, block hash,
-shape, dtype, sizes) and the payload against its checksum (xxh3-64), and raises CodecError
-for anything else. Nothing is unpickled, evaluated or trusted.
+shape, dtype, sizes), the payload against its checksum (xxh3-64) and, with a key, the whole
+value against its MAC, and raises CodecError for anything else. Nothing is unpickled,
+evaluated or trusted.
+
+What each check protects. The checksum catches damage, not intent: anyone who can write to
+the store can also compute xxh3, so without a key a value with a correct header and checksum
+but a payload of their choosing is taken as KV. With a key (the deployment's secret, shared
+by all its workers: kv_key_file) the MAC covers header, scales and payload, and a value can
+only come from a holder of the key. A keyed reader refuses values without a MAC, an unkeyed
+reader refuses values with one (mixing them is a misconfiguration, shown as corrupt blocks).
+The MAC binds the namespace and block hash (both in the header), so a genuine value cannot be
+replayed under another block's key either. The checksum stays beside the MAC: it costs
+nothing next to it, and it tells damage ("checksum") from forgery ("MAC") in the reason.
+
+Why HMAC-SHA256 and not keyed BLAKE2b: both are sound MACs; HMAC-SHA256 runs in OpenSSL,
+with the SHA extensions every recent x86 and Arm server CPU has, and measured twice as fast
+here. Per 368,640-byte block (a bf16 SmolLM2 block), best of 5x300 on this machine (2-core
+EPYC with SHA-NI, Python 3.11, OpenSSL 3.0): xxh3-64 5.8 us, HMAC-SHA256 208 us (1.8 GB/s),
+keyed BLAKE2b-256 399 us, keyed BLAKE2s 698 us. So a keyed block costs ~0.2 ms more to encode
+and to check: ~26 ms per 2,000-token prompt on each side, against ~1.3 s to compute 512
+tokens. (The measurement: README.md, "Security".)
 """
 
 from __future__ import annotations
 
 import enum
+import hmac
 import math
 import struct
 import warnings
@@ -33,6 +54,9 @@ CODEC_VERSION = 1
 # checksum of the payload (xxh3-64). Every byte of the header is checked on decode.
 FORMAT = struct.Struct("<4sHBBHHHHH6s16s32sQQ")
 RESERVED = bytes(6)
+FLAG_MAC = 0x01  # the value ends with a MAC_BYTES MAC (keyed codec)
+MAC_BYTES = 32  # HMAC-SHA256
+MIN_KEY_BYTES = 16
 FP8_MAX = 448.0  # largest finite float8 e4m3fn
 
 
@@ -80,18 +104,33 @@ class DecodedBlocks:
     num_tokens: list[int]
 
 
-class BlockCodec:
-    """Encodes and checks the blocks of one KV layout in one storage dtype."""
+def mac(key: bytes, data: bytes | memoryview) -> bytes:
+    """The MAC of a keyed value: HMAC-SHA256 of its bytes before the MAC."""
+    return hmac.digest(key, data, "sha256")
 
-    def __init__(self, layout: KVLayout, dtype: StorageDtype) -> None:
+
+class BlockCodec:
+    """Encodes and checks the blocks of one KV layout in one storage dtype; with `key`, every
+    value carries a MAC and only values with a valid one are accepted."""
+
+    def __init__(self, layout: KVLayout, dtype: StorageDtype, key: bytes | None = None) -> None:
+        if key is not None and len(key) < MIN_KEY_BYTES:
+            raise ValueError(f"a block key needs at least {MIN_KEY_BYTES} bytes, got {len(key)}")
         self.layout = layout
         self.dtype = dtype
+        self.key = key
+        self.flags = FLAG_MAC if key is not None else 0
         self.namespace = bytes.fromhex(layout.namespace())
         per_layer = layout.num_kv_heads * layout.head_dim * layout.block_size  # K (or V)
         self.elements = 2 * layout.num_layers * per_layer
         self.scales_bytes = 8 * layout.num_layers if dtype is StorageDtype.FP8_E4M3 else 0
         self.payload_bytes = self.scales_bytes + self.elements * dtype.itemsize
-        self.value_bytes = FORMAT.size + self.payload_bytes
+        self.body_end = FORMAT.size + self.payload_bytes  # where the MAC starts, if any
+        self.value_bytes = self.body_end + (MAC_BYTES if key is not None else 0)
+
+    def __repr__(self) -> str:  # never the key
+        keyed = "keyed" if self.key is not None else "unkeyed"
+        return f"BlockCodec({self.layout}, {self.dtype.name}, {keyed})"
 
     # -- encode ----------------------------------------------------------------------
 
@@ -105,7 +144,7 @@ class BlockCodec:
         """Values for n blocks, written into one buffer (one view each, no per-block copy)."""
         n, layers = k.shape[0], self.layout.num_layers
         buf = np.empty((n, self.value_bytes), dtype=np.uint8)
-        payload = torch.from_numpy(buf[:, FORMAT.size + self.scales_bytes :])
+        payload = torch.from_numpy(buf[:, FORMAT.size + self.scales_bytes : self.body_end])
         dest = payload.view(self.dtype.torch).view(n, layers, 2, -1)  # [n, L, K|V, elements]
         scales = torch.from_numpy(buf[:, FORMAT.size : FORMAT.size + self.scales_bytes])
         for j, x in enumerate((k, v)):
@@ -117,13 +156,16 @@ class BlockCodec:
             dest[:, :, j].copy_(x)
         views = []
         for i in range(n):
-            body = buf[i, FORMAT.size :].data  # the row's bytes, no copy
+            body = buf[i, FORMAT.size : self.body_end].data  # the row's bytes, no copy
             FORMAT.pack_into(
-                buf[i], 0, MAGIC, CODEC_VERSION, int(self.dtype), 0, layers,
+                buf[i], 0, MAGIC, CODEC_VERSION, int(self.dtype), self.flags, layers,
                 self.layout.block_size, num_tokens[i], self.layout.num_kv_heads,
                 self.layout.head_dim, RESERVED, self.namespace, hashes[i], self.payload_bytes,
                 xxhash.xxh3_64_intdigest(body),
             )  # fmt: skip
+            if self.key is not None:
+                tag = mac(self.key, buf[i, : self.body_end].data)
+                buf[i, self.body_end :] = np.frombuffer(tag, dtype=np.uint8)
             views.append(buf[i].data)
         return views
 
@@ -136,12 +178,14 @@ class BlockCodec:
         fields = FORMAT.unpack_from(value, 0)
         (magic, version, dtype, flags, layers, block_size, num_tokens, kv_heads, head_dim,
          reserved, namespace, stored_hash, payload_len, checksum) = fields  # fmt: skip
-        lay = self.layout
+        lay, keyed = self.layout, bool(flags & FLAG_MAC)
         expect = [
             (magic == MAGIC, "bad magic"),
             (version == CODEC_VERSION, f"codec version {version}, expected {CODEC_VERSION}"),
             (dtype == int(self.dtype), f"dtype {dtype}, expected {int(self.dtype)}"),
-            (flags == 0 and reserved == RESERVED, "unknown flags"),
+            (flags & ~FLAG_MAC == 0 and reserved == RESERVED, "unknown flags"),
+            (keyed or self.key is None, "no MAC, and this reader has a key"),
+            (not keyed or self.key is not None, "a MAC, and this reader has no key"),
             (layers == lay.num_layers, f"{layers} layers, expected {lay.num_layers}"),
             (block_size == lay.block_size, f"block size {block_size}, expected {lay.block_size}"),
             (kv_heads == lay.num_kv_heads, f"{kv_heads} kv heads, expected {lay.num_kv_heads}"),
@@ -155,8 +199,13 @@ class BlockCodec:
         for ok, reason in expect:
             if not ok:
                 raise CodecError(reason)
-        if xxhash.xxh3_64_intdigest(memoryview(value)[FORMAT.size :]) != checksum:
+        view = memoryview(value)
+        if xxhash.xxh3_64_intdigest(view[FORMAT.size : self.body_end]) != checksum:
             raise CodecError("checksum does not match")
+        if self.key is not None:
+            tag = mac(self.key, view[: self.body_end])
+            if not hmac.compare_digest(tag, view[self.body_end :]):
+                raise CodecError("MAC does not match: forged, or written with another key")
         if self.scales_bytes:
             scales = np.frombuffer(value, dtype="<f4", count=2 * layers, offset=FORMAT.size)
             if not all(math.isfinite(s) and s > 0 for s in scales.tolist()):
@@ -180,7 +229,8 @@ class BlockCodec:
         n, lay = len(values), self.layout
         rows = np.empty((n, self.payload_bytes), dtype=np.uint8)
         for i, value in enumerate(values):
-            rows[i] = np.frombuffer(value, dtype=np.uint8, offset=FORMAT.size)
+            rows[i] = np.frombuffer(value, dtype=np.uint8, count=self.payload_bytes,
+                                    offset=FORMAT.size)  # fmt: skip
         payload = torch.from_numpy(rows[:, self.scales_bytes :])
         kv = payload.view(self.dtype.torch).view(n, lay.num_layers, 2, -1)
         if self.scales_bytes:
@@ -198,7 +248,9 @@ class BlockCodec:
         layers = self.layout.num_layers
         with warnings.catch_warnings():  # read-only buffer, and we only read it
             warnings.simplefilter("ignore", UserWarning)
-            raw = torch.frombuffer(memoryview(value)[FORMAT.size :], dtype=torch.uint8)
+            raw = torch.frombuffer(
+                memoryview(value)[FORMAT.size : self.body_end], dtype=torch.uint8
+            )
         kv = raw[self.scales_bytes :].view(self.dtype.torch).view(layers, 2, -1)
         if self.scales_bytes:
             scales = raw[: self.scales_bytes].view(torch.float32).view(layers, 2, 1)

@@ -5,6 +5,12 @@ batch sent as one pipeline (no MULTI: blocks are independent). In a cluster the 
 split by node, one round trip per node. redis-py's own retries are switched off: the store's
 timeout is the whole budget, and a dead server must surface as StoreUnavailable, not as a
 retry loop.
+
+Access comes from the URL, as redis-py reads it: `redis://:PASSWORD@host` AUTHs as the
+default user, `redis://USER:PASSWORD@host` as an ACL user (it needs GET, SET, EXISTS and DEL
+on `pdserve:*`), `rediss://` speaks TLS with `ssl_ca_certs`, `ssl_certfile` and `ssl_keyfile`
+in the query (tests/kvstore/test_redis_options.py runs each against a real redis-server).
+A wrong password or a refused command is a StoreUnavailable like any other.
 """
 
 from __future__ import annotations

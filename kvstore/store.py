@@ -18,7 +18,7 @@ import contextlib
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
 from kvstore.keys import store_key
 
@@ -101,6 +101,15 @@ class Backend:
         self._stats.bytes_read += sum(len(v) for v in found)
 
 
+def redact(url: str) -> str:
+    """`url` with its password, if it has one, as *** (for messages and logs)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
+
+
 def open_store(
     url: str,
     namespace: str,
@@ -112,7 +121,10 @@ def open_store(
     """A store for `url`:
     memory://                          in this process (tests, single-process use)
     local://PATH                       files under PATH, shared by the processes of one host
-    redis://[user:pass@]host:port/db   Redis (rediss:// for TLS, unix:///path.sock)
+    redis://[user:pass@]host:port/db   Redis (rediss:// for TLS, unix:///path.sock); a user is
+                                       an ACL user, a password alone is the default user's;
+                                       TLS options in the query: ?ssl_ca_certs=CA&ssl_certfile=
+                                       CERT&ssl_keyfile=KEY (client certificates)
     redis+cluster://host:port          Redis Cluster (any node; the others are discovered)
     `ttl` (seconds) expires Redis values; `max_bytes` caps memory:// and local:// (LRU)."""
     scheme = urlsplit(url).scheme

@@ -110,21 +110,37 @@ def _serve(args: argparse.Namespace) -> int:
 def router_config(s: settings.Settings) -> RouterConfig:
     from router.config import RouterConfig
 
+    api_keys = s.api_keys
+    if s.api_keys_file:
+        api_keys += settings.read_secrets(s.api_keys_file, "--api-keys-file")
+    admin_key = s.admin_key
+    if s.admin_key_file:
+        admin_key = settings.read_secrets(s.admin_key_file, "--admin-key-file")[0]
     return RouterConfig(
         host=s.host, port=s.port_for("router"), model=s.model,
         served_model_name=s.served_model_name, prefill=s.prefill, decode=s.decode,
         policy=s.policy, imbalance=s.imbalance, disagg_threshold=s.disagg_threshold,
-        api_keys=s.api_keys, admin_key=s.admin_key, max_pending=s.max_pending,
-        max_body_bytes=s.max_body_bytes, health_interval=s.health_interval,
-        prefill_timeout=s.prefill_timeout,
+        api_keys=api_keys, admin_key=admin_key, max_pending=s.max_pending,
+        max_prompts=s.max_prompts, max_n=s.max_n, max_body_bytes=s.max_body_bytes,
+        health_interval=s.health_interval, health_timeout=s.health_timeout,
+        health_failures=s.health_failures, prefill_timeout=s.prefill_timeout,
+        retry_wait=s.retry_wait,
     )  # fmt: skip
 
 
 def _worker(s: settings.Settings, role: str) -> int:
     import asyncio
 
+    from kvstore.keyfile import read_key
+    from kvstore.local import path_of, private_dir
     from services.worker.server import WorkerConfig
 
+    try:  # refused here, before the model loads
+        kv_key = read_key(s.kv_key_file) if s.kv_key_file else None
+        if s.kv_store.startswith("local:"):
+            private_dir(path_of(s.kv_store))
+    except (OSError, ValueError) as e:
+        raise settings.SettingsError(str(e)) from e
     config = WorkerConfig(
         role=role, host=s.host, port=s.port_for(role), model=s.model, dtype=s.dtype,
         device=s.device, kv_store=s.kv_store, kv_store_dtype=s.kv_store_dtype,
@@ -132,17 +148,16 @@ def _worker(s: settings.Settings, role: str) -> int:
         num_blocks=s.num_blocks, kv_cache_bytes=int(s.kv_cache_gb * (1 << 30)),
         max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
         grace_period=s.grace_period, write_back=s.write_back, metrics_port=s.metrics_port,
+        stall_timeout=s.engine_stall_timeout, kv_key=kv_key,
     )  # fmt: skip
     # The CLI is the one place that knows every role; the roles' code is imported here only.
     if role == "prefill":
         from prefill.worker import PrefillWorker
 
-        asyncio.run(PrefillWorker(config).serve())
-    else:
-        from decode.worker import DecodeWorker
+        return asyncio.run(PrefillWorker(config).serve())
+    from decode.worker import DecodeWorker
 
-        asyncio.run(DecodeWorker(config).serve())
-    return 0
+    return asyncio.run(DecodeWorker(config).serve())
 
 
 def _config_show(args: argparse.Namespace) -> int:

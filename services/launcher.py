@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from urllib.parse import quote
 
 PDSERVE = str(Path(sys.executable).parent / "pdserve")
 
@@ -36,20 +37,47 @@ def wait_for_port(port: int, timeout: float = 10.0, host: str = "127.0.0.1") -> 
     raise RuntimeError(f"nothing listened on {host}:{port} within {timeout}s")
 
 
-def start_redis(workdir: Path, port: int | None = None) -> tuple[subprocess.Popen[bytes], str]:
-    """A redis-server child that keeps nothing on disk; its URL."""
+def redis_conf(
+    path: Path, port: int, workdir: Path, password: str | None = None, max_memory: str | None = None
+) -> Path:
+    """Write a redis-server config (mode 0600: it may hold the password) and return its path.
+
+    Nothing persisted; with `max_memory`, least recently used keys are evicted past it (a KV
+    block can always be recomputed). The password goes in this file, never on a command line
+    (visible to every user in `ps`)."""
+    lines = [f"port {port}", "bind 127.0.0.1", 'save ""', "appendonly no",
+             f"dir {_quote(str(workdir))}"]  # fmt: skip
+    if password is not None:
+        lines.append(f"requirepass {_quote(password)}")
+    if max_memory is not None:
+        lines += [f"maxmemory {max_memory}", "maxmemory-policy allkeys-lru"]
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    os.fchmod(fd, 0o600)  # also if the file was there before
+    with os.fdopen(fd, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return path
+
+
+def _quote(text: str) -> str:
+    """A redis.conf string argument."""
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def start_redis(
+    workdir: Path, port: int | None = None, password: str | None = None
+) -> tuple[subprocess.Popen[bytes], str]:
+    """A redis-server child that keeps nothing on disk; its URL (with the password, if any)."""
     binary = shutil.which("redis-server")
     if binary is None:
         raise SystemExit("redis-server is not installed (apt-get install redis-server)")
     port = port or free_port()
     workdir.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", str(workdir)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    conf = redis_conf(workdir / "redis.conf", port, workdir, password)
+    proc = subprocess.Popen([binary, str(conf)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)  # fmt: skip
     wait_for_port(port)
-    return proc, f"redis://127.0.0.1:{port}/0"
+    auth = f":{quote(password, safe='')}@" if password is not None else ""
+    return proc, f"redis://{auth}127.0.0.1:{port}/0"
 
 
 class Child:

@@ -27,6 +27,7 @@ WORKER = ("prefill", "decode", "up")
 ROUTER = ("router", "up")
 EVERY = ROLES
 DEFAULT_PORTS = {"router": 8000, "prefill": 50051, "decode": 50052, "up": 8000}
+SECRETS = ("api_keys", "admin_key")  # shown as <set>
 MODEL_HELP = 'model: "embedded" (SmolLM2-135M-Instruct), a .gguf file or a Hugging Face directory'
 
 
@@ -59,11 +60,17 @@ class Settings:
                                      "blocks go first)", WORKER)  # fmt: skip
     store_timeout: float = setting(1.0, "seconds per store call before it counts as down",
                                    WORKER)  # fmt: skip
+    kv_key_file: str | None = setting(None, "file holding the secret every worker of the "
+                                      "deployment shares: stored blocks carry a MAC made with "
+                                      "it (none: a checksum only)", WORKER)  # fmt: skip
     num_blocks: int | None = setting(None, "KV blocks in a worker's pool", WORKER, minimum=1)
     kv_cache_gb: float = setting(1.0, "KV pool size when --num-blocks is not given", WORKER)
     max_num_seqs: int = setting(64, "sequences a worker runs at once", WORKER, minimum=1)
     max_num_batched_tokens: int = setting(512, "tokens per engine step", WORKER, minimum=1)
     grace_period: float = setting(10.0, "seconds in-flight requests get on SIGTERM", WORKER)
+    engine_stall_timeout: float = setting(60.0, "seconds without an engine step while requests "
+                                          "wait before a worker exits (for a restart)",
+                                          WORKER)  # fmt: skip
     write_back: bool = setting(True, "decode: write finished generations' blocks to the store",
                                WORKER)  # fmt: skip
     metrics_port: int | None = setting(None, "workers: serve Prometheus /metrics and /health "
@@ -77,18 +84,35 @@ class Settings:
     imbalance: int = setting(8, "kv_aware: requests a cached worker may be busier by", ROUTER)
     disagg_threshold: int = setting(0, "prompts with fewer uncached tokens skip prefill (0: off)",
                                     ROUTER)  # fmt: skip
-    api_keys: tuple[str, ...] = setting((), "accepted API keys (none: no authentication)",
-                                        ROUTER)  # fmt: skip
+    api_keys: tuple[str, ...] = setting((), "accepted API keys (none: no authentication); "
+                                        "prefer the variable or --api-keys-file: flags show "
+                                        "in ps", ROUTER)  # fmt: skip
+    api_keys_file: str | None = setting(None, "file of accepted API keys, one per line "
+                                        "(added to --api-keys)", ROUTER)  # fmt: skip
     admin_key: str | None = setting(None, "key for /admin/workers (none: admin API off)", ROUTER)
-    max_pending: int = setting(256, "requests in flight before 429", ROUTER, minimum=1)
+    admin_key_file: str | None = setting(None, "file holding the admin key", ROUTER)
+    max_pending: int = setting(256, "sequences (prompts x n) in flight before 429", ROUTER,
+                               minimum=1)  # fmt: skip
+    max_prompts: int = setting(64, "prompts one completions request may carry", ROUTER,
+                               minimum=1)  # fmt: skip
+    max_n: int = setting(16, "largest n (choices per prompt)", ROUTER, minimum=1)
     max_body_bytes: int = setting(4 << 20, "largest request body (413 past it)", ROUTER)
     health_interval: float = setting(1.0, "seconds between worker health checks", ROUTER)
+    health_timeout: float = setting(5.0, "seconds a worker's health check may take (a busy "
+                                    "worker answers late)", ROUTER)  # fmt: skip
+    health_failures: int = setting(3, "failed health checks in a row before a worker is left "
+                                   "out (one success brings it back)", ROUTER,
+                                   minimum=1)  # fmt: skip
     prefill_timeout: float = setting(120.0, "seconds a Prefill may take before another worker "
                                      "is tried", ROUTER)  # fmt: skip
+    retry_wait: float = setting(30.0, "seconds a request waits for a worker to come back when "
+                                "every one has failed it", ROUTER)  # fmt: skip
     # up
     num_prefill: int = setting(1, "prefill workers to start", ("up",), minimum=1)
     num_decode: int = setting(1, "decode workers to start", ("up",), minimum=1)
     redis: bool = setting(False, "start a redis-server child as the KV store", ("up",))
+    redis_max_memory: str = setting("2gb", "--redis: the redis-server's memory cap (least "
+                                    "recently used blocks evicted past it)", ("up",))  # fmt: skip
 
     def port_for(self, role: str) -> int:
         return self.port if self.port is not None else DEFAULT_PORTS[role]
@@ -221,6 +245,18 @@ def _convert(name: str, raw: Any, where: str) -> Any:
     return value
 
 
+def read_secrets(path: str, where: str) -> tuple[str, ...]:
+    """The non-empty lines of a secrets file (keys, one per line; `#` starts a comment)."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as e:
+        raise SettingsError(f"{where}: {e}") from e
+    found = tuple(x.strip() for x in lines if x.strip() and not x.strip().startswith("#"))
+    if not found:
+        raise SettingsError(f"{where}: {path} holds no key")
+    return found
+
+
 def child_env(settings: Settings, role: str) -> dict[str, str]:
     """PDSERVE_* variables that give a child process of `role` these settings."""
     out = {}
@@ -239,7 +275,11 @@ def show(loaded: Loaded, role: str | None) -> str:
         value = getattr(loaded.settings, name)
         if name == "port":
             value = loaded.settings.port_for(role or "up")
-        if name in ("api_keys", "admin_key") and value:
+        if name == "kv_store":
+            from kvstore.store import redact  # a password in the URL
+
+            value = redact(value)
+        if name in SECRETS and value:
             value = "<set>" if isinstance(value, str) else ",".join("<set>" for _ in value)
         elif isinstance(value, tuple):
             value = ",".join(value)

@@ -6,6 +6,13 @@ the embedded `local://` store the workers share through files), `num_prefill` pr
 the router's /health says 200, prints the URL and a ready line, and passes the children's
 output through, each line prefixed with the child's name.
 
+The store is private to the stack: a bare `local://` becomes a directory of this stack's own
+(this user's, mode 0700, named after the stack's address, so a restart keeps its cache); the
+redis-server child gets a random password and a memory cap (allkeys-lru) from a 0600 config
+file, and the workers get its URL through their environment, never a command line. Blocks
+are authenticated (kvstore/codec.py): without `--kv-key-file`, a key is made for the stack
+and kept beside its local:// blocks (or, for another store, in the work directory).
+
 A child that dies is reported and started again (same port) after a backoff that doubles
 from 1 s to 30 s, and falls back to 1 s once a child has run for a minute. On SIGINT or
 SIGTERM every child is stopped (router first, KV store last) and waited for; children also
@@ -17,10 +24,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import re
+import secrets
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -28,12 +38,16 @@ from pathlib import Path
 
 import httpx
 
-from services.launcher import PDSERVE, free_port
+from kvstore import local
+from kvstore.keyfile import make_key
+from kvstore.store import redact
+from services.launcher import PDSERVE, free_port, redis_conf
 from services.settings import Settings, SettingsError, child_env, env_name
 
 BACKOFF_MAX = 30.0
 STABLE_AFTER = 60.0  # seconds of running that reset a child's backoff
 READY_TIMEOUT = 600.0  # first start converts the model: minutes on a slow machine
+MEMORY = re.compile(r"\d+(b|k|kb|m|mb|g|gb)?", re.IGNORECASE)  # redis.conf's memory units
 _print_lock = threading.Lock()
 
 
@@ -101,23 +115,14 @@ class Stack:
         # variables (PDSERVE_CACHE_DIR, PDSERVE_KERNELS) pass through
         ours = {env_name(n) for n in Settings.names()} | {"PDSERVE_CONFIG"}
         base = {k: v for k, v in os.environ.items() if k not in ours}
-        store = s.kv_store
-        if s.redis:
-            if shutil.which("redis-server") is None:
-                raise SettingsError(
-                    "--redis: redis-server is not installed (apt-get install redis-server); "
-                    "or give --kv-store redis://HOST:PORT"
-                )
-            port = free_port()
-            argv = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                    "--appendonly", "no", "--dir", str(workdir)]  # fmt: skip
-            self.children.append(Child("redis", argv, base))
-            store = f"redis://127.0.0.1:{port}/0"
+        store = self._redis(workdir, base) if s.redis else self._local_store()
+        key_file = s.kv_key_file or str(self._key_file(store, workdir))
+        secrets_env = {"PDSERVE_KV_STORE": store, "PDSERVE_KV_KEY_FILE": key_file}
         addresses: dict[str, list[str]] = {"prefill": [], "decode": []}
         for role, count in (("prefill", s.num_prefill), ("decode", s.num_decode)):
             for i in range(count):
                 port = free_port()
-                env = {**base, **child_env(s, role), "PDSERVE_KV_STORE": store}
+                env = {**base, **child_env(s, role), **secrets_env}
                 argv = [PDSERVE, role, "--host", "127.0.0.1", "--port", str(port)]
                 self.children.append(Child(f"{role}-{i}", argv, env))
                 addresses[role].append(f"127.0.0.1:{port}")
@@ -127,6 +132,50 @@ class Stack:
                 "--decode", ",".join(addresses["decode"])]  # fmt: skip
         self.children.append(Child("router", argv, env))
         return store
+
+    @property
+    def stack_dir(self) -> Path:
+        """This stack's own local:// directory: this user's, named after the stack's address
+        (two stacks on one host never share one; a restart of the same stack keeps it)."""
+        address = f"{self.settings.host}-{self.settings.port_for('up')}"
+        return local.default_dir() / f"up-{re.sub(r'[^A-Za-z0-9.-]', '_', address)}"
+
+    def _local_store(self) -> str:
+        """The workers' store URL: a bare local:// made the stack's own, others as given."""
+        if self.settings.kv_store != "local://":
+            return self.settings.kv_store
+        try:
+            local.private_dir(local.default_dir())
+            return f"local://{local.private_dir(self.stack_dir)}"
+        except OSError as e:
+            raise SettingsError(f"kv_store local://: {e}") from e
+
+    def _key_file(self, store: str, workdir: Path) -> Path:
+        """A key made for the stack: kept beside its local:// blocks (they live and go
+        together), else for this run only, in the work directory."""
+        try:
+            if not store.startswith("local:"):
+                say("pdserve: KV blocks are authenticated with a key made for this run: give "
+                    "--kv-key-file to keep them across restarts or share the store")  # fmt: skip
+                return make_key(workdir / "kv.key")
+            return make_key(local.private_dir(local.path_of(store)) / "kv.key")
+        except (OSError, ValueError) as e:
+            raise SettingsError(f"the stack's KV key: {e}") from e
+
+    def _redis(self, workdir: Path, env: dict[str, str]) -> str:
+        """A redis-server child with a password and a memory cap; the workers' store URL."""
+        if shutil.which("redis-server") is None:
+            raise SettingsError(
+                "--redis: redis-server is not installed (apt-get install redis-server); "
+                "or give --kv-store redis://HOST:PORT"
+            )
+        cap = self.settings.redis_max_memory
+        if not MEMORY.fullmatch(cap):
+            raise SettingsError(f"redis_max_memory: {cap!r} is not a size like 512mb or 2gb")
+        port, password = free_port(), secrets.token_urlsafe(32)
+        conf = redis_conf(workdir / "redis.conf", port, workdir, password, cap)
+        self.children.append(Child("redis", ["redis-server", str(conf)], env))
+        return f"redis://:{password}@127.0.0.1:{port}/0"
 
     def supervise_once(self) -> None:
         """Report children that died; start again those whose backoff has passed."""
@@ -171,15 +220,19 @@ def up(settings: Settings) -> int:
         signal.signal(sig, lambda *_: stack.stopping.set())
     say(f"pdserve: preparing the model ({settings.model})")
     sources.resolve(settings.model)  # convert once here, not in every worker at once
-    workdir = Path(os.environ.get("TMPDIR", "/tmp")) / f"pdserve-up-{os.getpid()}"
-    workdir.mkdir(parents=True, exist_ok=True)
-    store = stack.build(workdir)
+    workdir = Path(tempfile.mkdtemp(prefix="pdserve-up-"))  # 0700, a name no one can guess
+    try:
+        store = stack.build(workdir)
+    except BaseException:
+        shutil.rmtree(workdir, ignore_errors=True)
+        raise
+    shown = redact(store)
     for child in stack.children:
         child.start()
     try:
         if stack.wait_ready():
             say(f"pdserve: ready at {stack.url}/v1 (prefill x{settings.num_prefill}, "
-                f"decode x{settings.num_decode}, KV store {store}); Ctrl-C stops")  # fmt: skip
+                f"decode x{settings.num_decode}, KV store {shown}); Ctrl-C stops")  # fmt: skip
         elif not stack.stopping.is_set():
             say(f"pdserve: error: not healthy within {READY_TIMEOUT:.0f}s; stopping")
             return 1

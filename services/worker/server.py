@@ -12,12 +12,13 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import os
 import signal
 import sys
 import time
 from collections import defaultdict
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -38,6 +39,7 @@ from services.model.loader import load_model
 from services.rpc import worker_pb2 as pb
 
 log = logging.getLogger("pdserve.worker")
+WATCH_INTERVAL = 0.5  # seconds between the watchdog's looks at the engine thread
 FETCH_BATCH = 8  # blocks per store read while fetching a prompt (see Worker.fetch)
 FETCH_PAUSE = 0.005  # seconds between those reads
 SWITCH_INTERVAL = 0.0005  # seconds; Python's default is 0.005
@@ -60,8 +62,12 @@ class WorkerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     grace_period: float = 10.0  # seconds in-flight requests get on SIGTERM
+    stall_timeout: float = 60.0  # seconds without an engine step, work queued: the worker exits
     write_back: bool = True  # decode: write finished generations' blocks to the store
     metrics_port: int | None = None  # HTTP /metrics and /health (services/worker/http.py)
+    # the deployment's secret: stored blocks carry a MAC made with it (kvstore/codec.py);
+    # None: a checksum only
+    kv_key: bytes | None = field(default=None, repr=False)
 
 
 @dataclass
@@ -100,7 +106,10 @@ class Worker:
         )
         self.engine = Engine(loaded.model, loaded.tokenizer, engine_config, self._export)
         self.cache_dtype: torch.dtype = cache_dtype
-        self.codec = BlockCodec(self.layout, storage)
+        self.codec = BlockCodec(self.layout, storage, config.kv_key)
+        if config.kv_key is None:
+            log.warning("no kv_key_file: stored blocks are checksummed, not authenticated "
+                        "(whoever can write to the store can plant KV)")  # fmt: skip
         self.store = open_store(
             config.kv_store,
             self.namespace,
@@ -111,8 +120,14 @@ class Worker:
         self.driver = AsyncEngine(self.engine)
         self.counters = Counters()
         self.pending_puts: dict[str, list[concurrent.futures.Future[None]]] = defaultdict(list)
-        self.ready = False
+        self.serving = False  # between start and drain
+        self.exit_code = 0  # 1 once the engine is found dead or stalled
         self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def ready(self) -> bool:
+        """Serving, with an engine that is alive (what Health and HTTP /health report)."""
+        return self.serving and self.driver.alive
 
     # -- KV out: called on the engine thread right after a step computed the blocks -----
 
@@ -221,9 +236,10 @@ class Worker:
     def add_to_server(self, server: grpc.aio.Server) -> None:
         raise NotImplementedError
 
-    async def serve(self) -> None:
+    async def serve(self) -> int:
         """Serve until SIGTERM or SIGINT; then stop taking requests, give the ones in
-        flight `grace_period` seconds, abort the rest."""
+        flight `grace_period` seconds, abort the rest; exit code 0. Or until the engine
+        thread dies or stalls: then exit at once with 1, for the supervisor to restart us."""
         self._loop = asyncio.get_running_loop()
         # The engine thread needs the GIL between torch ops, hundreds of times a step; a
         # shorter switch interval bounds its wait when RPCs (a KV fetch) run Python meanwhile.
@@ -239,28 +255,51 @@ class Worker:
             from services.worker.http import serve_http
 
             side_door = serve_http(self, self.config.host, self.config.metrics_port)
-        self.ready = True
+        self.serving = True
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             self._loop.add_signal_handler(sig, stop.set)
+        if os.environ.get("PDSERVE_TEST_HOOKS") == "1":  # tests: SIGUSR1 kills the engine thread
+            self._loop.add_signal_handler(signal.SIGUSR1, self.driver.kill)
+        watchdog = asyncio.create_task(self._watch(stop))
         log.warning("serving", extra={"fields": {"role": self.role, "address": address,
                                                   "namespace": self.namespace}})  # fmt: skip
         await stop.wait()
+        watchdog.cancel()
         # On the way out for good: a second signal (a supervisor repeating its SIGTERM) must
         # not kill the process with the default action once the loop has closed.
         for sig in (signal.SIGTERM, signal.SIGINT):
             self._loop.remove_signal_handler(sig)
             signal.signal(sig, signal.SIG_IGN)
-        self.ready = False
-        log.warning("draining", extra={"fields": {"grace_seconds": self.config.grace_period}})
-        await server.stop(self.config.grace_period)
-        for request_id in list(self.engine.requests):
-            await self.driver.abort(request_id)
-        await self.driver.stop()
+        self.serving = False
+        if self.exit_code:  # the engine cannot finish anything: no grace, no aborts
+            await server.stop(0)
+        else:
+            log.warning("draining", extra={"fields": {"grace_seconds": self.config.grace_period}})
+            await server.stop(self.config.grace_period)
+            for request_id in list(self.engine.requests):
+                await self.driver.abort(request_id)
+            await self.driver.stop()
         with contextlib.suppress(StoreUnavailable):
             await self.store.close()
         if side_door is not None:
             side_door.shutdown()
+        return self.exit_code
+
+    async def _watch(self, stop: asyncio.Event) -> None:
+        """The watchdog: an engine thread that died, or made no step for `stall_timeout`
+        seconds with work queued, stops the worker (exit code 1)."""
+        while True:
+            await asyncio.sleep(WATCH_INTERVAL)
+            why = self.driver.failure
+            stalled = self.driver.stalled_for()
+            if why is None and stalled > self.config.stall_timeout:
+                why = f"no engine step for {stalled:.0f}s with requests queued"
+            if why is not None:
+                log.critical("engine down: exiting for a restart", extra={"fields": {"why": why}})
+                self.exit_code = 1
+                stop.set()
+                return
 
 
 async def refuse(context: Any, error: ValidationError) -> None:

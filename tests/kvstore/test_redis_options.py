@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import subprocess
+import re
 
 import pytest
 
 from kvstore.store import StoreUnavailable, open_store
-from tests.support.redis_servers import RedisServer, free_port
+from tests.support.redis_servers import ACLUser, RedisServer, TLSFiles
 
 NS = "1" * 32
 ITEM = (b"\x07" * 32, b"value bytes")
@@ -23,27 +23,38 @@ async def round_trip(url: str) -> list[bytes | None]:
         await store.close()
 
 
-def test_tls(tmp_path):
-    ca, cert, key = tmp_path / "ca.crt", tmp_path / "server.crt", tmp_path / "server.key"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-         "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
-         "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True,
-    )  # fmt: skip
-    ca.write_bytes(cert.read_bytes())  # self-signed: the certificate is its own CA
-    tls_port = free_port()
-    server = RedisServer(
-        tmp_path / "tls",
-        port=0,
-        extra=("--tls-port", str(tls_port), "--tls-cert-file", str(cert),
-               "--tls-key-file", str(key), "--tls-ca-cert-file", str(ca),
-               "--tls-auth-clients", "no"),
-        listen_port=tls_port,
-    ).start()  # fmt: skip
+def start_tls_server(workdir, **options) -> RedisServer:
+    """A TLS-only redis-server with a fresh CA; the test is skipped (saying why) where
+    redis-server was built without TLS."""
+    server = RedisServer(workdir, tls=TLSFiles.make(workdir / "certs"), **options)
     try:
-        url = f"rediss://127.0.0.1:{tls_port}/0?ssl_ca_certs={ca}"
-        assert asyncio.run(round_trip(url)) == [ITEM[1]]
+        return server.start()
+    except RuntimeError as e:
+        log = server.log_path.read_text()
+        if re.search(r"tls.*(not supported|bad directive)", log, re.IGNORECASE | re.DOTALL):
+            pytest.skip(f"this redis-server has no TLS (built without BUILD_TLS=yes): {e}")
+        raise
+
+
+def test_tls_with_client_certificates_and_an_acl_user(tmp_path):
+    worker = ACLUser("worker", "w0rker pass")  # a space: quoted in the URL
+    server = start_tls_server(tmp_path, password="s3cret", users=[worker])
+    try:
+        assert asyncio.run(round_trip(server.url)) == [ITEM[1]]
+        assert asyncio.run(round_trip(server.url_for("worker", "w0rker pass"))) == [ITEM[1]]
+        assert server.redis_cli("ping").strip() == "PONG"
+        tls = server.tls
+        assert tls is not None
+        no_client_cert = server.url.split("&ssl_certfile")[0]
+        with pytest.raises(StoreUnavailable):  # the server asks for a client certificate
+            asyncio.run(round_trip(no_client_cert))
+        with pytest.raises(StoreUnavailable):  # the server's certificate is not trusted
+            asyncio.run(
+                round_trip(server.url.replace(str(tls.ca), "/etc/ssl/certs/ca-certificates.crt"))
+            )
+        plain = f"redis://:s3cret@127.0.0.1:{server.listen_port}/0"
+        with pytest.raises(StoreUnavailable):  # TLS only
+            asyncio.run(round_trip(plain))
     finally:
         server.stop()
 
@@ -58,17 +69,28 @@ def test_unix_socket(tmp_path):
 
 
 def test_password_and_acl_user_from_the_url(tmp_path):
-    server = RedisServer(
-        tmp_path / "auth",
-        extra=("--requirepass", "s3cret",
-               "--user", "worker", "on", ">w0rker", "~pdserve:*", "+@all"),
-    ).start()  # fmt: skip
+    worker = ACLUser("worker", "w0rker")
+    server = RedisServer(tmp_path / "auth", password="s3cret", users=[worker]).start()
     try:
-        assert asyncio.run(round_trip(f"redis://:s3cret@127.0.0.1:{server.port}/0")) == [ITEM[1]]
-        url = f"redis://worker:w0rker@127.0.0.1:{server.port}/0"
-        assert asyncio.run(round_trip(url)) == [ITEM[1]]
+        assert asyncio.run(round_trip(server.url)) == [ITEM[1]]
+        assert server.url == f"redis://:s3cret@127.0.0.1:{server.port}/0"
+        assert asyncio.run(round_trip(server.url_for("worker", "w0rker"))) == [ITEM[1]]
         with pytest.raises(StoreUnavailable, match="Authentication"):
-            asyncio.run(round_trip(f"redis://worker:wrong@127.0.0.1:{server.port}/0"))
+            asyncio.run(round_trip(server.url_for("worker", "wrong")))
+        with pytest.raises(StoreUnavailable, match="AuthenticationError"):
+            asyncio.run(round_trip(f"redis://127.0.0.1:{server.port}/0"))
+        assert server.redis_cli("exists", f"pdserve:kv:{NS}:{ITEM[0][:16].hex()}").strip() == "1"
+    finally:
+        server.stop()
+
+
+def test_an_acl_user_limited_to_other_keys_is_refused(tmp_path):
+    """A user whose ACL leaves out pdserve's keys: every call fails as unavailable."""
+    other = ACLUser("other", "0ther", ("~elsewhere:*", "+@all"))
+    server = RedisServer(tmp_path / "acl", users=[other]).start()
+    try:
+        with pytest.raises(StoreUnavailable, match="permission"):
+            asyncio.run(round_trip(server.url_for("other", "0ther")))
     finally:
         server.stop()
 

@@ -6,11 +6,19 @@ from __future__ import annotations
 import os
 import re
 import signal
+import stat
+import subprocess
 import time
+from urllib.parse import urlsplit
 
 import openai
+import pytest
+import redis as redis_py
 
-from services.launcher import free_port
+from kvstore import local
+from kvstore.keyfile import read_key
+from services.launcher import free_port, wait_for_port
+from tests.support.redis_servers import require_binaries
 from tests.support.up import Up
 
 
@@ -75,21 +83,113 @@ def test_children_get_the_resolved_settings_and_other_variables(monkeypatch, tmp
     from services.settings import Settings
     from services.up import Stack
 
+    monkeypatch.setattr(local, "RAM_DIR", tmp_path)
     monkeypatch.setenv("PDSERVE_CACHE_DIR", "/somewhere/cache")  # not a setting: passed on
     monkeypatch.setenv("PDSERVE_NUM_BLOCKS", "5")  # a setting: as resolved, not as raw
     stack = Stack(Settings(num_blocks=77, num_decode=2, port=9999, policy="least_load"))
-    store = stack.build(tmp_path)
-    assert store == "local://"
+    store = stack.build(tmp_path / "work")
+    private = tmp_path / f"pdserve-{os.getuid()}" / "up-127.0.0.1-9999"
+    assert store == f"local://{private}"
     children = {c.name: c for c in stack.children}
     assert set(children) == {"prefill-0", "decode-0", "decode-1", "router"}
     for child in children.values():
         assert child.env["PDSERVE_CACHE_DIR"] == "/somewhere/cache"
     decode = children["decode-1"].env
-    assert decode["PDSERVE_NUM_BLOCKS"] == "77" and decode["PDSERVE_KV_STORE"] == "local://"
+    assert decode["PDSERVE_NUM_BLOCKS"] == "77" and decode["PDSERVE_KV_STORE"] == store
+    assert decode["PDSERVE_KV_KEY_FILE"] == str(private / "kv.key")
     assert "PDSERVE_POLICY" not in decode
     router = children["router"]
     assert router.env["PDSERVE_POLICY"] == "least_load" and "PDSERVE_NUM_BLOCKS" not in router.env
+    assert "PDSERVE_KV_STORE" not in router.env and "PDSERVE_KV_KEY_FILE" not in router.env
     argv = router.argv
     assert argv[argv.index("--port") + 1] == "9999"
     workers = argv[argv.index("--decode") + 1].split(",")
     assert workers == [f"127.0.0.1:{children[f'decode-{i}'].argv[-1]}" for i in (0, 1)]
+
+
+def test_each_stack_has_a_private_store_and_key_that_a_restart_keeps(monkeypatch, tmp_path):
+    from services.settings import Settings
+    from services.up import Stack
+
+    monkeypatch.setattr(local, "RAM_DIR", tmp_path)
+    mine = tmp_path / f"pdserve-{os.getuid()}"
+
+    def build(port: int) -> tuple[str, str]:
+        stack = Stack(Settings(port=port))
+        store = stack.build(tmp_path / f"work-{port}")
+        return store, stack.children[0].env["PDSERVE_KV_KEY_FILE"]
+
+    first_store, first_key = build(8100)
+    assert first_store == f"local://{mine}/up-127.0.0.1-8100"
+    assert stat.S_IMODE(mine.stat().st_mode) == 0o700
+    assert stat.S_IMODE((mine / "up-127.0.0.1-8100").stat().st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(first_key).st_mode) == 0o600
+    key = read_key(first_key)
+    assert len(key) == 64
+    other_store, other_key = build(8101)  # another stack on the host: its own store and key
+    assert other_store == f"local://{mine}/up-127.0.0.1-8101" and read_key(other_key) != key
+    assert build(8100) == (first_store, first_key)  # the same stack again: its cache stays
+    assert read_key(first_key) == key
+
+    given = tmp_path / "given.key"
+    given.write_text("g" * 32)
+    stack = Stack(Settings(port=8100, kv_key_file=str(given), kv_store=f"local://{tmp_path}/kv"))
+    assert stack.build(tmp_path / "work") == f"local://{tmp_path}/kv"
+    assert stack.children[0].env["PDSERVE_KV_KEY_FILE"] == str(given)
+    assert not (tmp_path / "kv" / "kv.key").exists()
+
+
+def test_redis_child_has_a_password_and_a_memory_cap_from_a_private_config(tmp_path):
+    from services.settings import Settings
+    from services.up import Stack
+
+    require_binaries()
+    stack = Stack(Settings(redis=True, redis_max_memory="64mb", kv_key_file="/k"))
+    work = tmp_path / "work"
+    work.mkdir(mode=0o700)
+    store = stack.build(work)
+    password = urlsplit(store).password
+    assert password and len(password) >= 32 and store.startswith("redis://:")
+    children = {c.name: c for c in stack.children}
+    redis = children["redis"]
+    conf = work / "redis.conf"
+    assert redis.argv == ["redis-server", str(conf)]
+    assert stat.S_IMODE(conf.stat().st_mode) == 0o600
+    lines = conf.read_text().splitlines()
+    assert f'requirepass "{password}"' in lines
+    assert "maxmemory 64mb" in lines and "maxmemory-policy allkeys-lru" in lines
+    for child in children.values():  # the password is on no command line
+        assert not any(password in arg for arg in child.argv), child.name
+    for name in ("prefill-0", "decode-0"):
+        assert children[name].env["PDSERVE_KV_STORE"] == store
+    assert "PDSERVE_KV_STORE" not in children["router"].env
+
+    process = subprocess.Popen(redis.argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        port = urlsplit(store).port
+        assert port is not None
+        wait_for_port(port)
+        with open(f"/proc/{process.pid}/cmdline", "rb") as f:
+            assert password.encode() not in f.read()
+        anonymous = redis_py.Redis(port=port)
+        with pytest.raises(redis_py.AuthenticationError):
+            anonymous.ping()
+        client = redis_py.Redis.from_url(store)
+        assert client.config_get("maxmemory") == {"maxmemory": str(64 << 20)}
+        assert client.config_get("maxmemory-policy") == {"maxmemory-policy": "allkeys-lru"}
+        assert client.config_get("save") == {"save": ""}
+        client.close()
+        anonymous.close()
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+@pytest.mark.parametrize("cap", ["lots", "2 gb", "-1"])
+def test_a_bad_redis_memory_cap_is_refused(tmp_path, cap):
+    from services.settings import Settings, SettingsError
+    from services.up import Stack
+
+    require_binaries()
+    with pytest.raises(SettingsError, match=r"redis_max_memory: .* is not a size like 512mb"):
+        Stack(Settings(redis=True, redis_max_memory=cap)).build(tmp_path)

@@ -1,13 +1,18 @@
-"""Real redis-server processes for tests: a standalone server and a 3-node cluster, each on
-free ports, started and stopped by the test session."""
+"""Real redis-server processes for tests: a standalone server (optionally with a password,
+ACL users and TLS) and a 3-node cluster, each on free ports, started and stopped by the test
+session."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
 
@@ -61,6 +66,53 @@ def _wait_for_path(path: Path, timeout: float = 10.0) -> None:
         time.sleep(0.02)
 
 
+@dataclass(frozen=True)
+class TLSFiles:
+    """A throwaway CA, a server certificate for 127.0.0.1 and a client certificate, all
+    signed by the CA (openssl CLI)."""
+
+    ca: Path
+    server_cert: Path
+    server_key: Path
+    client_cert: Path
+    client_key: Path
+
+    @classmethod
+    def make(cls, directory: Path) -> TLSFiles:
+        if shutil.which("openssl") is None:
+            pytest.skip("the openssl command is not installed: no certificates for the TLS test")
+        directory.mkdir(parents=True, exist_ok=True)
+        d = directory
+
+        def openssl(*args: str) -> None:
+            subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
+
+        openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                "-subj", "/CN=pdserve test CA", "-keyout", str(d / "ca.key"),
+                "-out", str(d / "ca.crt"))  # fmt: skip
+        ext = d / "server.ext"
+        ext.write_text("subjectAltName=IP:127.0.0.1\n")
+        for name, subject, extra in (("server", "/CN=127.0.0.1", ["-extfile", str(ext)]),
+                                     ("client", "/CN=pdserve worker", [])):  # fmt: skip
+            openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", subject,
+                    "-keyout", str(d / f"{name}.key"), "-out", str(d / f"{name}.csr"))  # fmt: skip
+            openssl("x509", "-req", "-in", str(d / f"{name}.csr"), "-CA", str(d / "ca.crt"),
+                    "-CAkey", str(d / "ca.key"), "-CAcreateserial", "-days", "1",
+                    "-out", str(d / f"{name}.crt"), *extra)  # fmt: skip
+        return cls(d / "ca.crt", d / "server.crt", d / "server.key", d / "client.crt",
+                   d / "client.key")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ACLUser:
+    """An ACL user: `rules` as redis-server's --user takes them (key patterns, commands); by
+    default what a worker needs and no more (README: pdserve's keys, GET SET EXISTS DEL)."""
+
+    name: str
+    password: str
+    rules: tuple[str, ...] = ("~pdserve:*", "+get", "+set", "+exists", "+del")
+
+
 class RedisServer:
     """One redis-server child: nothing persisted, killable and restartable on its port."""
 
@@ -71,10 +123,25 @@ class RedisServer:
         extra: tuple[str, ...] = (),
         listen_port: int | None = None,
         unix_socket: Path | None = None,
+        password: str | None = None,
+        users: Sequence[ACLUser] = (),
+        tls: TLSFiles | None = None,
     ) -> None:
         """`extra`: more redis-server options; `listen_port`: the port to wait for when it is
-        not `port` (a TLS port, with the plain one off); `unix_socket`: listen there too."""
+        not `port`; `unix_socket`: listen there too; `password`: the default user's (AUTH);
+        `users`: ACL users; `tls`: serve TLS only (clients must show a certificate)."""
         self.binary, self.cli = require_binaries()
+        self.password = password
+        self.tls = tls
+        if tls is not None:
+            port, listen_port = 0, free_port()  # the plain port off
+            extra = (*extra, "--tls-port", str(listen_port), "--tls-cert-file",
+                     str(tls.server_cert), "--tls-key-file", str(tls.server_key),
+                     "--tls-ca-cert-file", str(tls.ca), "--tls-auth-clients", "yes")  # fmt: skip
+        if password is not None:
+            extra = (*extra, "--requirepass", password)
+        for user in users:
+            extra = (*extra, "--user", user.name, "on", f">{user.password}", *user.rules)
         self.port = free_port() if port is None else port
         self.listen_port = listen_port
         self.unix_socket = unix_socket
@@ -82,21 +149,39 @@ class RedisServer:
             extra = (*extra, "--unixsocket", str(unix_socket))
         self.workdir = workdir
         self.extra = extra
+        self.log_path = workdir / "redis-server.log"
         self.process: subprocess.Popen[bytes] | None = None
         workdir.mkdir(parents=True, exist_ok=True)
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        """The URL a client uses, with the default user's password if it has one."""
+        return self.url_for(None, self.password)
+
+    def url_for(self, user: str | None, password: str | None) -> str:
+        auth = ""
+        if user is not None or password is not None:
+            auth = f"{quote(user or '', safe='')}:{quote(password or '', safe='')}@"
+        if self.tls is None:
+            return f"redis://{auth}127.0.0.1:{self.port}/0"
+        t = self.tls
+        return (f"rediss://{auth}127.0.0.1:{self.listen_port}/0?ssl_ca_certs={t.ca}"
+                f"&ssl_certfile={t.client_cert}&ssl_keyfile={t.client_key}")  # fmt: skip
 
     def start(self) -> RedisServer:
+        """Start; RuntimeError with the server's log if it does not come up."""
         args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
                 "--appendonly", "no", "--dir", str(self.workdir), *self.extra]  # fmt: skip
-        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        if self.unix_socket is not None:
-            _wait_for_path(self.unix_socket)
-        else:
-            _wait_for_port(self.listen_port or self.port)
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(args, stdout=log, stderr=log)
+        try:
+            if self.unix_socket is not None:
+                _wait_for_path(self.unix_socket)
+            else:
+                _wait_for_port(self.listen_port or self.port)
+        except RuntimeError as e:
+            self.kill()
+            raise RuntimeError(f"{e}; its log:\n{self.log_path.read_text()[-2000:]}") from e
         return self
 
     def kill(self) -> None:
@@ -117,8 +202,17 @@ class RedisServer:
             self.process = None
 
     def redis_cli(self, *args: str) -> str:
-        command = [self.cli, "-p", str(self.port), *args]
-        return subprocess.run(command, capture_output=True, text=True, timeout=30).stdout
+        """redis-cli against this server as its default user (the password through the
+        environment, as REDISCLI_AUTH, not on the command line)."""
+        command = [self.cli, "-p", str(self.listen_port or self.port)]
+        if self.tls is not None:
+            command += ["--tls", "--cacert", str(self.tls.ca), "--cert",
+                        str(self.tls.client_cert), "--key", str(self.tls.client_key)]  # fmt: skip
+        env = dict(os.environ)
+        if self.password is not None:
+            env["REDISCLI_AUTH"] = self.password
+        out = subprocess.run([*command, *args], capture_output=True, text=True, timeout=30, env=env)
+        return out.stdout
 
 
 class RedisClusterServers:
