@@ -31,6 +31,7 @@ from services.rpc import worker_pb2 as pb
 log = logging.getLogger("pdserve.router")
 REFUSED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_EXISTS)
 RETRY_POLL = 0.25  # seconds between looks for a worker to come back
+MAX_FAILURES = 6  # worker failures one call survives (a worker in a crash loop ends it)
 
 
 @dataclass(frozen=True)
@@ -282,14 +283,15 @@ class Pipeline:
         """A worker this request has not given up on; after failures, waits up to
         `retry_wait` seconds for one to come back; 503 when none does."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.retry_wait if tried else loop.time()
-        while True:
+        deadline = loop.time() + self.retry_wait if tried.failures else loop.time()
+        while tried.failures < MAX_FAILURES:
             candidates = [w for w in self.registry.available(role) if tried.allows(w)]
             if candidates:
                 return self.policy.pick(candidates, hashes)
             if loop.time() >= deadline:
-                raise unavailable(f"no {role} worker can serve the request", retry_after=1)
+                break
             await asyncio.sleep(RETRY_POLL)
+        raise unavailable(f"no {role} worker can serve the request", retry_after=1)
 
 
 class Tried:
@@ -297,12 +299,11 @@ class Tried:
 
     def __init__(self) -> None:
         self.epochs: dict[str, int] = {}
-
-    def __bool__(self) -> bool:
-        return bool(self.epochs)
+        self.failures = 0
 
     def add(self, worker: WorkerState) -> None:
         self.epochs[worker.address] = worker.epoch
+        self.failures += 1
 
     def allows(self, worker: WorkerState) -> bool:
         return self.epochs.get(worker.address, -1) != worker.epoch

@@ -109,3 +109,38 @@ def test_dns_names_track_what_they_resolve_to(monkeypatch):
         ["10.0.0.2:50052", "10.0.0.3:50052"],
         [],
     ]
+
+
+def test_a_request_returns_to_a_worker_it_gave_up_on_once_that_worker_is_back():
+    from router.errors import APIError
+    from router.generation import Pipeline, Tried
+
+    registry = Registry(health_interval=1, breaker_failures=3, breaker_cooldown=0.2)
+    a = registry.workers[("prefill", "a")] = worker("prefill", "a")
+    b = registry.workers[("prefill", "b")] = worker("prefill", "b")
+    pipeline = Pipeline(registry, Policy("round_robin"), 16, 1.0, retry_wait=0.6)
+
+    async def run() -> None:
+        tried = Tried()
+        tried.add(a)
+        assert await pipeline._pick("prefill", [], tried) is b  # not the one that failed
+        tried.add(b)
+        start = time.monotonic()
+        with pytest.raises(APIError) as none:  # both failed, neither came back: 503
+            await pipeline._pick("prefill", [], tried)
+        assert none.value.status == 503 and time.monotonic() - start >= 0.6
+
+        async def restart_a() -> None:
+            await asyncio.sleep(0.3)
+            a.epoch += 1  # unhealthy, restarted, healthy again
+
+        asyncio.get_running_loop().create_task(restart_a())
+        assert await pipeline._pick("prefill", [], tried) is a  # waited for it
+
+        for _ in range(6):  # a worker in a crash loop: the request gives up
+            tried.add(a)
+            a.epoch += 1
+        with pytest.raises(APIError):
+            await pipeline._pick("prefill", [], tried)
+
+    asyncio.run(run())
