@@ -12,17 +12,7 @@ import pytest
 
 from kvstore.keyfile import make_key, read_key
 from services.launcher import PDSERVE
-
-
-class Records(logging.Handler):
-    """The messages logged to the logger it is added to (whatever `pdserve` propagates)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
+from tests.support.records import Records
 
 
 def test_read_key_strips_whitespace_and_refuses_short_or_missing_files(tmp_path):

@@ -16,20 +16,10 @@ import pytest
 from kvstore import local
 from kvstore.store import open_store
 from services.launcher import PDSERVE
+from tests.support.records import Records
 
 NS = "2" * 32
 ITEM = (b"\x05" * 32, b"block bytes")
-
-
-class Records(logging.Handler):
-    """The messages logged to the logger it is added to (whatever `pdserve` propagates)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
 
 
 def mode(path) -> int:
