@@ -10,6 +10,14 @@ Contract of an `Attention`:
 `TorchAttention` is the reference: plain torch, two paths. Decode rows (one new token per
 sequence) are batched together: their blocks are gathered into a padded [B, L] window and
 masked. Prefill chunks run one sequence at a time through scaled_dot_product_attention.
+
+Determinism. `CpuAttention` (the C kernels) gives a row the same bits whatever else is
+computed: alone or in any batch, in a prefill chunk of any length or as a decode token (both
+kernels run one set of per-block functions), so a prefix-cache hit that leaves one token to
+compute, a store import, a preemption or a migrated stream recomputing its output reproduce
+a cold run exactly, in float32 and bfloat16 alike (tests/services/model/test_attention.py).
+`TorchAttention` does not: the padded decode window and SDPA's blocking depend on the batch,
+and its results move in the last bits with it.
 """
 
 from __future__ import annotations
@@ -115,8 +123,8 @@ class CpuPlan:
 
 class CpuAttention:
     """C kernels that read KV blocks in place (kernels/paged_attention.c): no gather, no
-    masks, and results independent of the batch. Decode rows and prefill chunks each take one
-    call per layer."""
+    masks, and a row's result independent of the batch, of its chunk, and of which kernel ran
+    it. Decode rows and prefill chunks each take one call per layer."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self.kernel = _bind(library.paged_decode_attention, arrays=4)

@@ -2,6 +2,16 @@
 
 Weights are arranged once at load time: q/k/v fused into one matrix and gate/up into another,
 so a layer runs four matrix multiplies, each in the device's fastest layout (`linear.py`).
+
+Determinism: on CPUs with the C kernels and oneDNN (the default wherever they build), in
+float32 and bfloat16, every row of a forward pass is computed as if it were alone: a token's
+K/V and logits have the same bits whatever shares the batch, however the prompt was chunked,
+whether its prefix was computed, found in the cache or imported (stored in the compute dtype,
+the default), and whether it was decoded or recomputed in a chunk. So greedy and seeded
+outputs repeat exactly: cold or warm, alone or batched, before or after a stream migrates
+(tests/services/engine/test_determinism.py, tests/decode/test_determinism_e2e.py). With a
+torch fallback (GPUs, no C compiler, no oneDNN, float16) a run repeats itself, but rows move
+in the last bits with the batch, and greedy outputs can differ where two logits are close.
 """
 
 from __future__ import annotations

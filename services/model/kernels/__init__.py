@@ -25,14 +25,22 @@ log = logging.getLogger("pdserve.kernels")
 
 HERE = Path(__file__).parent
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
-# Kernels that may reorder float arithmetic: vectorised sums and expf (glibc's libmvec). The
-# order is still fixed by the code, so results stay deterministic; these kernels keep away
-# from inf and NaN, as it assumes. The others keep IEEE rounding to match torch's.
-FAST_MATH = {"paged_attention": ["-ffast-math"]}
+# Attention may fuse a multiply and an add into one instruction and assume finite numbers, but
+# not reorder a sum (-ffast-math would: GCC then reassociated the decode and the prefill
+# kernel's sums differently, and a token's attention took other bits computed one way or the
+# other; linked with it, the library also switched on flush-to-zero for the whole process).
+# Its shared per-block functions compile the same wherever they are inlined. The layer ops
+# keep IEEE rounding (-std=c11 contracts nothing) to match torch's.
+EXTRA_FLAGS = {
+    "paged_attention": [
+        "-ffp-contract=fast", "-fno-math-errno", "-fno-trapping-math", "-ffinite-math-only",
+        "-fno-signed-zeros",
+    ]
+}  # fmt: skip
 
 
 def flags(name: str) -> list[str]:
-    return FLAGS + FAST_MATH.get(name, [])
+    return FLAGS + EXTRA_FLAGS.get(name, [])
 
 
 def _cpu_identity() -> str:

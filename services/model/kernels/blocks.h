@@ -65,19 +65,31 @@ INLINE vb where(vbi seen, vb x, float other) {
     return x;
 }
 
+/* x with lanes j + width (mod LANES) brought to lanes j */
+INLINE vf lanes_down(vf x, int width) {
+    static const int32_t index[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    vi lane;
+    memcpy(&lane, index, sizeof lane);
+    return __builtin_shuffle(x, (lane + width) & (LANES - 1));
+}
+
+/* The horizontal reductions go pairwise, lane j with lane j + width, halving the width: an
+ * order the code fixes (the kernels are built without reassociation), in a few vector steps. */
 INLINE float hmax(vb x, float top) {
     vf m = x.v[0];
-    for (int i = 1; i < PER_BLOCK; i++) m = (vf)(((vi)m & (m >= x.v[i])) | ((vi)x.v[i] & (m < x.v[i])));
-    for (int j = 0; j < LANES; j++) top = m[j] > top ? m[j] : top;
-    return top;
+    for (int i = 1; i < PER_BLOCK; i++) m = select(m < x.v[i], m, x.v[i]);
+    for (int width = LANES / 2; width > 0; width /= 2) {
+        const vf other = lanes_down(m, width);
+        m = select(m < other, m, other);
+    }
+    return m[0] > top ? m[0] : top;
 }
 
 INLINE float hsum(vb x) {
     vf t = x.v[0];
     for (int i = 1; i < PER_BLOCK; i++) t += x.v[i];
-    float sum = 0.0f;
-    for (int j = 0; j < LANES; j++) sum += t[j];
-    return sum;
+    for (int width = LANES / 2; width > 0; width /= 2) t += lanes_down(t, width);
+    return t[0];
 }
 
 #endif

@@ -1,26 +1,31 @@
 /*
  * Attention over a paged KV cache, for CPUs, keys and values read in place from their blocks
- * (no gather), float32 arithmetic: decode (one query token per sequence) first, then prefill
- * (the chunks of prompts) further down.
+ * (no gather), float32 arithmetic: the per-block arithmetic both kernels share first, then
+ * decode (one query token per sequence), then prefill (the chunks of prompts).
  *
- * Each sequence is one task, and it reads each of its blocks once, in the order they lie in
- * memory (a block's KV heads are adjacent). For each block and KV head, the G query heads
- * sharing that KV head score the block's 16 tokens (K is stored transposed, so a block's
- * tokens lie contiguous along each head dimension and the arithmetic runs along them), fold
- * them into a running softmax (maximum, sum and output rescaled as the maximum grows, as
- * flash-decoding does), and add the block's value rows to their outputs; meanwhile the same
- * head's next block is prefetched, so memory streams while the arithmetic runs. The order of
- * every sum depends on the sequence alone, never on the batch around it: a sequence gets
- * bit-identical results alone or in any batch.
+ * For each block and KV head, the query rows sharing that KV head score the block's 16 tokens
+ * (K is stored transposed, so a block's tokens lie contiguous along each head dimension and the
+ * arithmetic runs along them), fold them into a running softmax (maximum, sum and output
+ * rescaled as the maximum grows, as flash-decoding does), and add the block's value rows to
+ * their outputs.
+ *
+ * Determinism: a query row's result depends on its own query and the blocks it attends to,
+ * never on the rows computed with it, and the decode and prefill kernels run the same functions
+ * (score_block, fold, add_values) on it, so a token gets the same bits decoded, in a prefill
+ * chunk of any length (a cache hit that leaves one token, a migrated stream recomputing its
+ * output), alone or in any batch. Every sum takes its terms in an order fixed by the code: the
+ * library is built without -ffast-math (kernels/__init__.py), so the compiler reassociates
+ * nothing; fused multiply-adds are allowed, and the shared functions contract the same way
+ * wherever they are inlined. tests/services/model/test_attention.py checks it bit for bit.
  *
  * Layouts (contiguous; see services/model/kv_cache.py), all float32 or all bfloat16:
- *   q, out:  [T, H, D], a row per token of the forward pass; sequence b's at rows[b]
+ *   q, out:  [T, H, D], a row per token of the forward pass
  *   k:       [num_blocks, KVH, D, BLOCK] (one layer)
  *   v:       [num_blocks, KVH, BLOCK, D]
- *   tables:  [B, W] int64 block ids; lens: [B] int64 context lengths (>= 1)
+ *   tables:  [B, W] int64 block ids
  * BLOCK is 16, pdserve's block size; D a multiple of LANES (a vector: 16 floats with AVX-512,
  * else 8), at most 256.
- * Reference: _decode in services/model/attention.py; tests compare the two.
+ * References: _decode and _prefill in services/model/attention.py; tests compare them.
  */
 #include <float.h>
 #include <math.h>
@@ -35,86 +40,108 @@
 
 #define MAX_GROUP 16
 #define MAX_DIM 256
-#define LINE 64 /* bytes in a cache line */
+#define LINE 64 /* bytes in a cache line; a key row of a block (16 floats at most) fits one */
+
+#ifdef __AVX512F__
+#define TILE_ROWS 12 /* prefill: 12 score vectors + a key vector fit in 32 registers */
+#else
+#define TILE_ROWS 6
+#endif
+#define MAX_ROWS (TILE_ROWS > MAX_GROUP ? TILE_ROWS : MAX_GROUP)
 
 /* the array p advanced by i elements */
 INLINE void *advance(const void *p, int64_t i, int bf16) {
     return (char *)p + i * (bf16 ? 2 : 4);
 }
 
-/* Where one KV head of a sequence stands: its G query heads, scaled; their running maxima
- * and sums; their outputs so far, scaled by e^-max. Sized for the largest shape. */
+/* Query rows attending over one KV head together (a decode's G query heads, a prefill tile's
+ * queries times G): each row's query, scaled; its running maximum and sum; the weights of the
+ * block last folded; its output so far, scaled by e^-max. Sized for the largest shape. */
 typedef struct {
-    float qs[MAX_GROUP][MAX_DIM], m[MAX_GROUP], l[MAX_GROUP];
-    vf acc[MAX_GROUP][MAX_DIM / LANES];
-} __attribute__((aligned(LINE))) head_t;
+    float qs[MAX_ROWS][MAX_DIM], m[MAX_ROWS], l[MAX_ROWS], p[MAX_ROWS][BLOCK];
+    vf acc[MAX_ROWS][MAX_DIM / LANES];
+} __attribute__((aligned(LINE))) rows_t;
 
-/* Fold the first `n` tokens of one block of a KV head (K at k + at, V at v + at) into its
- * state, prefetching that head's next block (nk, nv; NULL for none) meanwhile. G and D are
- * compile-time constants where the dispatcher below knows them, so the scores and the
- * accumulators of a vector's worth of dimensions stay in registers. */
-INLINE void visit(head_t *h, const void *k, const void *v, int64_t at, int64_t n, int bf16,
-                  const char *nk, const char *nv, const int64_t G, const int64_t D) {
-    const int64_t elem = bf16 ? 2 : 4;
-    /* scores, s[g] = q[g] . K[:, 0..15], in two partial sums (even and odd d) so that twice
-     * the multiply-adds are in flight */
-    vb s[MAX_GROUP], odd[MAX_GROUP];
-    for (int64_t g = 0; g < G; g++) s[g] = odd[g] = zero_block();
-    for (int64_t d = 0; d < D; d += 2) {
-        const vb k0 = load_block(k, at + d * BLOCK, bf16);
-        const vb k1 = load_block(k, at + (d + 1) * BLOCK, bf16);
-        /* as many lines of the next K and V as these two rows span, into L2 (locality 1):
-         * into L1 or non-temporal, the kernel read 14 GB/s on a Zen 4 EPYC; into L2, 24 */
-        if (nk)
-            for (int64_t o = d * BLOCK * elem; o < (d + 2) * BLOCK * elem; o += LINE) {
-                __builtin_prefetch(nk + o, 0, 1);
-                __builtin_prefetch(nv + o, 0, 1);
-            }
-        for (int64_t g = 0; g < G; g++) {
-            fma_block(&s[g], h->qs[g][d], k0);
-            fma_block(&odd[g], h->qs[g][d + 1], k1);
+/* Row r starts: its query (D elements at q + at) scaled, nothing summed yet. */
+INLINE void start_row(rows_t *w, int64_t r, const void *q, int64_t at, float scale, int bf16,
+                      const int64_t D) {
+    for (int64_t d = 0; d < D; d++) w->qs[r][d] = scalar(q, at + d, bf16) * scale;
+    for (int64_t c = 0; c < D / LANES; c++) w->acc[r][c] = (vf){0};
+    w->m[r] = -FLT_MAX;
+    w->l[r] = 0.0f;
+}
+
+/* Scores of rows 0..R-1 against one block's keys (K at k + at): s[r][t] = the sum over
+ * d = 0, 1, ..., D-1, in that order, of qs[r][d] * K[d][t]. With nk, nv (the K and V to be
+ * read next; NULL for none), their lines are prefetched meanwhile into L2 (locality 1): into
+ * L1 or non-temporal, decode read 14 GB/s on a Zen 4 EPYC; into L2, 24. Decode once summed
+ * even and odd dimensions apart (more multiply-adds in flight), prefill did not: a token's
+ * scores then took other bits decoded than prefilled. */
+INLINE void score_block(vb *s, const rows_t *w, const void *k, int64_t at, int bf16,
+                        const char *nk, const char *nv, const int64_t R, const int64_t D) {
+    const int64_t row_bytes = BLOCK * (bf16 ? 2 : 4);
+    for (int64_t r = 0; r < R; r++) s[r] = zero_block();
+    for (int64_t d = 0; d < D; d++) {
+        if (nk && d * row_bytes % LINE == 0) { /* key row d starts a line */
+            __builtin_prefetch(nk + d * row_bytes, 0, 1);
+            __builtin_prefetch(nv + d * row_bytes, 0, 1);
         }
-    }
-    /* the running softmax: a larger maximum rescales what was summed so far */
-    const vbi seen = up_to(n - 1);
-    float p[MAX_GROUP][BLOCK];
-    for (int64_t g = 0; g < G; g++) {
-        const vb masked = where(seen, add_sub(s[g], odd[g], 0.0f), -FLT_MAX);
-        const float top = hmax(masked, h->m[g]), rescale = expf(h->m[g] - top);
-        const vb e = where(seen, vexp_block(add_sub(masked, zero_block(), top)), 0.0f);
-        memcpy(p[g], &e, sizeof e);
-        h->l[g] = h->l[g] * rescale + hsum(e);
-        h->m[g] = top;
-        for (int64_t c = 0; c < D / LANES; c++) h->acc[g][c] *= rescale;
-    }
-    /* values: acc[g] += sum over t of p[g][t] * V[t], a vector of dimensions at a time */
-    for (int64_t c = 0; c < D / LANES; c++) {
-        vf a[MAX_GROUP];
-        for (int64_t g = 0; g < G; g++) a[g] = h->acc[g][c];
-        for (int64_t t = 0; t < n; t++) {
-            vf row = load(v, at + t * D + c * LANES, bf16);
-            for (int64_t g = 0; g < G; g++) a[g] += p[g][t] * row;
-        }
-        for (int64_t g = 0; g < G; g++) h->acc[g][c] = a[g];
+        const vb kd = load_block(k, at + d * BLOCK, bf16);
+        for (int64_t r = 0; r < R; r++) fma_block(&s[r], w->qs[r][d], kd);
     }
 }
 
-/* One task: every head of one sequence. Block by block, each KV head in turn, so the
- * sequence's KV is read in the order it lies in memory (a block's heads are adjacent). */
+/* Fold row r's scores of one block into its running softmax, the block's keys at offsets 0 to
+ * `last` counted (none when last < 0): a larger maximum rescales what was summed so far; the
+ * block's weights go to p[r], 0 for keys not counted. */
+INLINE void fold(rows_t *w, int64_t r, vb s, int64_t last, const int64_t D) {
+    const vbi seen = up_to(last);
+    const vb masked = where(seen, s, -FLT_MAX);
+    const float top = hmax(masked, w->m[r]), rescale = expf(w->m[r] - top);
+    const vb e = where(seen, vexp_block(add_sub(masked, zero_block(), top)), 0.0f);
+    memcpy(w->p[r], &e, sizeof e);
+    w->l[r] = w->l[r] * rescale + hsum(e);
+    w->m[r] = top;
+    for (int64_t c = 0; c < D / LANES; c++) w->acc[r][c] *= rescale;
+}
+
+/* acc[r] += the sum over t < n, in order, of p[r][t] * V[t] (V at v + at), for rows 0..R-1,
+ * a vector of dimensions at a time. A weight of 0 adds exactly nothing (acc starts at +0 and
+ * never becomes -0), so a row gets the same sums whatever n covers past its last key. */
+INLINE void add_values(rows_t *w, const void *v, int64_t at, int64_t n, int bf16,
+                       const int64_t R, const int64_t D) {
+    for (int64_t c = 0; c < D / LANES; c++) {
+        vf a[MAX_ROWS];
+        for (int64_t r = 0; r < R; r++) a[r] = w->acc[r][c];
+        for (int64_t t = 0; t < n; t++) {
+            const vf row = load(v, at + t * D + c * LANES, bf16);
+            for (int64_t r = 0; r < R; r++) a[r] += w->p[r][t] * row;
+        }
+        for (int64_t r = 0; r < R; r++) w->acc[r][c] = a[r];
+    }
+}
+
+/* Row r's output (D elements at out + at): what it summed, over the sum of its weights. */
+INLINE void finish_row(const rows_t *w, int64_t r, void *out, int64_t at, int bf16,
+                       const int64_t D) {
+    for (int64_t c = 0; c < D / LANES; c++)
+        store(out, at + c * LANES, w->acc[r][c] / w->l[r], bf16);
+}
+
+/* ---- Decode: one query token per sequence, over its first `len` tokens.
+ *
+ * Each sequence is one task, and it reads each of its blocks once, in the order they lie in
+ * memory (a block's KV heads are adjacent), each KV head's next block prefetched while the
+ * arithmetic runs. Its G query heads per KV head are the rows. */
 INLINE int attend(const void *q, const void *k, const void *v, int bf16, const int64_t *table,
                   int64_t len, int64_t kv_heads, float scale, void *out, const int64_t G,
                   const int64_t D) {
     const int64_t elem = bf16 ? 2 : 4, head_elems = D * BLOCK;
-    head_t *heads = aligned_alloc(LINE, (size_t)kv_heads * sizeof *heads); /* vf: aligned */
+    rows_t *heads = aligned_alloc(LINE, (size_t)kv_heads * sizeof *heads); /* vf: aligned */
     if (heads == NULL) return -1;
     for (int64_t kh = 0; kh < kv_heads; kh++)
-        for (int64_t g = 0; g < G; g++) {
-            for (int64_t d = 0; d < D; d++)
-                heads[kh].qs[g][d] = scalar(q, (kh * G + g) * D + d, bf16) * scale;
-            for (int64_t c = 0; c < D / LANES; c++) heads[kh].acc[g][c] = (vf){0};
-            heads[kh].m[g] = -FLT_MAX;
-            heads[kh].l[g] = 0.0f;
-        }
+        for (int64_t g = 0; g < G; g++)
+            start_row(&heads[kh], g, q, (kh * G + g) * D, scale, bf16, D);
     const int64_t blocks = (len + BLOCK - 1) / BLOCK;
     for (int64_t b = 0; b < blocks; b++) {
         const int64_t n = len - b * BLOCK < BLOCK ? len - b * BLOCK : BLOCK;
@@ -122,19 +149,18 @@ INLINE int attend(const void *q, const void *k, const void *v, int bf16, const i
             const int64_t at = (table[b] * kv_heads + kh) * head_elems;
             const char *nk = NULL, *nv = NULL;
             if (b + 1 < blocks) {
-                const int64_t next = (table[b + 1] * kv_heads + kh) * head_elems;
-                nk = (const char *)k + next * elem;
-                nv = (const char *)v + next * elem;
+                const int64_t next = (table[b + 1] * kv_heads + kh) * head_elems * elem;
+                nk = (const char *)k + next;
+                nv = (const char *)v + next;
             }
-            visit(&heads[kh], k, v, at, n, bf16, nk, nv, G, D);
+            vb s[MAX_GROUP];
+            score_block(s, &heads[kh], k, at, bf16, nk, nv, G, D);
+            for (int64_t g = 0; g < G; g++) fold(&heads[kh], g, s[g], n - 1, D);
+            add_values(&heads[kh], v, at, n, bf16, G, D);
         }
     }
     for (int64_t kh = 0; kh < kv_heads; kh++)
-        for (int64_t g = 0; g < G; g++)
-            for (int64_t c = 0; c < D / LANES; c++) {
-                store(out, (kh * G + g) * D + c * LANES, heads[kh].acc[g][c] / heads[kh].l[g],
-                      bf16);
-            }
+        for (int64_t g = 0; g < G; g++) finish_row(&heads[kh], g, out, (kh * G + g) * D, bf16, D);
     free(heads);
     return 0;
 }
@@ -170,7 +196,9 @@ static attend_fn pick(int64_t G, int64_t D) {
 /* The vector width the kernels were built for: head dims must be multiples of it. */
 int paged_attention_lanes(void) { return LANES; }
 
-/* Returns 0, or -1 if a size is out of range or memory ran out. */
+/* Decode rows: sequence b's query at row rows[b] of q, attending over its first lens[b] (>= 1)
+ * tokens, through block table tables[b]; its output to the same row of out. Returns 0, or -1
+ * if a size is out of range or memory ran out. */
 int paged_decode_attention(const void *q, const void *k, const void *v, int bf16,
                            const int64_t *tables, const int64_t *lens, const int64_t *rows,
                            void *out,
@@ -194,25 +222,13 @@ int paged_decode_attention(const void *q, const void *k, const void *v, int bf16
  *
  * A task is one KV head of one tile of TILE_ROWS / G consecutive queries: their G * QT query
  * heads share every K and V vector the tile loads. Block by block up to the tile's last
- * position: scores for all rows (one vector of a block's 16 tokens per row), keys past a row's
- * position masked, the running softmax, then the values. A row's numbers depend on its own
- * query and the blocks alone, so they are the same in any tile, chunk or batch. */
-#ifdef __AVX512F__
-#define TILE_ROWS 12 /* 12 score vectors + a key vector fit in 32 registers */
-#else
-#define TILE_ROWS 6
-#endif
-#define MAX_ROWS (TILE_ROWS > MAX_GROUP ? TILE_ROWS : MAX_GROUP)
-
-typedef struct {
-    float qs[MAX_ROWS][MAX_DIM], m[MAX_ROWS], l[MAX_ROWS], p[MAX_ROWS][BLOCK];
-    vf acc[MAX_ROWS][MAX_DIM / LANES];
-} __attribute__((aligned(LINE))) tile_t;
+ * position: scores for all rows, keys past a row's position not counted, the running softmax,
+ * then the values. */
 
 /* Rows r = i * G + g: query q0 + i of the chunk (position first + q0 + i), head kh * G + g.
  * A tile always computes QT queries (G, D and so its rows known at compile time, its scores
  * held in registers); past the chunk's `qt` the last query is repeated and not written. */
-INLINE void prefill_tile(tile_t *w, const void *q, const void *k, const void *v, int bf16,
+INLINE void prefill_tile(rows_t *w, const void *q, const void *k, const void *v, int bf16,
                          const int64_t *table, int64_t first, int64_t q0, int64_t qt,
                          int64_t kh, int64_t kv_heads, float scale, void *out, const int64_t G,
                          const int64_t D) {
@@ -221,56 +237,27 @@ INLINE void prefill_tile(tile_t *w, const void *q, const void *k, const void *v,
     int64_t query[MAX_ROWS];
     for (int64_t r = 0; r < rows; r++) {
         query[r] = q0 + (r / G < qt ? r / G : qt - 1);
-        for (int64_t d = 0; d < D; d++)
-            w->qs[r][d] = scalar(q, (query[r] * heads + kh * G + r % G) * D + d, bf16) * scale;
-        for (int64_t c = 0; c < D / LANES; c++) w->acc[r][c] = (vf){0};
-        w->m[r] = -FLT_MAX;
-        w->l[r] = 0.0f;
+        start_row(w, r, q, (query[r] * heads + kh * G + r % G) * D, scale, bf16, D);
     }
     const int64_t last = first + q0 + qt - 1; /* the tile's last position */
     for (int64_t b = 0; b <= last / BLOCK; b++) {
         const int64_t at = (table[b] * kv_heads + kh) * head_elems, start = b * BLOCK;
         const int64_t n = last + 1 - start < BLOCK ? last + 1 - start : BLOCK;
         vb s[MAX_ROWS];
-        for (int64_t r = 0; r < rows; r++) s[r] = zero_block();
-        for (int64_t d = 0; d < D; d++) {
-            const vb kd = load_block(k, at + d * BLOCK, bf16);
-            for (int64_t r = 0; r < rows; r++) fma_block(&s[r], w->qs[r][d], kd);
-        }
-        for (int64_t r = 0; r < rows; r++) {
-            /* keys of this block at or before the row's position */
-            const vbi seen = up_to(first + query[r] - start);
-            const vb masked = where(seen, s[r], -FLT_MAX);
-            const float top = hmax(masked, w->m[r]), rescale = expf(w->m[r] - top);
-            const vb e = where(seen, vexp_block(add_sub(masked, zero_block(), top)), 0.0f);
-            memcpy(w->p[r], &e, sizeof e);
-            w->l[r] = w->l[r] * rescale + hsum(e);
-            w->m[r] = top;
-            for (int64_t c = 0; c < D / LANES; c++) w->acc[r][c] *= rescale;
-        }
-        for (int64_t c = 0; c < D / LANES; c++) {
-            vf a[MAX_ROWS];
-            for (int64_t r = 0; r < rows; r++) a[r] = w->acc[r][c];
-            for (int64_t t = 0; t < n; t++) {
-                const vf row = load(v, at + t * D + c * LANES, bf16);
-                for (int64_t r = 0; r < rows; r++) a[r] += w->p[r][t] * row;
-            }
-            for (int64_t r = 0; r < rows; r++) w->acc[r][c] = a[r];
-        }
+        score_block(s, w, k, at, bf16, NULL, NULL, rows, D);
+        for (int64_t r = 0; r < rows; r++) fold(w, r, s[r], first + query[r] - start, D);
+        add_values(w, v, at, n, bf16, rows, D);
     }
     for (int64_t r = 0; r < qt * G; r++)
-        for (int64_t c = 0; c < D / LANES; c++) {
-            store(out, (query[r] * heads + kh * G + r % G) * D + c * LANES,
-                  w->acc[r][c] / w->l[r], bf16);
-        }
+        finish_row(w, r, out, (query[r] * heads + kh * G + r % G) * D, bf16, D);
 }
 
-typedef void (*tile_fn)(tile_t *, const void *, const void *, const void *, int,
+typedef void (*tile_fn)(rows_t *, const void *, const void *, const void *, int,
                         const int64_t *, int64_t, int64_t, int64_t, int64_t, int64_t, float,
                         void *, int64_t, int64_t);
 
 #define DEFINE_TILE(g, d)                                                                     \
-    static void tile_##g##_##d(tile_t *w, const void *q, const void *k, const void *v,       \
+    static void tile_##g##_##d(rows_t *w, const void *q, const void *k, const void *v,       \
                                int bf16, const int64_t *table, int64_t first, int64_t q0,    \
                                int64_t qt, int64_t kh, int64_t kv_heads, float scale,        \
                                void *out, int64_t G, int64_t D) {                           \
@@ -279,7 +266,7 @@ typedef void (*tile_fn)(tile_t *, const void *, const void *, const void *, int,
     }
 SHAPES(DEFINE_TILE)
 
-static void tile_any(tile_t *w, const void *q, const void *k, const void *v, int bf16,
+static void tile_any(rows_t *w, const void *q, const void *k, const void *v, int bf16,
                      const int64_t *table, int64_t first, int64_t q0, int64_t qt, int64_t kh,
                      int64_t kv_heads, float scale, void *out, int64_t G, int64_t D) {
     prefill_tile(w, q, k, v, bf16, table, first, q0, qt, kh, kv_heads, scale, out, G, D);
@@ -321,7 +308,7 @@ int paged_prefill_attention(const void *q, const void *k, const void *v, int bf1
     int failed = 0;
 #pragma omp parallel reduction(| : failed)
     {
-        tile_t *w = aligned_alloc(LINE, sizeof *w);
+        rows_t *w = aligned_alloc(LINE, sizeof *w);
         failed |= w == NULL;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < count; i++) {

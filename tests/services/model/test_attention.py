@@ -125,9 +125,10 @@ def test_prefill_kernel_matches_torch(dtype, tol, heads, kv_heads, dim):
 
 
 @needs_kernel
-def test_prefill_rows_do_not_depend_on_chunking_or_batch():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_rows_do_not_depend_on_chunking_or_batch(dtype):
     """A prompt's rows are the same computed whole, as a later chunk, or among others."""
-    q, k, v, kc, vc, batch = _prefill_setup(torch.float32, [(0, 300)])
+    q, k, v, kc, vc, batch = _prefill_setup(dtype, [(0, 300)])
     attn = CpuAttention(LIBRARY)
     whole = attn.forward(q, k, v, kc, vc, attn.plan(batch))  # the cache now holds all 300
     table = batch.seqs[0].block_table.tolist()
@@ -140,8 +141,27 @@ def test_prefill_rows_do_not_depend_on_chunking_or_batch():
     qm = torch.cat([q[40:41], q[256:], q[:7]])
     km, vm = torch.cat([k[40:41], k[256:], k[:7]]), torch.cat([v[40:41], v[256:], v[:7]])
     together = attn.forward(qm, km, vm, kc, vc, attn.plan(mixed))
+    assert torch.equal(together[:1], whole[40:41])  # a decode row: the other kernel
     assert torch.equal(together[1:45], whole[256:])
     assert torch.equal(together[45:], whole[:7])
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (8, 8, 32), (14, 2, 128)])
+def test_decoding_a_token_gives_the_bits_of_prefilling_it(dtype, heads, kv_heads, dim):
+    """Every position of a prompt decoded alone (the decode kernel) equals its row of the
+    prompt's prefill: what makes a cache hit that leaves one token to compute, and a migrated
+    stream that recomputes its output as a chunk, give the tokens of a cold run."""
+    q, k, v, kc, vc, batch = _prefill_setup(dtype, [(0, 200)], heads, kv_heads, dim)
+    attn = CpuAttention(LIBRARY)
+    whole = attn.forward(q, k, v, kc, vc, attn.plan(batch))
+    table = batch.seqs[0].block_table.tolist()
+    positions = list(range(200))
+    decodes = ForwardBatch.build([SeqChunk([0], p, table) for p in positions], BLOCK)
+    assert all(s.is_decode for s in decodes.seqs)
+    decoded = attn.forward(q, k, v, kc, vc, attn.plan(decodes))
+    assert torch.equal(decoded.view(torch.uint8), whole.view(torch.uint8))
 
 
 @needs_kernel

@@ -82,15 +82,33 @@ def test_silu_mul_matches_torch_over_the_whole_range(dtype, tol):
 
 
 @needs_kernel
-def test_rows_do_not_depend_on_the_batch():
-    kernel, _ = _ops(torch.float32)
-    h = _randn(200, 96, dtype=torch.float32)
-    weight = _randn(96, dtype=torch.float32)
-    alone = kernel.add_rms_norm(h[7:8].clone(), None, weight, 1e-5)
-    batched = kernel.add_rms_norm(h.clone(), None, weight, 1e-5)
-    assert torch.equal(alone[0], batched[7])
-    gate_up = _randn(200, 320, dtype=torch.float32)
-    assert torch.equal(kernel.silu_mul(gate_up[7:8].clone())[0], kernel.silu_mul(gate_up)[7])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rows_do_not_depend_on_the_batch(dtype):
+    """Each row the same bits alone or among others, on one thread or split over several
+    (calls past PARALLEL_ELEMS elements are)."""
+    kernel, _ = _ops(dtype)
+    c = kernel.config
+    h, delta = _randn(600, 96, dtype=dtype), _randn(600, 96, dtype=dtype, scale=0.5)
+    weight = _randn(96, dtype=dtype)
+    qkv = _randn(600, c.q_size + 2 * c.kv_size, dtype=dtype)
+    at = kernel.positions(torch.arange(600) * 3)
+    gate_up = _randn(600, 320, dtype=dtype)
+    every_h = h.clone()
+    every = (
+        kernel.add_rms_norm(every_h, delta, weight, 1e-5),
+        *kernel.rotary(qkv, at)[:2],
+        kernel.silu_mul(gate_up),
+    )
+    for rows in (slice(7, 8), slice(0, 1), slice(100, 300), slice(599, 600)):
+        some_h = h[rows].clone()
+        some = (
+            kernel.add_rms_norm(some_h, delta[rows], weight, 1e-5),
+            *kernel.rotary(qkv[rows], kernel.positions(torch.arange(600)[rows] * 3))[:2],
+            kernel.silu_mul(gate_up[rows]),
+        )
+        assert torch.equal(some_h, every_h[rows])
+        for got, expected in zip(some, every, strict=True):
+            assert torch.equal(got, expected[rows]), f"rows {rows}"
 
 
 def test_kernels_only_for_row_lengths_they_take():
