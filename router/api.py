@@ -166,13 +166,12 @@ def prompt_ids(
         return [state.tokenizer.encode(prompt)]
     if not prompt:
         raise bad_request("the prompt is empty", "prompt")
-    batch = not all(isinstance(p, int) for p in prompt)
-    if batch and len(prompt) > state.config.max_prompts:
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]  # type: ignore[arg-type]
+    if len(prompt) > state.config.max_prompts:
         raise bad_request(
             f"{len(prompt)} prompts in one request; at most {state.config.max_prompts}", "prompt"
         )
-    if all(isinstance(p, int) for p in prompt):
-        return [list(prompt)]  # type: ignore[arg-type]
     if all(isinstance(p, str) for p in prompt):
         return [state.tokenizer.encode(p) for p in prompt]  # type: ignore[arg-type]
     return [list(p) for p in prompt]  # type: ignore[arg-type]
