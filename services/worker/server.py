@@ -36,6 +36,7 @@ from services.engine.request import Sequence
 from services.model import sources
 from services.model.kv_cache import gather_blocks
 from services.model.loader import load_model
+from services.model.openmp import release_this_threads_team
 from services.rpc import worker_pb2 as pb
 
 log = logging.getLogger("pdserve.worker")
@@ -117,6 +118,7 @@ class Worker:
             max_bytes=config.kv_store_max_bytes,
         )
         self.blocks = BlockStore(self.store, self.codec)
+        release_this_threads_team()  # the engine thread computes from here on (openmp.py)
         self.driver = AsyncEngine(self.engine)
         self.counters = Counters()
         self.pending_puts: dict[str, list[concurrent.futures.Future[None]]] = defaultdict(list)
