@@ -105,6 +105,21 @@ def test_children_get_the_resolved_settings_and_other_variables(monkeypatch, tmp
     assert argv[argv.index("--port") + 1] == "9999"
     workers = argv[argv.index("--decode") + 1].split(",")
     assert workers == [f"127.0.0.1:{children[f'decode-{i}'].argv[-1]}" for i in (0, 1)]
+    # workers share the host's cores: OpenMP threads spin briefly (services/up.py)
+    assert decode["GOMP_SPINCOUNT"] == children["prefill-0"].env["GOMP_SPINCOUNT"] == "1000"
+    assert "GOMP_SPINCOUNT" not in router.env
+
+
+def test_a_users_openmp_setting_reaches_the_workers_unchanged(monkeypatch, tmp_path):
+    from services.settings import Settings
+    from services.up import Stack
+
+    monkeypatch.setattr(local, "RAM_DIR", tmp_path)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    stack = Stack(Settings(port=9998))
+    stack.build(tmp_path / "work")
+    decode = next(c for c in stack.children if c.name == "decode-0").env
+    assert decode["OMP_WAIT_POLICY"] == "PASSIVE" and "GOMP_SPINCOUNT" not in decode
 
 
 def test_each_stack_has_a_private_store_and_key_that_a_restart_keeps(monkeypatch, tmp_path):
