@@ -191,7 +191,7 @@ async def respond(
     envelope: Envelope,
     role_chunk: Callable[[int], dict[str, Any]] | None,
 ) -> Response:
-    for role in ("prefill", "decode") if not state.config.disagg_threshold else ("decode",):
+    for role in state.required_roles:
         if not state.registry.available(role):  # before a stream starts: a plain 503
             raise unavailable(f"no {role} worker is available", retry_after=1)
     admission = state.admit(jobs)

@@ -142,8 +142,9 @@ async def _validation_error(request: Request, error: RequestValidationError) -> 
 def _small_endpoints(app: FastAPI, state: RouterState) -> None:
     @app.get("/health")
     async def health() -> dict[str, str]:
-        if not (state.registry.available("prefill") and state.registry.available("decode")):
-            raise unavailable("no healthy prefill and decode workers yet", retry_after=1)
+        roles = ("decode",) if state.colocated else ("prefill", "decode")
+        if not all(state.registry.available(role) for role in roles):
+            raise unavailable(f"no healthy {' and '.join(roles)} workers yet", retry_after=1)
         return {"status": "ok"}
 
     @app.get("/version")

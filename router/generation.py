@@ -171,6 +171,8 @@ class Pipeline:
         """Conditional disaggregation: a prompt whose uncached part is short skips prefill."""
         if not self.disagg_threshold:
             return False
+        if self.disagg_threshold > len(job.prompt_ids):  # whatever is cached
+            return True
         decoders = self.registry.available("decode")
         cached = max((w.cached_prefix(hashes) for w in decoders), default=0) * self.block_size
         return len(job.prompt_ids) - cached < self.disagg_threshold

@@ -76,6 +76,16 @@ class RouterState:
         tokenizer = Tokenizer.from_dir(path)
         return cls(config, tokenizer, model, model_id, str(path), registry, pipeline, metrics)
 
+    @property
+    def colocated(self) -> bool:
+        """Every prompt is computed on a decode worker: no prefill worker is needed."""
+        return self.config.disagg_threshold > self.model.max_model_len
+
+    @property
+    def required_roles(self) -> tuple[str, ...]:
+        """The roles that must have a worker available before a request is taken."""
+        return ("decode",) if self.config.disagg_threshold else ("prefill", "decode")
+
     # -- edge -------------------------------------------------------------------------
 
     def check_model(self, model: str | None) -> None:

@@ -14,10 +14,25 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from urllib.parse import quote
 
 PDSERVE = str(Path(sys.executable).parent / "pdserve")
+
+# The workers share the host's cores. Between parallel regions libgomp spins its threads
+# 300,000 times by default (milliseconds): a busy worker's spinning threads then take the cores
+# the other one needs. Measured on 2 cores (1 prefill + 1 decode, bf16, fresh prompts, tok/s
+# with 1 stream / with 32): default 47.9 / 136, 20,000 44.8 / 173, 4,000 45.5 / 221,
+# 1,000 42.8 / 261, 300 37.1 / 251, passive (0) 28.6 / 252. A user's own setting wins.
+SHARED_HOST_SPIN = "1000"
+SPIN_VARIABLES = {"GOMP_SPINCOUNT", "OMP_WAIT_POLICY"}
+
+
+def shared_host_env(env: Mapping[str, str]) -> dict[str, str]:
+    """What a worker sharing the host's cores with others adds to `env`: nothing where the
+    user set OpenMP's waiting already."""
+    return {"GOMP_SPINCOUNT": SHARED_HOST_SPIN} if SPIN_VARIABLES.isdisjoint(env) else {}
 
 
 def free_port() -> int:
@@ -123,6 +138,7 @@ class WorkerProcess(Child):
     def launch(self) -> WorkerProcess:
         """Start the process and return at once (wait_ready() waits for it)."""
         env = dict(os.environ, PDSERVE_LOG_LEVEL=os.environ.get("PDSERVE_LOG_LEVEL", "info"))
+        env.update(shared_host_env(env))  # tests and benchmarks start several on one host
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(self.command, stdout=log, stderr=log, env=env)
         return self

@@ -110,6 +110,9 @@ class Settings:
     # up
     num_prefill: int = setting(1, "prefill workers to start", ("up",), minimum=1)
     num_decode: int = setting(1, "decode workers to start", ("up",), minimum=1)
+    colocated: bool = setting(False, "no prefill workers: each decode worker computes prompts "
+                              "too, in one engine (faster on a host with few cores)",
+                              ("up",))  # fmt: skip
     redis: bool = setting(False, "start a redis-server child as the KV store", ("up",))
     redis_max_memory: str = setting("2gb", "--redis: the redis-server's memory cap (least "
                                     "recently used blocks evicted past it)", ("up",))  # fmt: skip

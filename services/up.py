@@ -41,7 +41,7 @@ import httpx
 from kvstore import local
 from kvstore.keyfile import make_key
 from kvstore.store import redact
-from services.launcher import PDSERVE, free_port, redis_conf
+from services.launcher import PDSERVE, free_port, redis_conf, shared_host_env
 from services.settings import Settings, SettingsError, child_env, env_name
 
 BACKOFF_MAX = 30.0
@@ -49,13 +49,7 @@ STABLE_AFTER = 60.0  # seconds of running that reset a child's backoff
 READY_TIMEOUT = 600.0  # first start converts the model: minutes on a slow machine
 MEMORY = re.compile(r"\d+(b|k|kb|m|mb|g|gb)?", re.IGNORECASE)  # redis.conf's memory units
 _print_lock = threading.Lock()
-# The workers share the host's cores. Between parallel regions libgomp spins its threads
-# 300,000 times by default (milliseconds): a busy worker's spinning threads then take the cores
-# the other one needs. Measured on 2 cores (1 prefill + 1 decode, bf16, fresh prompts, tok/s
-# with 1 stream / with 32): default 47.9 / 136, 20,000 44.8 / 173, 4,000 45.5 / 221,
-# 1,000 42.8 / 261, 300 37.1 / 251, passive (0) 28.6 / 252. A user's own setting wins.
-SHARED_HOST_SPIN = "1000"
-SPIN_VARIABLES = {"GOMP_SPINCOUNT", "OMP_WAIT_POLICY"}
+COLOCATED_THRESHOLD = 1 << 30  # past any context window: no prompt goes to a prefill worker
 
 
 def say(line: str) -> None:
@@ -115,6 +109,12 @@ class Stack:
     def url(self) -> str:
         return f"http://{self.settings.host}:{self.settings.port_for('up')}"
 
+    def topology(self) -> str:
+        s = self.settings
+        if s.colocated:
+            return f"colocated: decode x{s.num_decode} computing prompts too"
+        return f"prefill x{s.num_prefill}, decode x{s.num_decode}"
+
     def build(self, workdir: Path) -> str:
         """The children to run (not started); returns the KV store URL the workers use."""
         s = self.settings
@@ -125,11 +125,12 @@ class Stack:
         store = self._redis(workdir, base) if s.redis else self._local_store()
         key_file = s.kv_key_file or str(self._key_file(store, workdir))
         secrets_env = {"PDSERVE_KV_STORE": store, "PDSERVE_KV_KEY_FILE": key_file}
-        shared_cores = (
-            {"GOMP_SPINCOUNT": SHARED_HOST_SPIN} if SPIN_VARIABLES.isdisjoint(base) else {}
-        )
+        roles = (("decode", s.num_decode),) if s.colocated else (
+            ("prefill", s.num_prefill), ("decode", s.num_decode))  # fmt: skip
+        shared = sum(count for _, count in roles) > 1
+        shared_cores = shared_host_env(base) if shared else {}
         addresses: dict[str, list[str]] = {"prefill": [], "decode": []}
-        for role, count in (("prefill", s.num_prefill), ("decode", s.num_decode)):
+        for role, count in roles:
             for i in range(count):
                 port = free_port()
                 env = {**base, **child_env(s, role), **secrets_env, **shared_cores}
@@ -137,6 +138,8 @@ class Stack:
                 self.children.append(Child(f"{role}-{i}", argv, env))
                 addresses[role].append(f"127.0.0.1:{port}")
         env = {**base, **child_env(s, "router")}
+        if s.colocated:  # the router sends every prompt to a decode worker
+            env[env_name("disagg_threshold")] = str(COLOCATED_THRESHOLD)
         argv = [PDSERVE, "router", "--host", s.host, "--port", str(s.port_for("up")),
                 "--prefill", ",".join(addresses["prefill"]) or "",
                 "--decode", ",".join(addresses["decode"])]  # fmt: skip
@@ -241,8 +244,8 @@ def up(settings: Settings) -> int:
         child.start()
     try:
         if stack.wait_ready():
-            say(f"pdserve: ready at {stack.url}/v1 (prefill x{settings.num_prefill}, "
-                f"decode x{settings.num_decode}, KV store {shown}); Ctrl-C stops")  # fmt: skip
+            say(f"pdserve: ready at {stack.url}/v1 ({stack.topology()}, KV store {shown}); "
+                "Ctrl-C stops")  # fmt: skip
         elif not stack.stopping.is_set():
             say(f"pdserve: error: not healthy within {READY_TIMEOUT:.0f}s; stopping")
             return 1

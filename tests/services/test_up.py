@@ -208,3 +208,33 @@ def test_a_bad_redis_memory_cap_is_refused(tmp_path, cap):
     require_binaries()
     with pytest.raises(SettingsError, match=r"redis_max_memory: .* is not a size like 512mb"):
         Stack(Settings(redis=True, redis_max_memory=cap)).build(tmp_path)
+
+
+def test_colocated_stack_has_no_prefill_worker_and_serves_the_same_answer(tmp_path):
+    from services.settings import Settings
+    from services.up import Stack
+
+    stack = Stack(Settings(colocated=True, port=9997, kv_store=f"local://{tmp_path}/kv"))
+    stack.build(tmp_path / "work")
+    children = {c.name: c for c in stack.children}
+    assert set(children) == {"decode-0", "router"}
+    assert "GOMP_SPINCOUNT" not in children["decode-0"].env  # alone on the cores
+    assert int(children["router"].env["PDSERVE_DISAGG_THRESHOLD"]) > 8192
+    assert stack.topology() == "colocated: decode x1 computing prompts too"
+
+    answers = {}
+    for mode in ("--colocated", "--no-colocated"):
+        out = Up("--port", str(free_port()), "--kv-store", f"local://{tmp_path}/kv{mode}",
+                 "--num-blocks", "256", mode)  # fmt: skip
+        try:
+            url = out.ready()
+            ready = out.wait_for(r"pdserve: ready at .*", 5).group(0)
+            assert ("colocated: decode x1" in ready) == (mode == "--colocated")
+            client = openai.OpenAI(base_url=url, api_key="none", max_retries=0)
+            answers[mode] = client.completions.create(
+                model="SmolLM2-135M-Instruct", prompt="The capital of France is",
+                max_tokens=12, temperature=0,
+            ).choices[0].text  # fmt: skip
+        finally:
+            assert out.stop() == 0
+    assert answers["--colocated"] == answers["--no-colocated"]
