@@ -228,14 +228,19 @@ class AsyncEngine:
         self._streams.clear()
 
     def _publish(self, deltas: list[SequenceDelta]) -> None:
+        """Hand a step's deltas to their streams: one wake-up of the event loop per step, not
+        one per sequence (at batch 32, 31 fewer self-pipe writes and loop turns a step)."""
         assert self._loop is not None
+        ready = []
         for delta in deltas:
             stream = self._streams.get(delta.request_id)
             if stream is None:
                 continue
             if delta.finished and delta.request_id not in self.engine.requests:
                 del self._streams[delta.request_id]
-            self._loop.call_soon_threadsafe(stream.put_nowait, delta)
+            ready.append((stream, delta))
+        if ready:
+            self._loop.call_soon_threadsafe(deliver, ready)
 
     def _refresh_load(self) -> None:
         e = self.engine
@@ -250,3 +255,8 @@ class AsyncEngine:
             referenced_blocks=e.blocks.referenced_blocks(),
             tokens_in_flight=sum(s.num_tokens for s in running),
         )
+
+
+def deliver(ready: list[tuple[Stream, SequenceDelta]]) -> None:
+    for stream, delta in ready:
+        stream.put_nowait(delta)

@@ -6,10 +6,12 @@ left, their prompts split across steps when long (chunked prefill). When the poo
 blocks, the newest running sequence is preempted: its blocks go back to the pool and it
 returns to the head of the queue, to be recomputed (mostly from the prefix cache) later.
 
-Prefill chunks end on multiples of `prefill_chunk_size`, whatever else shares the step: a
-prompt is always cut the same way, so (with the row-invariant products and decode kernel of
-services/model) a request's tokens do not depend on the traffic around it. A chunk that does
-not fit the budget left waits for the next step rather than being cut short.
+A prompt's chunk is at most `prefill_chunk_size` tokens, cut to the budget left: the step is
+filled (with 30 sequences decoding, a 512-token budget still computes 482 prompt tokens).
+Where a prompt is cut changes nothing in its results or its KV: the products are
+row-invariant and attention sums each query over the same blocks in the same order whatever
+the chunk (services/model; tests/services/engine/test_determinism.py cuts prompts at 1, 7 and
+16 tokens and compares bits).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from services.engine.request import Sequence, Status
 class SchedulerConfig:
     max_num_seqs: int = 64  # sequences running at once
     max_num_batched_tokens: int = 512  # tokens per forward pass (the step's budget)
-    prefill_chunk_size: int = 256  # prefill chunks end on multiples of this
+    prefill_chunk_size: int = 256  # tokens of one prompt per step, at most
 
     def __post_init__(self) -> None:
         if not 1 <= self.prefill_chunk_size <= self.max_num_batched_tokens:
@@ -95,20 +97,15 @@ class Scheduler:
         return out
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
-        """Tokens of seq to compute this step: 1 when decoding, else up to the next multiple
-        of prefill_chunk_size; 0 when that does not fit the budget left."""
-        grid = self.config.prefill_chunk_size
-        n = min(seq.num_uncomputed, grid - seq.num_computed_tokens % grid)
-        return n if n <= budget else 0
+        """Tokens of seq to compute this step: 1 when decoding, else its next chunk, cut to
+        the budget left."""
+        return min(seq.num_uncomputed, self.config.prefill_chunk_size, budget)
 
     def _schedule_running(self, budget: int, out: SchedulerOutput) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = self._chunk(seq, budget)
-            if n == 0:  # its chunk waits for a step with room; others may still fit
-                i += 1
-                continue
             if not self._make_room(seq, n, out):
                 continue  # seq itself was preempted; running[i] is now the next one
             self._schedule(seq, n, out)
