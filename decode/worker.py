@@ -21,8 +21,9 @@ from services.engine.driver import EngineDied
 from services.engine.params import ValidationError
 from services.rpc import worker_pb2 as pb
 from services.rpc import worker_pb2_grpc
+from services.tracing import Span
 from services.worker import convert
-from services.worker.server import Worker, refuse
+from services.worker.server import Worker, refuse, trace_steps
 
 log = logging.getLogger("pdserve.decode")
 
@@ -38,6 +39,8 @@ class DecodeWorker(Worker, worker_pb2_grpc.DecodeWorkerServicer):
     ) -> AsyncIterator[pb.DecodeChunk]:
         rid = request.request_id
         prompt, output = list(request.prompt_token_ids), list(request.output_token_ids)
+        span = self.span("Decode", context, request_id=rid, prompt_tokens=len(prompt),
+                         local_prefill=request.local_prefill)  # fmt: skip
         log.info("decode", extra={"fields": {"request_id": rid, "prompt_tokens": len(prompt),
                                               "local_prefill": request.local_prefill}})  # fmt: skip
         try:
@@ -57,25 +60,29 @@ class DecodeWorker(Worker, worker_pb2_grpc.DecodeWorkerServicer):
         if not request.local_prefill:
             rest = len(prompt) % self.layout.block_size
             kv = await self.fetch(rid, full, partial, rest, gentle=True)
+            span.event("fetched", tokens=kv.num_tokens if kv is not None else 0)
         try:
             stream = await self.driver.submit(
                 rid, prompt_ids=prompt, params=params, salt=request.salt, output_ids=output,
                 text_sent=request.text_sent if request.HasField("text_sent") else None,
                 kv_import=kv, export=self.config.write_back,
             )  # fmt: skip
-            async for chunk in self._chunks(rid, len(prompt), stream):
+            async for chunk in self._chunks(rid, len(prompt), stream, span):
                 yield chunk
         except ValidationError as e:
             await refuse(context, e)
         except EngineDied as e:  # the router migrates the stream to another worker
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        finally:
+            span.end()
 
     async def _chunks(
-        self, rid: str, prompt_len: int, stream: AsyncIterator[Any]
+        self, rid: str, prompt_len: int, stream: AsyncIterator[Any], span: Span
     ) -> AsyncIterator[pb.DecodeChunk]:
         first, finished = True, False
         try:
             async for delta in stream:
+                trace_steps(span, delta, first)
                 if first:
                     self.counters.recomputed_tokens += prompt_len - delta.num_cached_tokens
                     first = False
@@ -98,6 +105,7 @@ class DecodeWorker(Worker, worker_pb2_grpc.DecodeWorkerServicer):
                         "finish": delta.finish_reason.value if delta.finish_reason else None,
                     }})  # fmt: skip
                 yield chunk
+                span.event("sent")
         finally:
             if not finished:  # the client went away (or the server is stopping)
                 log.info("cancelled", extra={"fields": {"request_id": rid}})

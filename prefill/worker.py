@@ -22,7 +22,7 @@ from services.engine.request import FinishReason
 from services.rpc import worker_pb2 as pb
 from services.rpc import worker_pb2_grpc
 from services.worker import convert
-from services.worker.server import Worker, refuse
+from services.worker.server import Worker, refuse, trace_steps
 
 log = logging.getLogger("pdserve.prefill")
 
@@ -36,6 +36,7 @@ class PrefillWorker(Worker, worker_pb2_grpc.PrefillWorkerServicer):
     async def Prefill(self, request: pb.PrefillRequest, context: Any) -> pb.PrefillReply:
         rid = request.request_id
         prompt = list(request.prompt_token_ids)
+        span = self.span("Prefill", context, request_id=rid, prompt_tokens=len(prompt))
         log.info("prefill", extra={"fields": {"request_id": rid, "prompt_tokens": len(prompt)}})
         try:
             convert.check_no_unknown_fields(request)
@@ -47,6 +48,7 @@ class PrefillWorker(Worker, worker_pb2_grpc.PrefillWorkerServicer):
         full, partial = self.hashes(prompt, request.salt)
         usable = max(0, (len(prompt) - 1) // self.layout.block_size)  # the last token computes
         kv = await self.fetch(rid, full[:usable], None, 0) if usable else None
+        span.event("fetched", tokens=kv.num_tokens if kv is not None else 0)
         try:
             stream = await self.driver.submit(
                 rid, prompt_ids=prompt, params=params, salt=request.salt, kv_import=kv,
@@ -54,7 +56,9 @@ class PrefillWorker(Worker, worker_pb2_grpc.PrefillWorkerServicer):
             )  # fmt: skip
             # a caller gone (cancelled) aborts the request as the stream is left
             delta = [d async for d in stream][-1]
+            trace_steps(span, delta, first=True)
             await self.wait_for_puts(rid)
+            span.event("stored")
         except ValidationError as e:
             await refuse(context, e)
         except StoreUnavailable as e:  # the blocks may not all be readable: no reply
@@ -63,6 +67,7 @@ class PrefillWorker(Worker, worker_pb2_grpc.PrefillWorkerServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         finally:
             self.pending_puts.pop(rid, None)
+            span.end()
         if delta.finish_reason is FinishReason.ABORT:
             await context.abort(grpc.StatusCode.CANCELLED, f"request {rid} was aborted")
         cached = delta.num_cached_tokens

@@ -25,6 +25,7 @@ from router.openai_format import (
 )
 from router.protocol import ChatCompletionRequest, CompletionRequest
 from router.state import Admission, RouterState, new_id, read_model, watch_disconnect
+from services.tracing import NO_SPAN, RECEIVED, Span
 
 routes = APIRouter()
 CLIENT_GONE = 499  # the status nginx logs for a client that closed the connection first
@@ -196,9 +197,14 @@ async def respond(
             raise unavailable(f"no {role} worker is available", retry_after=1)
     admission = state.admit(jobs)
     prompt_tokens = sum(len(j.prompt_ids) for j in jobs)
+    span = state.tracer.start(f"POST {request.url.path}", request.headers.get("traceparent"),
+                              request_id=jobs[0].request_id.rpartition("-")[0],
+                              prompt_tokens=prompt_tokens, stream=stream)  # fmt: skip
+    span.start_ns = request.scope.get(RECEIVED, span.start_ns)
+    span.event("admitted")
     if stream:
         body = stream_events(
-            state, jobs, admission, want_usage, chunk, envelope, role_chunk, prompt_tokens
+            state, jobs, admission, want_usage, chunk, envelope, role_chunk, prompt_tokens, span
         )
         # a stream the server never starts (the client left first) still gives its place back
         weakref.finalize(body, admission.release)
@@ -207,7 +213,7 @@ async def respond(
     async def collect() -> dict[str, Any]:
         choices: dict[int, ChoiceState] = {}
         cached = 0
-        async for delta, choice in state.run(jobs, admission):
+        async for delta, choice in state.run(jobs, admission, span):
             choices[choice.index] = choice
             cached += delta.cached_tokens
         ordered = [choices[i] for i in sorted(choices)]
@@ -226,6 +232,7 @@ async def respond(
     finally:
         watcher.cancel()
         admission.release()  # if the task was cancelled before it began
+        span.end()
 
 
 async def stream_events(
@@ -237,11 +244,12 @@ async def stream_events(
     envelope: Envelope,
     role_chunk: Callable[[int], dict[str, Any]] | None,
     prompt_tokens: int,
+    span: Span = NO_SPAN,
 ) -> AsyncIterator[bytes]:
     started: set[int] = set()
     completion, cached = 0, 0
     try:
-        async for delta, choice in state.run(jobs, admission):
+        async for delta, choice in state.run(jobs, admission, span):
             first = choice.index not in started
             if first and role_chunk is not None:
                 event = role_chunk(choice.index)
@@ -261,10 +269,13 @@ async def stream_events(
                 if want_usage:
                     event["usage"] = None
                 yield sse(event)
+                span.event("written", tokens=len(delta.token_ids))
         if want_usage:
             yield sse(
                 envelope([], usage=usage(prompt_tokens, completion, min(cached, prompt_tokens)))
             )
     except APIError as e:  # mid-stream: an error event, then the end of the stream
         yield sse(e.body())
+    finally:
+        span.end()
     yield sse("[DONE]")

@@ -19,6 +19,7 @@ from router.config import RouterConfig
 from router.errors import APIError, bad_request, unavailable
 from router.protocol import DetokenizeRequest, TokenizeRequest, WorkerChange
 from router.state import RouterState, bearer, new_id, read_model
+from services.tracing import RECEIVED
 
 log = logging.getLogger("pdserve.router")
 VERSION = "0.1.0"
@@ -70,6 +71,7 @@ class Edge:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        scope[RECEIVED] = time.time_ns()  # where a request's trace starts
         request = Request(scope)
         state: RouterState = request.app.state.router
         status = 0

@@ -27,6 +27,8 @@ class RouterConfig:
     health_failures: int = 3  # failed checks in a row that make a worker unhealthy
     prefill_timeout: float = 120.0  # seconds a Prefill may take before another worker is tried
     retry_wait: float = 30.0  # seconds to wait for a worker to come back when all failed
+    ttft_slo: float = 0.0  # seconds a prompt may be expected to wait (429 past it); 0: no limit
     breaker_failures: int = 3  # consecutive failures that open a worker's circuit
     breaker_cooldown: float = 5.0  # seconds an open circuit stays open
     block_size: int = 16
+    trace_file: str | None = None  # OpenTelemetry spans appended here (services/tracing.py)

@@ -4,6 +4,9 @@ worker, for each choice, hiding worker faults from the client.
 - Prefill fails or times out: tried again on another prefill worker, or on one that failed
   and has come back since (restarted); when none is left for `retry_wait` seconds, 503 with
   Retry-After (DESIGN.md).
+- A prompt expected to wait past `ttft_slo` seconds for a prefill worker goes to a decode
+  worker that would compute it sooner (router/backlog.py estimates the waits); the admission
+  refuses (429) a request neither could start in time.
 - The KV store is down (Prefill answers UNAVAILABLE "kv store"): the choice goes to a decode
   worker that computes the prompt itself (local prefill).
 - A decode worker dies mid-stream: Decode is issued again on another decode worker with the
@@ -27,6 +30,7 @@ from router.workers import Registry, WorkerState
 from services.engine.block_hash import block_hashes
 from services.engine.sampler import choice_seed
 from services.rpc import worker_pb2 as pb
+from services.tracing import CLIENT, NO_SPAN, Span
 
 log = logging.getLogger("pdserve.router")
 REFUSED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_EXISTS)
@@ -75,6 +79,7 @@ class Pipeline:
         disagg_threshold: int = 0,
         on_local_prefill: Callable[[str], None] = lambda reason: None,
         retry_wait: float = 30.0,
+        ttft_slo: float = 0.0,
     ) -> None:
         self.registry = registry
         self.policy = policy
@@ -82,14 +87,15 @@ class Pipeline:
         self.prefill_timeout = prefill_timeout
         self.retry_wait = retry_wait
         self.disagg_threshold = disagg_threshold
+        self.ttft_slo = ttft_slo  # seconds; 0: no prompt spills to decode, none is refused
         self.on_local_prefill = on_local_prefill  # called with why a decode worker prefills
 
-    async def run(self, jobs: Sequence[Job]) -> AsyncIterator[Delta]:
+    async def run(self, jobs: Sequence[Job], span: Span = NO_SPAN) -> AsyncIterator[Delta]:
         """Deltas of every choice of every job, interleaved as they arrive. Choice 0 of each
         job runs first; the others start once its prompt is prefilled, so they find the
         prompt's blocks cached instead of computing them again."""
         queue: asyncio.Queue[Delta | BaseException] = asyncio.Queue()
-        tasks = [asyncio.create_task(self._job(job, queue)) for job in jobs]
+        tasks = [asyncio.create_task(self._job(job, queue, span)) for job in jobs]
         remaining = sum(job.n for job in jobs)
         try:
             while remaining:
@@ -104,12 +110,14 @@ class Pipeline:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _job(self, job: Job, queue: asyncio.Queue[Delta | BaseException]) -> None:
+    async def _job(self, job: Job, queue: asyncio.Queue[Delta | BaseException], span: Span) -> None:
         prefilled = asyncio.Event()
-        choices = [asyncio.create_task(self._choice(job, 0, queue, prefilled))]
+        choices = [asyncio.create_task(self._choice(job, 0, queue, span, prefilled))]
         try:
             await prefilled.wait()
-            choices += [asyncio.create_task(self._choice(job, i, queue)) for i in range(1, job.n)]
+            choices += [
+                asyncio.create_task(self._choice(job, i, queue, span)) for i in range(1, job.n)
+            ]
             await asyncio.gather(*choices)
         except asyncio.CancelledError:
             raise
@@ -126,20 +134,21 @@ class Pipeline:
         job: Job,
         index: int,
         queue: asyncio.Queue[Delta | BaseException],
+        span: Span,
         prefilled: asyncio.Event | None = None,
     ) -> None:
         rid = f"{job.request_id}-{index}"
         seed = int64(choice_seed(job.seed, index))
         out = job.index_base + index
-        hashes = block_hashes(
-            job.prompt_ids, self.block_size, self.registry.namespace, job.salt, include_partial=True
-        )
+        hashes = self._hashes(job)
         try:
             reply = None
             if self._compute_on_decode(job, hashes):
                 self.on_local_prefill("short_prompt")
+            elif self._spill(job, hashes):
+                self.on_local_prefill("prefill_backlog")
             else:
-                reply = await self._prefill(rid, job, seed, hashes)
+                reply = await self._prefill(rid, job, seed, hashes, span)
             if prefilled is not None:
                 prefilled.set()
             tokens: list[int] = []
@@ -160,7 +169,8 @@ class Pipeline:
                 )
                 if finish is not None:
                     return
-            async for delta in self._decode(rid, job, seed, hashes, tokens, text_sent, reply):
+            decode = self._decode(rid, job, seed, hashes, tokens, text_sent, reply, span)
+            async for delta in decode:
                 delta.index = out
                 queue.put_nowait(delta)
         finally:
@@ -177,8 +187,44 @@ class Pipeline:
         cached = max((w.cached_prefix(hashes) for w in decoders), default=0) * self.block_size
         return len(job.prompt_ids) - cached < self.disagg_threshold
 
+    def expected_wait(self, jobs: Sequence[Job]) -> float:
+        """Seconds the request's prompts would wait for their first tokens on the worker
+        (prefill, or decode when prompts may spill there) that would compute them soonest."""
+        roles = ("prefill", "decode") if self.ttft_slo else ("prefill",)
+        workers = [w for role in roles for w in self.registry.available(role)]
+        if not workers:
+            return 0.0
+        hashes = [self._hashes(job) for job in jobs]
+        return min(
+            w.backlog.wait(sum(self._uncached(w, j, h) for j, h in zip(jobs, hashes, strict=True)))
+            for w in workers
+        )
+
+    def _spill(self, job: Job, hashes: list[bytes]) -> bool:
+        """The prompt would start sooner on a decode worker, and past the TTFT SLO on every
+        prefill worker."""
+        if not self.ttft_slo:
+            return False
+        prefill = self._best_wait("prefill", job, hashes)
+        return prefill > self.ttft_slo and self._best_wait("decode", job, hashes) < prefill
+
+    def _best_wait(self, role: str, job: Job, hashes: list[bytes]) -> float:
+        waits = [
+            w.backlog.wait(self._uncached(w, job, hashes)) for w in self.registry.available(role)
+        ]
+        return min(waits, default=float("inf"))
+
+    def _uncached(self, worker: WorkerState, job: Job, hashes: list[bytes]) -> int:
+        """Prompt tokens the worker would compute, as far as the router knows its cache."""
+        return max(0, len(job.prompt_ids) - worker.cached_prefix(hashes) * self.block_size)
+
+    def _hashes(self, job: Job) -> list[bytes]:
+        return block_hashes(
+            job.prompt_ids, self.block_size, self.registry.namespace, job.salt, include_partial=True
+        )
+
     async def _prefill(
-        self, rid: str, job: Job, seed: int, hashes: list[bytes]
+        self, rid: str, job: Job, seed: int, hashes: list[bytes], span: Span
     ) -> pb.PrefillReply | None:
         """The prefill reply; None when the KV store is down (the decode worker computes)."""
         request = pb.PrefillRequest(
@@ -192,10 +238,14 @@ class Pipeline:
         while True:
             worker = await self._pick("prefill", hashes, tried)
             worker.inflight += 1
+            sent, computed = self._uncached(worker, job, hashes), 0
+            worker.backlog.add(sent)
+            call = span.child("Prefill", CLIENT, worker=worker.address, request_id=rid)
             try:
                 reply: pb.PrefillReply = await worker.stub.Prefill(
-                    request, timeout=self.prefill_timeout
+                    request, timeout=self.prefill_timeout, metadata=trace_metadata(call)
                 )
+                computed = len(job.prompt_ids) - reply.cached_tokens
             except grpc.aio.AioRpcError as e:
                 if e.code() in REFUSED:
                     raise bad_request(e.details() or "refused by the worker") from e
@@ -211,6 +261,8 @@ class Pipeline:
                 continue
             finally:
                 worker.inflight -= 1
+                worker.backlog.answered(sent, computed)
+                call.end()
             self.registry.succeeded(worker)
             worker.remember(hashes)
             return reply
@@ -224,6 +276,7 @@ class Pipeline:
         tokens: list[int],
         text_sent: int,
         reply: pb.PrefillReply | None,
+        span: Span,
     ) -> AsyncIterator[Delta]:
         tried = Tried()
         first = reply is None
@@ -240,10 +293,17 @@ class Pipeline:
                 local_prefill=reply is None,
                 text_sent=text_sent,
             )
-            call = worker.stub.Decode(request)
+            traced = span.child("Decode", CLIENT, worker=worker.address, request_id=rid)
+            call = worker.stub.Decode(request, metadata=trace_metadata(traced))
             worker.inflight += 1
+            sent = self._uncached(worker, job, hashes) if first else 0  # it computes the prompt
+            worker.backlog.add(sent)
             try:
                 async for chunk in call:
+                    traced.event("chunk", tokens=len(chunk.token_ids))
+                    if sent:
+                        worker.backlog.answered(sent, sent)
+                        sent = 0
                     tokens += chunk.token_ids
                     text_sent += len(chunk.text)
                     finish = FINISH.get(chunk.finish_reason)
@@ -279,6 +339,8 @@ class Pipeline:
                 )
             finally:
                 worker.inflight -= 1
+                worker.backlog.answered(sent, 0)
+                traced.end()
                 call.cancel()
 
     async def _pick(self, role: str, hashes: list[bytes], tried: Tried) -> WorkerState:
@@ -309,6 +371,11 @@ class Tried:
 
     def allows(self, worker: WorkerState) -> bool:
         return self.epochs.get(worker.address, -1) != worker.epoch
+
+
+def trace_metadata(span: Span) -> tuple[tuple[str, str], ...] | None:
+    """gRPC metadata carrying the span's context to the worker (none when not tracing)."""
+    return (("traceparent", span.traceparent),) if span.recording else None
 
 
 def int64(seed: int) -> int:

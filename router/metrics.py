@@ -75,8 +75,13 @@ class Metrics:
         self.local_prefills = Counter(
             "pdserve_local_prefills",
             "Choices a decode worker prefilled itself: short_prompt (conditional "
-            "disaggregation) or kv_store_down",
+            "disaggregation), prefill_backlog (past the TTFT SLO on prefill) or kv_store_down",
             ["reason"],
+            registry=r,
+        )
+        self.shed = Counter(
+            "pdserve_requests_shed",
+            "Requests refused (429) because their prompts would wait past the TTFT SLO",
             registry=r,
         )
         labels = ["role", "worker"]
@@ -96,6 +101,18 @@ class Metrics:
             "pdserve_worker_unhealthy",
             "Times a worker was marked unhealthy (no answer to health checks, not ready, or "
             "its circuit opened)",
+            labels,
+            registry=r,
+        )
+        self.worker_backlog = Gauge(
+            "pdserve_worker_backlog_tokens",
+            "Prompt tokens sent to the worker to compute, first token not yet back",
+            labels,
+            registry=r,
+        )
+        self.worker_prompt_rate = Gauge(
+            "pdserve_worker_prompt_tokens_per_second",
+            "Prompt tokens the worker computes per second while it has some (0: not measured)",
             labels,
             registry=r,
         )
@@ -134,4 +151,6 @@ class Metrics:
             self.worker_waiting.labels(*labels).set(w.load.waiting)
             self.worker_free_blocks.labels(*labels).set(w.load.free_blocks)
             self.worker_cached_blocks.labels(*labels).set(w.load.cached_blocks)
+            self.worker_backlog.labels(*labels).set(w.backlog.tokens)
+            self.worker_prompt_rate.labels(*labels).set(w.backlog.rate or 0)
         return generate_latest(self.registry)

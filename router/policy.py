@@ -1,8 +1,8 @@
 """Routing policies: which worker of a role gets a request.
 
 - round_robin: in turn.
-- least_load: the fewest requests (the router's own count or the worker's, the larger); ties
-  taken in turn.
+- least_load: the fewest prompt tokens waiting to be computed (router/backlog.py), then the
+  fewest requests (the router's own count or the worker's, the larger); ties taken in turn.
 - kv_aware: the worker believed to cache the longest prefix of the request's blocks, among
   those no busier than the least loaded by more than `imbalance` requests; misses go to the
   least loaded.
@@ -30,8 +30,9 @@ class Policy:
         """One of `workers` (not empty) for a request with these block hashes."""
         if self.name == "round_robin":
             return self._in_turn(workers)
+        lightest = min(load(w) for w in workers)
+        least = self._in_turn([w for w in workers if load(w) == lightest])
         fewest = min(w.busy for w in workers)
-        least = self._in_turn([w for w in workers if w.busy == fewest])
         if self.name == "least_load":
             return least
         balanced = [w for w in workers if w.busy - fewest <= self.imbalance]
@@ -44,3 +45,9 @@ class Policy:
         role = ordered[0].role
         self._turns[role] += 1
         return ordered[(self._turns[role] - 1) % len(ordered)]
+
+
+def load(worker: WorkerState) -> tuple[int, int]:
+    """Prompt tokens queued first: a worker with two long prompts is busier than one with
+    three short ones."""
+    return worker.backlog.tokens, worker.busy

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import math
 import random
 import re
 import time
@@ -29,6 +30,7 @@ from services.engine.params import SamplingParams, ValidationError
 from services.model import hf_dir, sources
 from services.model.config import ModelConfig
 from services.tokenizer.tokenizer import Tokenizer
+from services.tracing import NO_SPAN, Span, Tracer
 from services.worker.convert import to_proto_params
 
 M = TypeVar("M", bound=pydantic.BaseModel)
@@ -44,6 +46,7 @@ class RouterState:
     registry: Registry
     pipeline: Pipeline
     metrics: Metrics = field(default_factory=Metrics)
+    tracer: Tracer = field(default_factory=lambda: Tracer("pdserve-router", None))
     pending: int = 0  # sequences (prompts x n) of the requests admitted and not finished
     started: int = field(default_factory=lambda: int(time.time()))
 
@@ -69,12 +72,16 @@ class RouterState:
             config.disagg_threshold,
             on_local_prefill=lambda reason: metrics.local_prefills.labels(reason).inc(),
             retry_wait=config.retry_wait,
+            ttft_slo=config.ttft_slo,
         )
         model_id = config.served_model_name or (
             "SmolLM2-135M-Instruct" if config.model == sources.EMBEDDED else path.name
         )
         tokenizer = Tokenizer.from_dir(path)
-        return cls(config, tokenizer, model, model_id, str(path), registry, pipeline, metrics)
+        tracer = Tracer("pdserve-router", config.trace_file)
+        return cls(
+            config, tokenizer, model, model_id, str(path), registry, pipeline, metrics, tracer
+        )
 
     @property
     def colocated(self) -> bool:
@@ -182,12 +189,30 @@ class RouterState:
                 "rate_limit_exceeded",
                 {"Retry-After": "1"},
             )
+        self.shed(jobs)
         self.pending += seqs
         self.metrics.waiting.inc()
         return Admission(self, seqs)
 
+    def shed(self, jobs: Sequence[Job]) -> None:
+        """429 for a request whose prompts would wait past the TTFT SLO wherever they went."""
+        slo = self.config.ttft_slo
+        if not slo:
+            return
+        wait = self.pipeline.expected_wait(jobs)
+        if wait > slo:
+            self.metrics.shed.inc()
+            raise APIError(
+                429,
+                f"The server is overloaded: the prompt would wait {wait:.1f}s for its first "
+                f"token (limit {slo:g}s); retry later",
+                None,
+                "rate_limit_exceeded",
+                {"Retry-After": str(max(1, math.ceil(wait - slo)))},
+            )
+
     async def run(
-        self, jobs: Sequence[Job], admission: Admission
+        self, jobs: Sequence[Job], admission: Admission, span: Span = NO_SPAN
     ) -> AsyncIterator[tuple[Delta, ChoiceState]]:
         """Deltas with their choice's accumulated state; timing and token metrics recorded;
         the admission released at the end, however it comes."""
@@ -196,7 +221,7 @@ class RouterState:
         last: dict[int, float] = {}
         cached = stored = 0
         try:
-            async for delta in self.pipeline.run(jobs):
+            async for delta in self.pipeline.run(jobs, span):
                 now = time.perf_counter()
                 if not admission.streaming:
                     admission.start_streaming()

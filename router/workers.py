@@ -29,6 +29,7 @@ from typing import Any
 
 import grpc
 
+from router.backlog import Backlog
 from services.rpc import worker_pb2 as pb
 from services.rpc import worker_pb2_grpc as pbg
 
@@ -57,6 +58,7 @@ class WorkerState:
     epoch: int = 0  # times it became healthy
     open_until: float = 0.0  # circuit breaker: left out until then
     cached: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
+    backlog: Backlog = field(default_factory=Backlog)  # prompt tokens sent, not yet answered
 
     @property
     def available(self) -> bool:

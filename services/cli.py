@@ -125,6 +125,7 @@ def router_config(s: settings.Settings) -> RouterConfig:
         health_interval=s.health_interval, health_timeout=s.health_timeout,
         health_failures=s.health_failures, prefill_timeout=s.prefill_timeout,
         retry_wait=s.retry_wait,
+        ttft_slo=s.ttft_slo, trace_file=s.trace_file,
     )  # fmt: skip
 
 
@@ -147,8 +148,9 @@ def _worker(s: settings.Settings, role: str) -> int:
         kv_store_max_bytes=int(s.kv_store_max_gb * (1 << 30)), store_timeout=s.store_timeout,
         num_blocks=s.num_blocks, kv_cache_bytes=int(s.kv_cache_gb * (1 << 30)),
         max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
+        prefill_chunk_size=s.prefill_chunk_size,
         grace_period=s.grace_period, write_back=s.write_back, metrics_port=s.metrics_port,
-        stall_timeout=s.engine_stall_timeout, kv_key=kv_key,
+        stall_timeout=s.engine_stall_timeout, kv_key=kv_key, trace_file=s.trace_file,
     )  # fmt: skip
     # The CLI is the one place that knows every role; the roles' code is imported here only.
     if role == "prefill":

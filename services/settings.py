@@ -46,6 +46,9 @@ class Settings:
     port: int | None = setting(None, "port (default: router 8000, prefill 50051, decode 50052)",
                                EVERY)  # fmt: skip
     model: str = setting("embedded", MODEL_HELP, EVERY)
+    trace_file: str | None = setting(None, "append OpenTelemetry spans of every request to this "
+                                     "file (OTLP/JSON lines; bench/timeline.py reads them); "
+                                     "unset: no tracing", EVERY)  # fmt: skip
     log_level: str = setting("warning", "debug, info, warning or error", EVERY,
                              choices=("debug", "info", "warning", "error"))  # fmt: skip
     # workers
@@ -67,6 +70,9 @@ class Settings:
     kv_cache_gb: float = setting(1.0, "KV pool size when --num-blocks is not given", WORKER)
     max_num_seqs: int = setting(64, "sequences a worker runs at once", WORKER, minimum=1)
     max_num_batched_tokens: int = setting(512, "tokens per engine step", WORKER, minimum=1)
+    prefill_chunk_size: int | None = setting(None, "a prompt's tokens per engine step, at most "
+                                             "(default: min(256, tokens per step))", WORKER,
+                                             minimum=1)  # fmt: skip
     grace_period: float = setting(10.0, "seconds in-flight requests get on SIGTERM", WORKER)
     engine_stall_timeout: float = setting(60.0, "seconds without an engine step while requests "
                                           "wait before a worker exits (for a restart)",
@@ -107,12 +113,16 @@ class Settings:
                                      "is tried", ROUTER)  # fmt: skip
     retry_wait: float = setting(30.0, "seconds a request waits for a worker to come back when "
                                 "every one has failed it", ROUTER)  # fmt: skip
+    ttft_slo: float = setting(0.0, "seconds a prompt may be expected to wait for its first "
+                              "token: past it, computed by a decode worker with room or refused "
+                              "(429 + Retry-After); 0: no limit", ROUTER, minimum=0)  # fmt: skip
     # up
     num_prefill: int = setting(1, "prefill workers to start", ("up",), minimum=1)
     num_decode: int = setting(1, "decode workers to start", ("up",), minimum=1)
-    colocated: bool = setting(False, "no prefill workers: each decode worker computes prompts "
-                              "too, in one engine (faster on a host with few cores)",
-                              ("up",))  # fmt: skip
+    colocated: bool | None = setting(None, "no prefill workers: each decode worker computes "
+                                     "prompts too, in one engine; unset: chosen by the host's "
+                                     "cores (colocated below 8, where the two roles' processes "
+                                     "would share cores)", ("up",))  # fmt: skip
     redis: bool = setting(False, "start a redis-server child as the KV store", ("up",))
     redis_max_memory: str = setting("2gb", "--redis: the redis-server's memory cap (least "
                                     "recently used blocks evicted past it)", ("up",))  # fmt: skip

@@ -50,6 +50,12 @@ READY_TIMEOUT = 600.0  # first start converts the model: minutes on a slow machi
 MEMORY = re.compile(r"\d+(b|k|kb|m|mb|g|gb)?", re.IGNORECASE)  # redis.conf's memory units
 _print_lock = threading.Lock()
 COLOCATED_THRESHOLD = 1 << 30  # past any context window: no prompt goes to a prefill worker
+# Below this many cores `up` colocates unless told otherwise: on 2 cores a prefill and a decode
+# process, each computing on every core, slow each other down (OpenMP teams contending), and
+# one engine scheduling prompt chunks with its decodes served 1.9x the goodput and 1.2x the
+# tokens/s at 32 streams (docs/benchmarks.md, "Cores on one host"). Not measured between 2
+# and 8 cores: there, say --no-colocated or --colocated.
+COLOCATE_BELOW_CORES = 8
 
 
 def say(line: str) -> None:
@@ -104,6 +110,16 @@ class Stack:
     settings: Settings
     children: list[Child] = field(default_factory=list)
     stopping: threading.Event = field(default_factory=threading.Event)
+    cores: int = field(default_factory=lambda: len(os.sched_getaffinity(0)))
+
+    @property
+    def colocated(self) -> bool:
+        """As set; unset, colocated on a host with few cores, unless prefill workers were
+        asked for by number."""
+        s = self.settings
+        if s.colocated is not None:
+            return s.colocated
+        return self.cores < COLOCATE_BELOW_CORES and s.num_prefill == 1
 
     @property
     def url(self) -> str:
@@ -111,9 +127,13 @@ class Stack:
 
     def topology(self) -> str:
         s = self.settings
-        if s.colocated:
-            return f"colocated: decode x{s.num_decode} computing prompts too"
-        return f"prefill x{s.num_prefill}, decode x{s.num_decode}"
+        if not self.colocated:
+            return f"prefill x{s.num_prefill}, decode x{s.num_decode}"
+        shape = f"colocated: decode x{s.num_decode} computing prompts too"
+        if s.colocated is None:
+            shape += (f" (chosen for {self.cores} cores: faster than prefill and decode "
+                      "processes sharing them; --no-colocated to run prefill workers)")  # fmt: skip
+        return shape
 
     def build(self, workdir: Path) -> str:
         """The children to run (not started); returns the KV store URL the workers use."""
@@ -125,7 +145,7 @@ class Stack:
         store = self._redis(workdir, base) if s.redis else self._local_store()
         key_file = s.kv_key_file or str(self._key_file(store, workdir))
         secrets_env = {"PDSERVE_KV_STORE": store, "PDSERVE_KV_KEY_FILE": key_file}
-        roles = (("decode", s.num_decode),) if s.colocated else (
+        roles = (("decode", s.num_decode),) if self.colocated else (
             ("prefill", s.num_prefill), ("decode", s.num_decode))  # fmt: skip
         shared = sum(count for _, count in roles) > 1
         shared_cores = shared_host_env(base) if shared else {}
@@ -138,7 +158,7 @@ class Stack:
                 self.children.append(Child(f"{role}-{i}", argv, env))
                 addresses[role].append(f"127.0.0.1:{port}")
         env = {**base, **child_env(s, "router")}
-        if s.colocated:  # the router sends every prompt to a decode worker
+        if self.colocated:  # the router sends every prompt to a decode worker
             env[env_name("disagg_threshold")] = str(COLOCATED_THRESHOLD)
         argv = [PDSERVE, "router", "--host", s.host, "--port", str(s.port_for("up")),
                 "--prefill", ",".join(addresses["prefill"]) or "",

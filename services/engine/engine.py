@@ -23,7 +23,13 @@ from services.engine.kv_transfer import (
     blocks_to_export,
     partial_block_hash,
 )
-from services.engine.outputs import Choice, RequestOutput, SequenceDelta, StopChecker
+from services.engine.outputs import (
+    Choice,
+    RequestOutput,
+    SequenceDelta,
+    StepTiming,
+    StopChecker,
+)
 from services.engine.params import SamplingParams, ValidationError, validate_prompt
 from services.engine.request import FinishReason, Sequence, Status, TokenLogprobs
 from services.engine.sampler import Sampler, choice_seed
@@ -41,7 +47,7 @@ class EngineConfig:
     kv_cache_bytes: int = 1 << 30
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
-    # prefill chunks end on multiples of this (scheduler.py); None: min(256, the budget)
+    # tokens of one prompt per step, at most (scheduler.py); None: min(256, the budget)
     prefill_chunk_size: int | None = None
     enable_prefix_caching: bool = True
     model_id: str = "model"  # fingerprint of the weights, part of every block hash
@@ -220,7 +226,7 @@ class Engine:
 
     def step(self) -> list[SequenceDelta]:
         """One forward pass; what each sequence gained from it (tokens, text, finishing)."""
-        t0 = time.perf_counter()
+        t0, start_ns = time.perf_counter(), time.time_ns()
         scheduled = self.scheduler.schedule()
         if not scheduled.chunks:
             return []
@@ -228,7 +234,9 @@ class Engine:
         t1 = time.perf_counter()
         logits = self.model.forward(batch, self.kv)
         t2 = time.perf_counter()
+        timing = StepTiming(start_ns, time.time_ns(), len(scheduled.chunks), scheduled.num_tokens)
         for chunk in scheduled.chunks:
+            chunk.seq.scheduled_ns = chunk.seq.scheduled_ns or start_ns
             chunk.seq.num_computed_tokens += chunk.num_tokens
             self.blocks.commit(chunk.seq)
             if chunk.seq.export and self.exporter is not None:
@@ -238,7 +246,7 @@ class Engine:
         sampling = [c.seq for c in scheduled.chunks if c.want_logits]
         result = self.sampler(logits, sampling)
         deltas = [
-            self._apply(seq, token, lp)
+            self._apply(seq, token, lp, timing)
             for seq, token, lp in zip(sampling, result.token_ids, result.logprobs, strict=True)
         ]
         self.times.steps += 1
@@ -262,12 +270,14 @@ class Engine:
             self.model.device,
         )
 
-    def _apply(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> SequenceDelta:
+    def _apply(
+        self, seq: Sequence, token: int, logprobs: TokenLogprobs | None, step: StepTiming
+    ) -> SequenceDelta:
         seq.token_ids.append(token)
         if logprobs is not None:
             seq.logprobs.append(logprobs)
         stops = StopChecker(seq, self.sampler.eos_token_ids, self.model.config.max_model_len)
-        delta = stops.apply(token)
+        delta = stops.apply(token, step)
         if seq.finish_reason is not None:
             self.scheduler.finish(seq)
         if seq.index == 0 and seq.num_output_tokens == 1:

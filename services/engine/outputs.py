@@ -13,6 +13,16 @@ from services.engine.request import FinishReason, Sequence, TokenLogprobs
 
 
 @dataclass(frozen=True)
+class StepTiming:
+    """The engine step a token came from (wall-clock ns, for tracing)."""
+
+    start_ns: int
+    forward_end_ns: int  # the model's forward pass done; sampling follows
+    num_seqs: int
+    num_tokens: int
+
+
+@dataclass(frozen=True)
 class SequenceDelta:
     request_id: str
     index: int
@@ -24,6 +34,8 @@ class SequenceDelta:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens not computed: from the local cache or a store
     num_store_tokens: int = 0  # ... of which read from a store
+    step: StepTiming | None = None
+    scheduled_ns: int = 0  # when the sequence first entered a step (left the queue)
 
     @property
     def finished(self) -> bool:
@@ -74,7 +86,7 @@ class StopChecker:
         self.eos = eos_token_ids
         self.max_model_len = max_model_len
 
-    def apply(self, token: int) -> SequenceDelta:
+    def apply(self, token: int, step: StepTiming | None = None) -> SequenceDelta:
         seq, p = self.seq, self.seq.params
         detok = seq.detokenizer
         assert detok is not None
@@ -115,6 +127,8 @@ class StopChecker:
             seq.num_output_tokens,
             seq.num_cached_tokens,
             seq.store_tokens,
+            step,
+            seq.scheduled_ns,
         )
 
     def _hold_back(self) -> int:

@@ -66,6 +66,7 @@ class Sequence:
     emitted_chars: int = 0  # how much of `text` has been handed out in deltas
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     times_preempted: int = 0
+    scheduled_ns: int = 0  # wall clock when it first entered a step (tracing)
     # disaggregation (kv_transfer.py)
     prefill_only: bool = False  # finish after the first token (a prefill worker's request)
     export: bool = False  # report blocks as they fill, for writing to a KV store

@@ -31,6 +31,7 @@ from services.engine.block_hash import KVLayout, block_hashes
 from services.engine.driver import AsyncEngine
 from services.engine.engine import Engine, EngineConfig
 from services.engine.kv_transfer import BlockToExport, ImportedKV
+from services.engine.outputs import SequenceDelta
 from services.engine.params import ValidationError
 from services.engine.request import Sequence
 from services.model import sources
@@ -38,6 +39,7 @@ from services.model.kv_cache import gather_blocks
 from services.model.loader import load_model
 from services.model.openmp import release_this_threads_team
 from services.rpc import worker_pb2 as pb
+from services.tracing import Span, Tracer, from_metadata
 
 log = logging.getLogger("pdserve.worker")
 WATCH_INTERVAL = 0.5  # seconds between the watchdog's looks at the engine thread
@@ -62,6 +64,7 @@ class WorkerConfig:
     kv_cache_bytes: int = 1 << 30
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
+    prefill_chunk_size: int | None = None  # None: min(256, max_num_batched_tokens)
     grace_period: float = 10.0  # seconds in-flight requests get on SIGTERM
     stall_timeout: float = 60.0  # seconds without an engine step, work queued: the worker exits
     write_back: bool = True  # decode: write finished generations' blocks to the store
@@ -69,6 +72,7 @@ class WorkerConfig:
     # the deployment's secret: stored blocks carry a MAC made with it (kvstore/codec.py);
     # None: a checksum only
     kv_key: bytes | None = field(default=None, repr=False)
+    trace_file: str | None = None  # OpenTelemetry spans appended here (services/tracing.py)
 
 
 @dataclass
@@ -102,6 +106,7 @@ class Worker:
             kv_cache_bytes=config.kv_cache_bytes,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
+            prefill_chunk_size=config.prefill_chunk_size,
             model_id=self.layout.model_id,
             namespace=self.namespace,  # block names in the engine = keys in the store
         )
@@ -121,6 +126,7 @@ class Worker:
         release_this_threads_team()  # the engine thread computes from here on (openmp.py)
         self.driver = AsyncEngine(self.engine)
         self.counters = Counters()
+        self.tracer = Tracer(f"pdserve-{self.role}", config.trace_file)  # None: no-ops
         self.pending_puts: dict[str, list[concurrent.futures.Future[None]]] = defaultdict(list)
         self.serving = False  # between start and drain
         self.exit_code = 0  # 1 once the engine is found dead or stalled
@@ -204,6 +210,12 @@ class Worker:
         source = StoredBlocks(self.codec, values)
         bs = self.layout.block_size
         return ImportedKV(full[:count], source, bs, partial_tokens if has_tail else 0, skipped)
+
+    def span(self, name: str, context: Any, **attributes: Any) -> Span:
+        """The RPC's server span, in the caller's trace when it sent a traceparent."""
+        if not self.tracer.enabled:
+            return self.tracer.start(name, None)
+        return self.tracer.start(name, from_metadata(context.invocation_metadata()), **attributes)
 
     # -- the RPCs both roles answer -------------------------------------------------------
 
@@ -309,3 +321,16 @@ async def refuse(context: Any, error: ValidationError) -> None:
     duplicate = error.field == "request_id"
     code = grpc.StatusCode.ALREADY_EXISTS if duplicate else grpc.StatusCode.INVALID_ARGUMENT
     await context.abort(code, str(error))
+
+
+def trace_steps(span: Span, delta: SequenceDelta, first: bool) -> None:
+    """The engine's side of a delta as span events: when the sequence left the queue (with
+    its first delta), and the step that made the token (its start; ms of the forward pass and
+    of the whole step, sequences and tokens in it)."""
+    if not span.recording or delta.step is None:
+        return
+    if first and delta.scheduled_ns:
+        span.event("scheduled", delta.scheduled_ns)
+    s = delta.step
+    span.event("step", s.start_ns, forward_ms=(s.forward_end_ns - s.start_ns) / 1e6,
+               seqs=s.num_seqs, tokens=s.num_tokens)  # fmt: skip

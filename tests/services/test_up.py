@@ -32,7 +32,8 @@ def alive(pid: int) -> bool:
 
 def test_up_serves_a_chat_restarts_a_dead_child_and_stops_everything(tmp_path):
     port = free_port()
-    out = Up("--port", str(port), "--kv-store", f"local://{tmp_path}/kv", "--num-blocks", "256")
+    out = Up("--port", str(port), "--kv-store", f"local://{tmp_path}/kv", "--num-blocks", "256",
+             "--no-colocated")  # fmt: skip
     process = out.process
     try:
         url = out.ready()
@@ -86,7 +87,9 @@ def test_children_get_the_resolved_settings_and_other_variables(monkeypatch, tmp
     monkeypatch.setattr(local, "RAM_DIR", tmp_path)
     monkeypatch.setenv("PDSERVE_CACHE_DIR", "/somewhere/cache")  # not a setting: passed on
     monkeypatch.setenv("PDSERVE_NUM_BLOCKS", "5")  # a setting: as resolved, not as raw
-    stack = Stack(Settings(num_blocks=77, num_decode=2, port=9999, policy="least_load"))
+    stack = Stack(
+        Settings(num_blocks=77, num_decode=2, port=9999, policy="least_load", colocated=False)
+    )
     store = stack.build(tmp_path / "work")
     private = tmp_path / f"pdserve-{os.getuid()}" / "up-127.0.0.1-9999"
     assert store == f"local://{private}"
@@ -159,7 +162,7 @@ def test_redis_child_has_a_password_and_a_memory_cap_from_a_private_config(tmp_p
     from services.up import Stack
 
     require_binaries()
-    stack = Stack(Settings(redis=True, redis_max_memory="64mb", kv_key_file="/k"))
+    stack = Stack(Settings(redis=True, redis_max_memory="64mb", kv_key_file="/k", colocated=False))
     work = tmp_path / "work"
     work.mkdir(mode=0o700)
     store = stack.build(work)
@@ -223,7 +226,7 @@ def test_colocated_stack_has_no_prefill_worker_and_serves_the_same_answer(tmp_pa
     assert stack.topology() == "colocated: decode x1 computing prompts too"
 
     answers = {}
-    for mode in ("--colocated", "--no-colocated"):
+    for mode in ("--colocated", "--no-colocated"):  # both said: the host's cores decide neither
         out = Up("--port", str(free_port()), "--kv-store", f"local://{tmp_path}/kv{mode}",
                  "--num-blocks", "256", mode)  # fmt: skip
         try:
@@ -238,3 +241,21 @@ def test_colocated_stack_has_no_prefill_worker_and_serves_the_same_answer(tmp_pa
         finally:
             assert out.stop() == 0
     assert answers["--colocated"] == answers["--no-colocated"]
+
+
+def test_unset_colocation_is_chosen_by_the_cores_and_said():
+    from services.settings import Settings
+    from services.up import Stack
+
+    small = Stack(Settings(port=9996), cores=2)
+    assert small.colocated
+    assert small.topology() == (
+        "colocated: decode x1 computing prompts too (chosen for 2 cores: faster than prefill "
+        "and decode processes sharing them; --no-colocated to run prefill workers)"
+    )
+    assert not Stack(Settings(port=9996), cores=16).colocated
+    assert Stack(Settings(port=9996), cores=16).topology() == "prefill x1, decode x1"
+    asked = Stack(Settings(port=9996, num_prefill=2), cores=2)  # prefill workers by number
+    assert not asked.colocated and asked.topology() == "prefill x2, decode x1"
+    assert not Stack(Settings(port=9996, colocated=False), cores=2).colocated
+    assert Stack(Settings(port=9996, colocated=True), cores=64).colocated
