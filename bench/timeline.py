@@ -112,6 +112,13 @@ def breakdown(spans: list[Span]) -> dict[str, Any]:
         phase("decode: fetch KV from the store", d_work["start"], fetched)
         scheduled = first(events(d_work, "scheduled"))
         phase("decode: queue (until in a step)", fetched, scheduled)
+        steps = events(d_work, "step")
+        if d_work["attributes"].get("local_prefill") and steps:  # the prompt computed here
+            done = steps[0]["time"] + int(steps[0]["forward_ms"] * 1e6)
+            phase("decode: compute the prompt (chunks, last forward)", scheduled, done)
+            phase("decode: sample, send the first token", done, first(events(d_work, "send")))
+            phase("router: first token in, SSE written", first(events(d_call, "chunk")),
+                  written[0]["time"] if written else None)  # fmt: skip
     if written:
         phases.append(("first token written (TTFT at the router)", ms(written[0]["time"]), 0.0))
     return {"phases": phases, "tokens": per_token(root, d_call, d_work),
@@ -121,12 +128,13 @@ def breakdown(spans: list[Span]) -> dict[str, Any]:
 def per_token(root: Span, d_call: Span | None, d_work: Span | None) -> dict[str, float]:
     """Medians over the decoded tokens: engine step (forward, whole), the worker's send after
     the step, the hop to the router, the router's SSE write, and the API's inter-token time."""
-    steps, sent = events(d_work, "step"), events(d_work, "sent")
+    steps, sent = events(d_work, "step"), events(d_work, "send")
     chunks, written = events(d_call, "chunk"), events(root, "written")
     n = min(len(steps), len(sent), len(chunks))
     if n < 3:
         return {}
     steps, sent, chunks = steps[:n], sent[:n], chunks[:n]
+    written = [w for w in written if w["time"] >= chunks[0]["time"]]  # not a prefill reply's
     step_starts = [s["time"] for s in steps]
     forward_end = [s["time"] + s["forward_ms"] * 1e6 for s in steps]
     write_times = written_per_chunk(chunks, written)
@@ -170,8 +178,8 @@ def first(found: list[dict[str, Any]]) -> int | None:
 
 
 def render(result: dict[str, Any]) -> str:
-    lines = [f"{'phase':<44} {'at ms':>9} {'took ms':>9}"]
-    lines += [f"{what:<44} {at:>9.1f} {took:>9.1f}" for what, at, took in result["phases"]]
+    lines = [f"{'phase':<50} {'at ms':>9} {'took ms':>9}"]
+    lines += [f"{what:<50} {at:>9.1f} {took:>9.1f}" for what, at, took in result["phases"]]
     t = result["tokens"]
     if t:
         lines += [
@@ -179,7 +187,7 @@ def render(result: dict[str, Any]) -> str:
             f"per token after the first (median of {t['tokens']}):",
             f"  engine step (start to start)   {t['engine_step_ms']:7.2f} ms  "
             f"(forward pass {t['forward_ms']:.2f})",
-            f"  engine -> worker's gRPC send   {t['step_to_sent_ms']:7.2f} ms",
+            f"  engine -> worker hands to gRPC {t['step_to_sent_ms']:7.2f} ms",
             f"  worker -> router               {t['worker_to_router_ms']:7.2f} ms",
             f"  router -> SSE written          {t['router_to_written_ms']:7.2f} ms",
             f"  API inter-token time           {t['api_inter_token_ms']:7.2f} ms",

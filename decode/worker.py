@@ -104,8 +104,8 @@ class DecodeWorker(Worker, worker_pb2_grpc.DecodeWorkerServicer):
                         "request_id": rid, "tokens": delta.num_output_tokens,
                         "finish": delta.finish_reason.value if delta.finish_reason else None,
                     }})  # fmt: skip
+                span.event("send")  # handed to gRPC (after the yield may be later than received)
                 yield chunk
-                span.event("sent")
         finally:
             if not finished:  # the client went away (or the server is stopping)
                 log.info("cancelled", extra={"fields": {"request_id": rid}})

@@ -41,7 +41,7 @@ def test_one_request_is_one_trace_across_the_processes(tmp_path):
     # the first token comes from the prefill worker, the other 7 from 7 decode steps
     decode = mine[("pdserve-decode", "Decode")]
     assert [e["name"] for e in decode["events"]].count("step") == 7
-    assert [e["name"] for e in decode["events"]].count("sent") == 7
+    assert [e["name"] for e in decode["events"]].count("send") == 7
     chunks = [e for e in mine[("pdserve-router", "Decode")]["events"] if e["name"] == "chunk"]
     assert sum(e["tokens"] for e in chunks) == 7
     assert len(mine[("pdserve-prefill", "Prefill")]["events"]) >= 4  # fetched ... stored
