@@ -139,7 +139,9 @@ class Engine:
         Disaggregation: `output_ids` are tokens already generated elsewhere (their KV is
         computed here), of whose text `text_sent` characters reached the client (default:
         all); `kv_import` is prompt KV read from a store; `prefill_only` finishes the
-        request at its first token; `export` reports its blocks to the exporter as they fill.
+        request at its first token; `export` reports its blocks to the exporter: as they
+        fill for a prefill_only request (its reader waits for them), else all at once when
+        it finishes (a write-back: the encoding stays off the path of its tokens).
         """
         mc = self.model.config
         params.validate(mc.vocab_size)
@@ -239,10 +241,8 @@ class Engine:
             chunk.seq.scheduled_ns = chunk.seq.scheduled_ns or start_ns
             chunk.seq.num_computed_tokens += chunk.num_tokens
             self.blocks.commit(chunk.seq)
-            if chunk.seq.export and self.exporter is not None:
-                ready = blocks_to_export(self.blocks, chunk.seq, chunk.seq.partial_hash)
-                if ready:
-                    self.exporter(chunk.seq, ready)
+            if chunk.seq.export and chunk.seq.prefill_only:
+                self._export(chunk.seq)
         sampling = [c.seq for c in scheduled.chunks if c.want_logits]
         result = self.sampler(logits, sampling)
         deltas = [
@@ -279,6 +279,8 @@ class Engine:
         stops = StopChecker(seq, self.sampler.eos_token_ids, self.model.config.max_model_len)
         delta = stops.apply(token, step)
         if seq.finish_reason is not None:
+            if seq.export and not seq.prefill_only:
+                self._export(seq)  # written back whole, before its blocks are released
             self.scheduler.finish(seq)
         if seq.index == 0 and seq.num_output_tokens == 1:
             self._release_held_back(seq.request_id)
@@ -286,6 +288,12 @@ class Engine:
         if req is not None and all(s.is_finished for s in req.seqs):
             del self.requests[seq.request_id]
         return delta
+
+    def _export(self, seq: Sequence) -> None:
+        if self.exporter is not None:
+            ready = blocks_to_export(self.blocks, seq, seq.partial_hash)
+            if ready:
+                self.exporter(seq, ready)
 
     def _release_held_back(self, request_id: str) -> None:
         req = self.requests.get(request_id)
