@@ -6,7 +6,8 @@ this machine, the same scenarios run on it, fresh prompts (seeds) per run.
         [--llama-server /path/to/llama-server] [--pdserve up,colocated,colocated-slo] \\
         [--scenarios one,c32,p1,p2,p4]
 
-Scenarios (issue 14): `one` one stream, 128 prompt / 128 output tokens; `c32` 32 concurrent,
+Scenarios (issue 14): `prefill` one 1,024-token prompt at a time, 1 output token (its TTFT
+is the prompt's compute); `one` one stream, 128 prompt / 128 output tokens; `c32` 32 concurrent,
 256 / 128; `pR` Poisson arrivals at R requests/s, fresh 512-token prompts, 64 out, goodput
 under TTFT <= 2 s and TPOT <= 150 ms. Every request ignores EOS, temperature 0.
 
@@ -23,8 +24,10 @@ import json
 import os
 import platform
 import random
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +42,7 @@ from services.model import sources
 REPO = Path(__file__).resolve().parent.parent
 MODEL_ID = "SmolLM2-135M-Instruct"
 GOODPUT = ("ttft:2000", "tpot:150")
+SHM = Path("/dev/shm")
 
 
 @dataclass(frozen=True)
@@ -58,17 +62,19 @@ class Scenario:
 
 
 SCENARIOS = {
+    "prefill": Scenario("prefill", 1024, 1, 6, concurrency=1),  # TTFT: a prompt's compute
     "one": Scenario("one", 128, 128, 8, concurrency=1),
     "c32": Scenario("c32", 256, 128, 64, concurrency=32),
     "p1": Scenario("p1", 512, 64, 30, rate=1),
     "p2": Scenario("p2", 512, 64, 60, rate=2),
     "p4": Scenario("p4", 512, 64, 120, rate=4),
 }
-PDSERVE_VARIANTS = {
+PDSERVE_VARIANTS = {  # `up` colocates below 8 cores (services/up.py)
     "up": [],
+    "up-slo": ["--ttft-slo", "1.5"],
     "colocated": ["--colocated"],
-    "colocated-slo": ["--colocated", "--ttft-slo", "2"],
-    "up-slo": ["--ttft-slo", "2"],
+    "disaggregated": ["--no-colocated"],
+    "disaggregated-slo": ["--no-colocated", "--ttft-slo", "1.5"],
 }
 
 
@@ -164,7 +170,21 @@ def figures(path: Path) -> dict[str, float]:
 
 
 def measure(name: str, command: list[str], args: argparse.Namespace) -> dict[str, Path]:
-    """Start the server, run every scenario on it, stop it: scenario -> result JSON."""
+    """Start the server, run every scenario on it, stop it: scenario -> result JSON. A
+    pdserve stack gets a KV store of its own, removed after (no cache carried over, and no
+    store filling memory for the servers after it)."""
+    store = None
+    if command[:2] == [PDSERVE, "up"]:
+        store = Path(tempfile.mkdtemp(prefix="pdserve-bench-", dir=SHM if SHM.is_dir() else None))
+        command = [*command, "--kv-store", f"local://{store}"]
+    try:
+        return run_scenarios(name, command, args)
+    finally:
+        if store is not None:
+            shutil.rmtree(store, ignore_errors=True)
+
+
+def run_scenarios(name: str, command: list[str], args: argparse.Namespace) -> dict[str, Path]:
     port = free_port()
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{(os.cpu_count() or 1) - 1}",
                VLLM_CPU_KVCACHE_SPACE="2")  # fmt: skip
@@ -246,7 +266,7 @@ def main() -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("results/serving"))
     p.add_argument("--scenarios", default=",".join(SCENARIOS))
-    p.add_argument("--pdserve", default="up,colocated,colocated-slo",
+    p.add_argument("--pdserve", default="up,up-slo,disaggregated",
                    help=f"pdserve up variants: {', '.join(PDSERVE_VARIANTS)}")  # fmt: skip
     p.add_argument("--vllm-python", help="python of a venv with vllm-cpu (PEERS.md)")
     p.add_argument("--model-dir", type=Path, help="`pdserve convert --out DIR` (vLLM's input)")

@@ -51,10 +51,10 @@ MEMORY = re.compile(r"\d+(b|k|kb|m|mb|g|gb)?", re.IGNORECASE)  # redis.conf's me
 _print_lock = threading.Lock()
 COLOCATED_THRESHOLD = 1 << 30  # past any context window: no prompt goes to a prefill worker
 # Below this many cores `up` colocates unless told otherwise: on 2 cores a prefill and a decode
-# process, each computing on every core, slow each other down (OpenMP teams contending), and
-# one engine scheduling prompt chunks with its decodes served 1.9x the goodput and 1.2x the
-# tokens/s at 32 streams (docs/benchmarks.md, "Cores on one host"). Not measured between 2
-# and 8 cores: there, say --no-colocated or --colocated.
+# process, each computing on every core, slow each other down (OpenMP teams contending); one
+# engine scheduling prompt chunks with its decodes gave 1.17x the tokens/s of one stream,
+# 1.08x at 32 streams and 1.7x the goodput at 1 req/s (docs/benchmarks.md, "Serving against
+# vLLM"). Not measured between 2 and 8 cores: there, say --no-colocated or --colocated.
 COLOCATE_BELOW_CORES = 8
 
 
