@@ -80,6 +80,7 @@ class Pipeline:
         on_local_prefill: Callable[[str], None] = lambda reason: None,
         retry_wait: float = 30.0,
         ttft_slo: float = 0.0,
+        colocated: bool = False,
     ) -> None:
         self.registry = registry
         self.policy = policy
@@ -88,6 +89,7 @@ class Pipeline:
         self.retry_wait = retry_wait
         self.disagg_threshold = disagg_threshold
         self.ttft_slo = ttft_slo  # seconds; 0: no prompt spills to decode, none is refused
+        self.colocated = colocated  # every prompt is computed on a decode worker
         self.on_local_prefill = on_local_prefill  # called with why a decode worker prefills
 
     async def run(self, jobs: Sequence[Job], span: Span = NO_SPAN) -> AsyncIterator[Delta]:
@@ -144,7 +146,7 @@ class Pipeline:
         try:
             reply = None
             if self._compute_on_decode(job, hashes):
-                self.on_local_prefill("short_prompt")
+                self.on_local_prefill("colocated" if self.colocated else "short_prompt")
             elif self._spill(job, hashes):
                 self.on_local_prefill("prefill_backlog")
             else:

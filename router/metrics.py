@@ -74,8 +74,9 @@ class Metrics:
         )
         self.local_prefills = Counter(
             "pdserve_local_prefills",
-            "Choices a decode worker prefilled itself: short_prompt (conditional "
-            "disaggregation), prefill_backlog (past the TTFT SLO on prefill) or kv_store_down",
+            "Choices a decode worker prefilled itself: colocated (no prefill workers), "
+            "short_prompt (conditional disaggregation), prefill_backlog (past the TTFT SLO on "
+            "prefill) or kv_store_down",
             ["reason"],
             registry=r,
         )

@@ -73,6 +73,7 @@ class RouterState:
             on_local_prefill=lambda reason: metrics.local_prefills.labels(reason).inc(),
             retry_wait=config.retry_wait,
             ttft_slo=config.ttft_slo,
+            colocated=config.disagg_threshold > model.max_model_len,
         )
         model_id = config.served_model_name or (
             "SmolLM2-135M-Instruct" if config.model == sources.EMBEDDED else path.name

@@ -95,6 +95,12 @@ def _serve(args: argparse.Namespace) -> int:
     loaded = settings.load(args.role, args)
     logs.configure(loaded.settings.log_level)
     s = loaded.settings
+    if s.trace_file:  # refused now, not after the model has loaded
+        try:
+            with open(s.trace_file, "a"):
+                pass
+        except OSError as e:
+            raise settings.SettingsError(f"trace_file: cannot append to {s.trace_file}: {e}") from e
     if args.role == "up":
         from services.up import up
 

@@ -62,3 +62,15 @@ def test_tracing_is_off_without_a_file(tmp_path):
     span.event("written", tokens=1)
     span.end()
     assert NO_SPAN.events == [] and list(tmp_path.iterdir()) == []
+
+
+def test_a_trace_file_that_cannot_be_written_is_refused_at_start(tmp_path):
+    import subprocess
+
+    from services.launcher import PDSERVE
+
+    path = tmp_path / "missing" / "trace.jsonl"
+    run = subprocess.run([PDSERVE, "router", "--trace-file", str(path)], capture_output=True,
+                         text=True, timeout=60)  # fmt: skip
+    assert run.returncode == 2
+    assert run.stderr.startswith(f"pdserve: error: trace_file: cannot append to {path}:")
