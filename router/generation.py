@@ -147,7 +147,7 @@ class Pipeline:
             reply = None
             if self._compute_on_decode(job, hashes):
                 self.on_local_prefill("colocated" if self.colocated else "short_prompt")
-            elif self._spill(job, hashes):
+            elif self._spill(job):
                 self.on_local_prefill("prefill_backlog")
             else:
                 reply = await self._prefill(rid, job, seed, hashes, span)
@@ -190,29 +190,26 @@ class Pipeline:
         return len(job.prompt_ids) - cached < self.disagg_threshold
 
     def expected_wait(self, jobs: Sequence[Job]) -> float:
-        """Seconds the request's prompts would wait for their first tokens on the worker
-        (prefill, or decode when prompts may spill there) that would compute them soonest."""
-        roles = ("prefill", "decode") if self.ttft_slo else ("prefill",)
-        workers = [w for role in roles for w in self.registry.available(role)]
-        if not workers:
-            return 0.0
-        hashes = [self._hashes(job) for job in jobs]
-        return min(
-            w.backlog.wait(sum(self._uncached(w, j, h) for j, h in zip(jobs, hashes, strict=True)))
-            for w in workers
-        )
+        """Seconds the request's prompts would wait for their first tokens on the worker of
+        either role that would compute them soonest (0 with none available)."""
+        wait = self._best_wait(("prefill", "decode"), jobs)
+        return 0.0 if wait == float("inf") else wait
 
-    def _spill(self, job: Job, hashes: list[bytes]) -> bool:
+    def _spill(self, job: Job) -> bool:
         """The prompt would start sooner on a decode worker, and past the TTFT SLO on every
         prefill worker."""
         if not self.ttft_slo:
             return False
-        prefill = self._best_wait("prefill", job, hashes)
-        return prefill > self.ttft_slo and self._best_wait("decode", job, hashes) < prefill
+        prefill = self._best_wait(("prefill",), [job])
+        return prefill > self.ttft_slo and self._best_wait(("decode",), [job]) < prefill
 
-    def _best_wait(self, role: str, job: Job, hashes: list[bytes]) -> float:
+    def _best_wait(self, roles: Sequence[str], jobs: Sequence[Job]) -> float:
+        """The shortest expected wait for the jobs' prompts on one worker of these roles."""
+        hashes = [self._hashes(job) for job in jobs]
         waits = [
-            w.backlog.wait(self._uncached(w, job, hashes)) for w in self.registry.available(role)
+            w.backlog.wait(sum(self._uncached(w, j, h) for j, h in zip(jobs, hashes, strict=True)))
+            for role in roles
+            for w in self.registry.available(role)
         ]
         return min(waits, default=float("inf"))
 

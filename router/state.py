@@ -87,7 +87,7 @@ class RouterState:
     @property
     def colocated(self) -> bool:
         """Every prompt is computed on a decode worker: no prefill worker is needed."""
-        return self.config.disagg_threshold > self.model.max_model_len
+        return self.pipeline.colocated
 
     @property
     def required_roles(self) -> tuple[str, ...]:

@@ -69,7 +69,7 @@ class Sequence:
     scheduled_ns: int = 0  # wall clock when it first entered a step (tracing)
     # disaggregation (kv_transfer.py)
     prefill_only: bool = False  # finish after the first token (a prefill worker's request)
-    export: bool = False  # report blocks as they fill, for writing to a KV store
+    export: bool = False  # blocks for a KV store: as they fill if prefill_only, else at the end
     exported_blocks: int = 0  # leading blocks already reported (or known to be in the store)
     partial_hash: bytes | None = None  # the prompt's partial last block, exported by prefill
     kv_import: ImportedKV | None = None  # prompt KV read from a store, used at admission
