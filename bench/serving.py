@@ -88,7 +88,9 @@ def cpu() -> str:
                 name = value.strip()
             elif key.strip() == "flags":
                 flags = set(value.split())
-    wanted = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    wanted = [
+        f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16") if f in flags
+    ]
     return f"{name}, {os.cpu_count()} cores ({', '.join(wanted)})"
 
 

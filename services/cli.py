@@ -89,6 +89,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         help="compute dtype; auto = bfloat16 where the CPU has bf16 units, else float32",
     )
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    p.add_argument(
+        "--quantization",
+        default="none",
+        choices=["none", "int8"],
+        help="int8: the decoder layers' main products in int8 (services/model/quantize.py)",
+    )
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -150,7 +156,8 @@ def _worker(s: settings.Settings, role: str) -> int:
         raise settings.SettingsError(str(e)) from e
     config = WorkerConfig(
         role=role, host=s.host, port=s.port_for(role), model=s.model, dtype=s.dtype,
-        device=s.device, kv_store=s.kv_store, kv_store_dtype=s.kv_store_dtype,
+        device=s.device, quantization=s.quantization, kv_store=s.kv_store,
+        kv_store_dtype=s.kv_store_dtype,
         kv_store_max_bytes=int(s.kv_store_max_gb * (1 << 30)), store_timeout=s.store_timeout,
         num_blocks=s.num_blocks, kv_cache_bytes=int(s.kv_cache_gb * (1 << 30)),
         max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
@@ -185,7 +192,7 @@ def _generate(args: argparse.Namespace) -> int:
     from services.engine.params import SamplingParams, ValidationError
     from services.model.loader import load_model
 
-    loaded = load_model(args.model, args.dtype, args.device)
+    loaded = load_model(args.model, args.dtype, args.device, args.quantization)
     tok = loaded.tokenizer
     if args.chat:
         prompt = tok.encode_chat([{"role": "user", "content": args.prompt}])

@@ -55,6 +55,7 @@ class LlamaModel:
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
+        self.quantization = "none"  # quantize.quantize_int8 sets "int8"
         self.attention: Attention = attention or default_attention(
             self.device, dtype, config.head_dim, config.num_heads // config.num_kv_heads
         )

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from services.model import hf_dir, sources
+from services.model import hf_dir, quantize, sources
 from services.model.config import ModelConfig
 from services.model.llama import LlamaModel
 from services.tokenizer.tokenizer import Tokenizer
@@ -55,7 +55,10 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def load_model(
-    spec: str = sources.EMBEDDED, dtype: str = "auto", device: str = "auto"
+    spec: str = sources.EMBEDDED,
+    dtype: str = "auto",
+    device: str = "auto",
+    quantization: str = "none",
 ) -> LoadedModel:
     path = sources.resolve(spec)
     config = hf_dir.read_config(path)
@@ -63,4 +66,11 @@ def load_model(
     weights = hf_dir.read_weights(path, config)
     dev = resolve_device(device)
     model = LlamaModel(config, weights, resolve_dtype(dtype, dev), dev)
+    if quantization == "int8":
+        calibration = tokenizer.encode(quantize.calibration_text(), add_special_tokens=False)
+        quantize.quantize_int8(model, weights, calibration)
+    elif quantization != "none":
+        raise ValueError(
+            f"unknown quantization {quantization!r} (choose {', '.join(quantize.QUANTIZATIONS)})"
+        )
     return LoadedModel(model, tokenizer, path)

@@ -56,6 +56,7 @@ class WorkerConfig:
     model: str = "embedded"
     dtype: str = "auto"
     device: str = "auto"
+    quantization: str = "none"  # or "int8" (services/model/quantize.py)
     kv_store: str = "local://"
     kv_store_dtype: str = "auto"  # as computed; or float32, float16, bfloat16, fp8
     kv_store_max_bytes: int | None = None  # cap of a local:// or memory:// store (LRU)
@@ -86,7 +87,7 @@ class Worker:
 
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
-        loaded = load_model(config.model, config.dtype, config.device)
+        loaded = load_model(config.model, config.dtype, config.device, config.quantization)
         self.model_name = loaded.config.name
         cache_dtype = loaded.model.dtype
         storage = (
@@ -95,8 +96,11 @@ class Worker:
             else StorageDtype.parse(config.kv_store_dtype)
         )
         mc = loaded.config
+        weights_id = sources.fingerprint(loaded.path)  # quantized weights compute other KV
+        if config.quantization != "none":
+            weights_id += f"+{config.quantization}"
         self.layout = KVLayout(
-            sources.fingerprint(loaded.path), storage.name.lower(), 16,
+            weights_id, storage.name.lower(), 16,
             mc.num_layers, mc.num_kv_heads, mc.head_dim,
         )  # fmt: skip
         self.namespace = self.layout.namespace()

@@ -1,0 +1,85 @@
+"""`--quantization int8` through real processes: a prefill and a decode worker sharing a
+local:// store, a router, the official client. Greedy streams give exactly the in-process
+quantized engine's tokens and logprobs, in each dtype `--dtype auto` picks here; the workers'
+KV namespace differs from unquantized workers' (their blocks never mix in a shared store)."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import openai
+import pytest
+import torch
+
+from services.engine.engine import Engine, EngineConfig
+from services.engine.params import SamplingParams
+from services.launcher import RouterProcess, WorkerProcess
+from services.model.loader import load_model
+from services.rpc import worker_pb2 as pb
+from services.rpc import worker_pb2_grpc as pbg
+from tests.support.cluster import MODEL
+from tests.support.dtypes import COMPUTE_DTYPES
+
+MAX_TOKENS = 12
+PROMPTS = [
+    torch.randint(100, 49000, (n,), generator=torch.Generator().manual_seed(i)).tolist()
+    for i, n in enumerate([17, 40, 64, 100])
+]
+
+
+def namespace(worker: WorkerProcess) -> str:
+    async def ask() -> str:
+        async with grpc.aio.insecure_channel(worker.address) as channel:
+            reply = await pbg.DecodeWorkerStub(channel).Health(pb.HealthRequest(), timeout=5)
+            return str(reply.namespace)
+
+    return asyncio.run(ask())
+
+
+def stream(client: openai.OpenAI, prompt: list[int]) -> tuple[str, list[float]]:
+    text, logprobs = "", []
+    for chunk in client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, logprobs=1,
+        stream=True, extra_body={"ignore_eos": True},
+    ):  # fmt: skip
+        for c in chunk.choices:
+            text += c.text
+            logprobs += c.logprobs.token_logprobs if c.logprobs else []
+    return text, logprobs
+
+
+@pytest.mark.parametrize("dtype", COMPUTE_DTYPES)
+def test_int8_workers_serve_the_quantized_engines_tokens(dtype, embedded_dir, tmp_path):
+    model, store = str(embedded_dir), f"local://{tmp_path / 'store'}"
+    args = ("--num-blocks", "200", "--quantization", "int8")
+    prefill = WorkerProcess("prefill", model, store, tmp_path, *args, dtype=dtype)
+    decode = WorkerProcess("decode", model, store, tmp_path, *args, dtype=dtype)
+    plain = WorkerProcess("decode", model, store, tmp_path, "--num-blocks", "8", dtype=dtype)
+    workers = [prefill, decode, plain]
+    router = RouterProcess(tmp_path, [prefill.address], [decode.address])
+    try:
+        for w in workers:
+            w.launch()
+        for w in workers:
+            w.wait_ready()
+        assert namespace(decode) != namespace(plain)
+        router.start()
+        client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="x", max_retries=0)
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            served = list(pool.map(lambda p: stream(client, p), PROMPTS))
+    finally:
+        router.stop()
+        for w in workers:
+            w.stop()
+
+    loaded = load_model(model, dtype=dtype, device="cpu", quantization="int8")
+    engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(num_blocks=200))
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logprobs=1)
+    want = [
+        (o.choices[0].text, [lp.logprob for lp in o.choices[0].logprobs])
+        for o in engine.generate(PROMPTS, params)
+    ]
+    assert served == want
+    assert all(len(lp) == MAX_TOKENS for _, lp in served)
