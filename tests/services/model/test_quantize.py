@@ -117,9 +117,7 @@ def test_quantized_tokens_do_not_depend_on_batch_or_chunking(quantized):
     prompts = [prompt(n, i) for i, n in enumerate([5, 17, 40, 64, 100])]
 
     def run(batch: list[list[int]], **config) -> list:
-        engine = Engine(
-            quantized.model, quantized.tokenizer, EngineConfig(num_blocks=64, **config)
-        )
+        engine = Engine(quantized.model, quantized.tokenizer, EngineConfig(num_blocks=64, **config))
         out = []
         for p in params:
             for o in engine.generate(batch, p):
