@@ -11,6 +11,7 @@ conversation finds its prompt and the answer in the store.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -21,9 +22,10 @@ from services.engine.driver import EngineDied
 from services.engine.params import ValidationError
 from services.rpc import worker_pb2 as pb
 from services.rpc import worker_pb2_grpc
+from services.settings import Settings
 from services.tracing import Span
 from services.worker import convert
-from services.worker.server import Worker, refuse, trace_steps
+from services.worker.server import Worker, refuse, trace_steps, worker_config
 
 log = logging.getLogger("pdserve.decode")
 
@@ -111,3 +113,8 @@ class DecodeWorker(Worker, worker_pb2_grpc.DecodeWorkerServicer):
                 log.info("cancelled", extra={"fields": {"request_id": rid}})
                 self.driver.abort_soon(rid)
             self.pending_puts.pop(rid, None)  # write-back finishes on its own
+
+
+def run(settings: Settings) -> int:
+    """The `decode` role's entry point (pyproject.toml)."""
+    return asyncio.run(DecodeWorker(worker_config(settings, "decode")).serve())

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvstore.block_hash import BLOCK_SIZE
+
 
 @dataclass(frozen=True)
 class RouterConfig:
@@ -30,5 +32,5 @@ class RouterConfig:
     ttft_slo: float = 0.0  # seconds a prompt may be expected to wait (429 past it); 0: no limit
     breaker_failures: int = 3  # consecutive failures that open a worker's circuit
     breaker_cooldown: float = 5.0  # seconds an open circuit stays open
-    block_size: int = 16
+    block_size: int = BLOCK_SIZE  # must be the workers' (checked at their health checks)
     trace_file: str | None = None  # OpenTelemetry spans appended here (services/tracing.py)

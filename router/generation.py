@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from kvstore.block_hash import block_hashes
 from router.errors import APIError, bad_request, unavailable
 from router.policy import Policy
 from router.workers import Registry, WorkerState
-from services.engine.block_hash import block_hashes
-from services.engine.sampler import choice_seed
+from services.engine.seeds import choice_seed
 from services.rpc import worker_pb2 as pb
 from services.tracing import CLIENT, NO_SPAN, Span
 

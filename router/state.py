@@ -27,7 +27,7 @@ from router.policy import Policy
 from router.protocol import SamplingFields
 from router.workers import Registry
 from services.engine.params import SamplingParams, ValidationError
-from services.model import hf_dir, sources
+from services.model import hf_config, sources
 from services.model.config import ModelConfig
 from services.tokenizer.tokenizer import Tokenizer
 from services.tracing import NO_SPAN, Span, Tracer
@@ -53,7 +53,7 @@ class RouterState:
     @classmethod
     def create(cls, config: RouterConfig) -> RouterState:
         path = sources.resolve(config.model)
-        model = hf_dir.read_config(path)
+        model = hf_config.read_config(path)
         metrics = Metrics()
         registry = Registry(
             config.health_interval,
@@ -62,6 +62,7 @@ class RouterState:
             config.health_timeout,
             config.health_failures,
             on_health=metrics.health_changed,
+            block_size=config.block_size,
         )
         policy = Policy(config.policy, config.imbalance)
         pipeline = Pipeline(

@@ -14,7 +14,7 @@ import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
-from services.engine.block_hash import KVLayout
+from kvstore.block_hash import BLOCK_SIZE, KVLayout
 from services.engine.block_manager import BlockManager
 from services.engine.kv_transfer import (
     Exporter,
@@ -32,8 +32,9 @@ from services.engine.outputs import (
 )
 from services.engine.params import SamplingParams, ValidationError, validate_prompt
 from services.engine.request import FinishReason, Sequence, Status, TokenLogprobs
-from services.engine.sampler import Sampler, choice_seed
+from services.engine.sampler import Sampler
 from services.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+from services.engine.seeds import choice_seed
 from services.model.batch import ForwardBatch, SeqChunk
 from services.model.llama import LlamaModel
 from services.tokenizer.detokenize import IncrementalDetokenizer
@@ -42,7 +43,7 @@ from services.tokenizer.tokenizer import Tokenizer
 
 @dataclass(frozen=True)
 class EngineConfig:
-    block_size: int = 16
+    block_size: int = BLOCK_SIZE
     num_blocks: int | None = None  # KV blocks in the pool; None: as many as kv_cache_bytes holds
     kv_cache_bytes: int = 1 << 30
     max_num_seqs: int = 64

@@ -1,7 +1,8 @@
 """`--quantization int8` through real processes: a prefill and a decode worker sharing a
 local:// store, a router, the official client. Greedy streams give exactly the in-process
-quantized engine's tokens and logprobs, in each dtype `--dtype auto` picks here; the workers'
-KV namespace differs from unquantized workers' (their blocks never mix in a shared store)."""
+quantized engine's tokens and logprobs, in each dtype `--dtype auto` picks here. The workers'
+KV namespace differs from unquantized workers' (their blocks never mix in a shared store), and
+the router refuses an unquantized worker added beside them, saying both namespaces."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import httpx
 import openai
 import pytest
 import torch
@@ -58,7 +60,7 @@ def test_int8_workers_serve_the_quantized_engines_tokens(dtype, embedded_dir, tm
     decode = WorkerProcess("decode", model, store, tmp_path, *args, dtype=dtype)
     plain = WorkerProcess("decode", model, store, tmp_path, "--num-blocks", "8", dtype=dtype)
     workers = [prefill, decode, plain]
-    router = RouterProcess(tmp_path, [prefill.address], [decode.address])
+    router = RouterProcess(tmp_path, [prefill.address], [decode.address], "--admin-key", "root")
     try:
         for w in workers:
             w.launch()
@@ -66,6 +68,12 @@ def test_int8_workers_serve_the_quantized_engines_tokens(dtype, embedded_dir, tm
             w.wait_ready()
         assert namespace(decode) != namespace(plain)
         router.start()
+        admin, root = f"{router.url}/admin/workers", {"Authorization": "Bearer root"}
+        change = {"role": "decode", "address": plain.address}
+        assert httpx.post(admin, json=change, headers=root).json()["healthy"] is False
+        line = f"KV namespace {namespace(plain)}, the other workers' {namespace(decode)}"
+        assert "worker refused" in router.log_path.read_text()
+        assert line in router.log_path.read_text()
         client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="x", max_retries=0)
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
             served = list(pool.map(lambda p: stream(client, p), PROMPTS))

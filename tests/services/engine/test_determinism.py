@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.block_hash import block_hashes
+from kvstore.block_hash import block_hashes
 from services.engine.engine import Engine, EngineConfig
 from services.engine.outputs import RequestOutput
 from services.engine.params import SamplingParams
