@@ -20,6 +20,7 @@ import grpc
 
 from services.engine.driver import EngineDied
 from services.engine.params import ValidationError
+from services.engine.request import EngineRequest
 from services.rpc import worker_pb2 as pb
 from services.rpc import worker_pb2_grpc
 from services.settings import Settings
@@ -65,9 +66,11 @@ class DecodeWorker(Worker, worker_pb2_grpc.DecodeWorkerServicer):
             span.event("fetched", tokens=kv.num_tokens if kv is not None else 0)
         try:
             stream = await self.driver.submit(
-                rid, prompt_ids=prompt, params=params, salt=request.salt, output_ids=output,
-                text_sent=request.text_sent if request.HasField("text_sent") else None,
-                kv_import=kv, export=self.config.write_back,
+                EngineRequest(
+                    rid, prompt, params, request.salt, output_ids=output,
+                    text_sent=request.text_sent if request.HasField("text_sent") else None,
+                    kv_import=kv, export=self.config.write_back,
+                )
             )  # fmt: skip
             async for chunk in self._chunks(rid, len(prompt), stream, span):
                 yield chunk

@@ -19,7 +19,7 @@ import grpc
 from kvstore.store import StoreUnavailable
 from services.engine.driver import EngineDied
 from services.engine.params import ValidationError
-from services.engine.request import FinishReason
+from services.engine.request import EngineRequest, FinishReason
 from services.rpc import worker_pb2 as pb
 from services.rpc import worker_pb2_grpc
 from services.settings import Settings
@@ -53,8 +53,8 @@ class PrefillWorker(Worker, worker_pb2_grpc.PrefillWorkerServicer):
         span.event("fetched", tokens=kv.num_tokens if kv is not None else 0)
         try:
             stream = await self.driver.submit(
-                rid, prompt_ids=prompt, params=params, salt=request.salt, kv_import=kv,
-                prefill_only=True, export=True,
+                EngineRequest(rid, prompt, params, request.salt, kv_import=kv, prefill_only=True,
+                              export=True)
             )  # fmt: skip
             # a caller gone (cancelled) aborts the request as the stream is left
             delta = [d async for d in stream][-1]

@@ -12,6 +12,7 @@ from typing import Any
 
 from kvstore.block_hash import BLOCK_SIZE
 from services import logs, settings
+from services.engine.request import EngineRequest
 from services.model.errors import ModelLoadError
 
 # Roles register their entry points in pyproject.toml ([project.entry-points."pdserve.roles"]):
@@ -155,7 +156,7 @@ def _generate(args: argparse.Namespace) -> int:
     blocks = -(-(len(prompt) + args.max_tokens) // BLOCK_SIZE)
     engine = Engine(loaded.model, tok, EngineConfig(num_blocks=max(blocks, 1)))
     try:
-        engine.add_request("cli", prompt, params)
+        engine.add_request(EngineRequest("cli", prompt, params))
     except ValidationError as e:
         print(f"pdserve: error: {e.message}", file=sys.stderr)
         return 2

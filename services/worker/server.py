@@ -40,7 +40,7 @@ from services.model.kv_cache import gather_blocks
 from services.model.loader import load_model
 from services.model.openmp import release_this_threads_team
 from services.rpc import worker_pb2 as pb
-from services.settings import Settings, SettingsError
+from services.settings import DEFAULTS, Settings, SettingsError
 from services.tracing import Span, Tracer, from_metadata
 
 log = logging.getLogger("pdserve.worker")
@@ -52,25 +52,27 @@ SWITCH_INTERVAL = 0.0005  # seconds; Python's default is 0.005
 
 @dataclass(frozen=True)
 class WorkerConfig:
+    """What a worker runs with; defaults and meanings: services/settings.py."""
+
     role: str  # "prefill" or "decode"
-    host: str = "127.0.0.1"
+    host: str = DEFAULTS.host
     port: int = 50051
-    model: str = "embedded"
-    dtype: str = "auto"
-    device: str = "auto"
-    quantization: str = "none"  # or "int8" (services/model/quantize.py)
-    kv_store: str = "local://"
-    kv_store_dtype: str = "auto"  # as computed; or float32, float16, bfloat16, fp8
+    model: str = DEFAULTS.model
+    dtype: str = DEFAULTS.dtype
+    device: str = DEFAULTS.device
+    quantization: str = DEFAULTS.quantization
+    kv_store: str = DEFAULTS.kv_store
+    kv_store_dtype: str = DEFAULTS.kv_store_dtype
     kv_store_max_bytes: int | None = None  # cap of a local:// or memory:// store (LRU)
-    store_timeout: float = 1.0  # seconds; a slower store counts as unavailable
+    store_timeout: float = DEFAULTS.store_timeout
     num_blocks: int | None = None  # KV pool size; None: as many as kv_cache_bytes holds
-    kv_cache_bytes: int = 1 << 30
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
+    kv_cache_bytes: int = int(DEFAULTS.kv_cache_gb * (1 << 30))
+    max_num_seqs: int = DEFAULTS.max_num_seqs
+    max_num_batched_tokens: int = DEFAULTS.max_num_batched_tokens
     prefill_chunk_size: int | None = None  # None: min(256, max_num_batched_tokens)
-    grace_period: float = 10.0  # seconds in-flight requests get on SIGTERM
+    grace_period: float = DEFAULTS.grace_period
     stall_timeout: float = 60.0  # seconds without an engine step, work queued: the worker exits
-    write_back: bool = True  # decode: write finished generations' blocks to the store
+    write_back: bool = DEFAULTS.write_back
     metrics_port: int | None = None  # HTTP /metrics and /health (services/worker/http.py)
     # the deployment's secret: stored blocks carry a MAC made with it (kvstore/codec.py);
     # None: a checksum only
@@ -324,8 +326,7 @@ class Worker:
         else:
             log.warning("draining", extra={"fields": {"grace_seconds": self.config.grace_period}})
             await server.stop(self.config.grace_period)
-            for request_id in list(self.engine.requests):
-                await self.driver.abort(request_id)
+            await self.driver.abort_all()
             await self.driver.stop()
         with contextlib.suppress(StoreUnavailable):
             await self.store.close()

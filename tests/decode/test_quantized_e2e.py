@@ -15,13 +15,11 @@ import openai
 import pytest
 import torch
 
-from services.engine.engine import Engine, EngineConfig
-from services.engine.params import SamplingParams
 from services.launcher import RouterProcess, WorkerProcess
 from services.model.loader import load_model
 from services.rpc import worker_pb2 as pb
 from services.rpc import worker_pb2_grpc as pbg
-from tests.support.cluster import MODEL
+from tests.support.cluster import greedy_in_process, greedy_stream
 from tests.support.dtypes import COMPUTE_DTYPES
 
 MAX_TOKENS = 12
@@ -38,18 +36,6 @@ def namespace(worker: WorkerProcess) -> str:
             return str(reply.namespace)
 
     return asyncio.run(ask())
-
-
-def stream(client: openai.OpenAI, prompt: list[int]) -> tuple[str, list[float]]:
-    text, logprobs = "", []
-    for chunk in client.completions.create(
-        model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, logprobs=1,
-        stream=True, extra_body={"ignore_eos": True},
-    ):  # fmt: skip
-        for c in chunk.choices:
-            text += c.text
-            logprobs += c.logprobs.token_logprobs if c.logprobs else []
-    return text, logprobs
 
 
 @pytest.mark.parametrize("dtype", COMPUTE_DTYPES)
@@ -76,18 +62,13 @@ def test_int8_workers_serve_the_quantized_engines_tokens(dtype, embedded_dir, tm
         assert line in router.log_path.read_text()
         client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="x", max_retries=0)
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
-            served = list(pool.map(lambda p: stream(client, p), PROMPTS))
+            served = list(pool.map(lambda p: greedy_stream(client, p, MAX_TOKENS), PROMPTS))
     finally:
         router.stop()
         for w in workers:
             w.stop()
 
     loaded = load_model(model, dtype=dtype, device="cpu", quantization="int8")
-    engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(num_blocks=200))
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logprobs=1)
-    want = [
-        (o.choices[0].text, [lp.logprob for lp in o.choices[0].logprobs])
-        for o in engine.generate(PROMPTS, params)
-    ]
+    want = greedy_in_process(loaded, PROMPTS, MAX_TOKENS, num_blocks=200)
     assert served == want
     assert all(len(lp) == MAX_TOKENS for _, lp in served)
