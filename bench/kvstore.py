@@ -29,9 +29,9 @@ import torch
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
+from kvstore import open_store
+from kvstore.block_hash import KVLayout
 from kvstore.codec import BlockCodec, StorageDtype
-from kvstore.store import open_store
-from services.engine.block_hash import KVLayout
 from services.launcher import start_redis
 
 BLOCK_BYTES = 368_640

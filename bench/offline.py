@@ -25,6 +25,7 @@ import torch
 
 from services.engine.engine import Engine, EngineConfig
 from services.engine.params import SamplingParams
+from services.engine.request import EngineRequest
 from services.model.loader import DTYPES, load_model
 
 
@@ -57,7 +58,7 @@ def workload(n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
 def run_engine(engine: Engine, prompts: list[list[int]], output_len: int) -> Result:
     params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
     for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", p, params)
+        engine.add_request(EngineRequest(f"r{i}", p, params))
     start = time.perf_counter()
     done = 0
     while engine.has_unfinished:
@@ -72,7 +73,7 @@ def decode_overhead(engine: Engine, batch: int, steps: int) -> dict[str, float]:
     """Step-time breakdown with `batch` sequences all decoding."""
     params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
     for i, p in enumerate(workload(batch, 128, 128, seed=1)):
-        engine.add_request(f"d{i}", p, params)
+        engine.add_request(EngineRequest(f"d{i}", p, params))
     while any(s.is_prefilling for s in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
     engine.times = type(engine.times)()

@@ -11,6 +11,7 @@ conversation finds its prompt and the answer in the store.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -19,11 +20,13 @@ import grpc
 
 from services.engine.driver import EngineDied
 from services.engine.params import ValidationError
+from services.engine.request import EngineRequest
 from services.rpc import worker_pb2 as pb
 from services.rpc import worker_pb2_grpc
+from services.settings import Settings
 from services.tracing import Span
 from services.worker import convert
-from services.worker.server import Worker, refuse, trace_steps
+from services.worker.server import Worker, refuse, trace_steps, worker_config
 
 log = logging.getLogger("pdserve.decode")
 
@@ -63,9 +66,11 @@ class DecodeWorker(Worker, worker_pb2_grpc.DecodeWorkerServicer):
             span.event("fetched", tokens=kv.num_tokens if kv is not None else 0)
         try:
             stream = await self.driver.submit(
-                rid, prompt_ids=prompt, params=params, salt=request.salt, output_ids=output,
-                text_sent=request.text_sent if request.HasField("text_sent") else None,
-                kv_import=kv, export=self.config.write_back,
+                EngineRequest(
+                    rid, prompt, params, request.salt, output_ids=output,
+                    text_sent=request.text_sent if request.HasField("text_sent") else None,
+                    kv_import=kv, export=self.config.write_back,
+                )
             )  # fmt: skip
             async for chunk in self._chunks(rid, len(prompt), stream, span):
                 yield chunk
@@ -111,3 +116,8 @@ class DecodeWorker(Worker, worker_pb2_grpc.DecodeWorkerServicer):
                 log.info("cancelled", extra={"fields": {"request_id": rid}})
                 self.driver.abort_soon(rid)
             self.pending_puts.pop(rid, None)  # write-back finishes on its own
+
+
+def run(settings: Settings) -> int:
+    """The `decode` role's entry point (pyproject.toml)."""
+    return asyncio.run(DecodeWorker(worker_config(settings, "decode")).serve())

@@ -9,12 +9,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from kvstore.codec import BlockCodec, CodecError, DecodedBlocks
-from kvstore.store import KVStore
-from services.model.kv_cache import KVCache, gather_blocks
+from kvstore.store import KVStore, Value
 
 log = logging.getLogger("pdserve.kvstore")
 
@@ -32,20 +32,29 @@ class BlockStore:
         self.store = store
         self.codec = codec
 
+    def encode(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        hashes: Sequence[bytes],
+        num_tokens: Sequence[int] | None = None,
+    ) -> list[tuple[bytes, Value]]:
+        """(hash, value) of each block: K [n, L, kv_heads, D, bs], V [n, L, kv_heads, bs, D]
+        (full blocks unless `num_tokens` says), ready for the store's put_many."""
+        counts = num_tokens or [self.codec.layout.block_size] * len(hashes)
+        values = self.codec.encode_many(k, v, hashes, counts)
+        return list(zip(hashes, values, strict=True))
+
     async def put(
         self,
-        cache: KVCache,
-        block_ids: Sequence[int],
+        k: torch.Tensor,
+        v: torch.Tensor,
         hashes: Sequence[bytes],
         num_tokens: Sequence[int] | None = None,
     ) -> None:
-        """Write cache blocks under their hashes (full blocks unless `num_tokens` says)."""
-        if not block_ids:
-            return
-        k, v = gather_blocks(cache, list(block_ids))
-        counts = num_tokens or [self.codec.layout.block_size] * len(block_ids)
-        values = self.codec.encode_many(k, v, hashes, counts)
-        await self.store.put_many(list(zip(hashes, values, strict=True)))
+        """Write blocks (shaped as `encode` takes them) under their hashes."""
+        if hashes:
+            await self.store.put_many(self.encode(k, v, hashes, num_tokens))
 
     async def get_checked(self, hashes: Sequence[bytes]) -> list[tuple[bytes, int]]:
         """(value, token count) of the longest run of leading blocks that are present and
@@ -77,6 +86,14 @@ class BlockStore:
         return Fetched(len(good), self.codec.decode_checked(values, counts, dtype))
 
 
+class PagedKV(Protocol):
+    """A paged KV pool: K [layers, blocks, kv_heads, D, bs], V [layers, blocks, kv_heads, bs, D]
+    (services/model/kv_cache.py's KVCache)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+
 @dataclass(frozen=True)
 class StoredBlocks:
     """Checked store values as a KVSource: decoded straight into cache blocks, no staging."""
@@ -84,6 +101,6 @@ class StoredBlocks:
     codec: BlockCodec
     values: list[bytes]
 
-    def write(self, cache: KVCache, items: list[tuple[int, int]]) -> None:
+    def write(self, cache: PagedKV, items: list[tuple[int, int]]) -> None:
         for i, block_id in items:
             self.codec.decode_into(self.values[i], cache.k[:, block_id], cache.v[:, block_id])

@@ -45,7 +45,7 @@ import numpy as np
 import torch
 import xxhash
 
-from services.engine.block_hash import HASH_BYTES, KVLayout
+from kvstore.block_hash import HASH_BYTES, KVLayout
 
 MAGIC = b"PDKV"
 CODEC_VERSION = 1

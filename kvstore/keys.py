@@ -1,13 +1,13 @@
 """Store keys for KV blocks: `pdserve:kv:<namespace>:<hash hex>` (DESIGN.md).
 
 The hash chain itself (`block_hashes`) and the namespace (`KVLayout.namespace`) live in
-services/engine/block_hash.py: router, prefill and decode compute block names with that one
+kvstore/block_hash.py: router, prefill and decode compute block names with that one
 function, and this module only turns names into keys.
 """
 
 from __future__ import annotations
 
-from services.engine.block_hash import HASH_BYTES, KVLayout, block_hashes
+from kvstore.block_hash import HASH_BYTES, KVLayout, block_hashes
 
 PREFIX = "pdserve:kv:"
 KEY_HASH_BYTES = 16  # 128 bits of the SHA-256 in the key: DESIGN's floor

@@ -1,4 +1,5 @@
-"""The store interface every backend implements, and `open_store` to pick one by URL.
+"""The store interface every backend implements (`open_store` in kvstore/__init__.py picks one
+by URL).
 
 A store holds byte values under block hashes, in one namespace (a KV layout). Contract:
 - `get_many` gives None for a key that is absent (never written, evicted, deleted); absence is
@@ -23,7 +24,6 @@ from urllib.parse import urlsplit, urlunsplit
 from kvstore.keys import store_key
 
 Value = bytes | bytearray | memoryview
-DEFAULT_TIMEOUT = 1.0
 
 
 class StoreUnavailable(Exception):
@@ -108,39 +108,3 @@ def redact(url: str) -> str:
         return url
     host = parts.netloc.rpartition("@")[2]
     return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
-
-
-def open_store(
-    url: str,
-    namespace: str,
-    timeout: float = DEFAULT_TIMEOUT,
-    ttl: int | None = None,
-    max_bytes: int | None = None,
-    max_connections: int = 16,
-) -> KVStore:
-    """A store for `url`:
-    memory://                          in this process (tests, single-process use)
-    local://PATH                       files under PATH, shared by the processes of one host
-    redis://[user:pass@]host:port/db   Redis (rediss:// for TLS, unix:///path.sock); a user is
-                                       an ACL user, a password alone is the default user's;
-                                       TLS options in the query: ?ssl_ca_certs=CA&ssl_certfile=
-                                       CERT&ssl_keyfile=KEY (client certificates)
-    redis+cluster://host:port          Redis Cluster (any node; the others are discovered)
-    `ttl` (seconds) expires Redis values; `max_bytes` caps memory:// and local:// (LRU)."""
-    scheme = urlsplit(url).scheme
-    if scheme == "memory":
-        from kvstore.memory import MemoryStore
-
-        return MemoryStore(namespace, timeout, max_bytes)
-    if scheme == "local":
-        from kvstore.local import LocalStore
-
-        return LocalStore(url, namespace, timeout, max_bytes)
-    if scheme in ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster"):
-        from kvstore.redis_store import RedisStore
-
-        return RedisStore(url, namespace, timeout, ttl, max_connections)
-    raise ValueError(
-        f"unknown KV store URL {url!r}: use memory://, local://PATH, redis://, rediss://, "
-        "unix:// or redis+cluster://"
-    )

@@ -10,6 +10,7 @@ is written (DESIGN.md: when P replies, every block it names is readable).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -18,11 +19,12 @@ import grpc
 from kvstore.store import StoreUnavailable
 from services.engine.driver import EngineDied
 from services.engine.params import ValidationError
-from services.engine.request import FinishReason
+from services.engine.request import EngineRequest, FinishReason
 from services.rpc import worker_pb2 as pb
 from services.rpc import worker_pb2_grpc
+from services.settings import Settings
 from services.worker import convert
-from services.worker.server import Worker, refuse, trace_steps
+from services.worker.server import Worker, refuse, trace_steps, worker_config
 
 log = logging.getLogger("pdserve.prefill")
 
@@ -51,8 +53,8 @@ class PrefillWorker(Worker, worker_pb2_grpc.PrefillWorkerServicer):
         span.event("fetched", tokens=kv.num_tokens if kv is not None else 0)
         try:
             stream = await self.driver.submit(
-                rid, prompt_ids=prompt, params=params, salt=request.salt, kv_import=kv,
-                prefill_only=True, export=True,
+                EngineRequest(rid, prompt, params, request.salt, kv_import=kv, prefill_only=True,
+                              export=True)
             )  # fmt: skip
             # a caller gone (cancelled) aborts the request as the stream is left
             delta = [d async for d in stream][-1]
@@ -86,3 +88,8 @@ class PrefillWorker(Worker, worker_pb2_grpc.PrefillWorkerServicer):
         if delta.logprobs:
             reply.first_logprobs.CopyFrom(convert.logprobs_proto(delta.logprobs[0]))
         return reply
+
+
+def run(settings: Settings) -> int:
+    """The `prefill` role's entry point (pyproject.toml)."""
+    return asyncio.run(PrefillWorker(worker_config(settings, "prefill")).serve())

@@ -24,13 +24,14 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from kvstore.block_hash import block_hashes
 from router.errors import APIError, bad_request, unavailable
 from router.policy import Policy
 from router.workers import Registry, WorkerState
-from services.engine.block_hash import block_hashes
-from services.engine.sampler import choice_seed
+from services.engine.seeds import choice_seed
 from services.rpc import worker_pb2 as pb
 from services.tracing import CLIENT, NO_SPAN, Span
+from services.worker.convert import FINISH_NAMES
 
 log = logging.getLogger("pdserve.router")
 REFUSED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_EXISTS)
@@ -60,13 +61,6 @@ class Delta:
     finish_reason: str | None = None
     cached_tokens: int = 0  # on a choice's first delta: prompt tokens not computed
     store_tokens: int = 0  # ... of which read from the KV store (the rest: a worker's cache)
-
-
-FINISH = {
-    pb.FINISH_REASON_STOP: "stop",
-    pb.FINISH_REASON_LENGTH: "length",
-    pb.FINISH_REASON_ABORT: "abort",
-}
 
 
 class Pipeline:
@@ -157,7 +151,7 @@ class Pipeline:
             text_sent = 0
             if reply is not None:
                 tokens, text_sent = [reply.first_token], len(reply.text)
-                finish = FINISH.get(reply.finish_reason)
+                finish = FINISH_NAMES.get(reply.finish_reason)
                 queue.put_nowait(
                     Delta(
                         out,
@@ -305,7 +299,7 @@ class Pipeline:
                         sent = 0
                     tokens += chunk.token_ids
                     text_sent += len(chunk.text)
-                    finish = FINISH.get(chunk.finish_reason)
+                    finish = FINISH_NAMES.get(chunk.finish_reason)
                     usage = chunk.usage if first and finish else pb.Usage()
                     yield Delta(
                         0,

@@ -27,11 +27,11 @@ from router.policy import Policy
 from router.protocol import SamplingFields
 from router.workers import Registry
 from services.engine.params import SamplingParams, ValidationError
-from services.model import hf_dir, sources
+from services.model import hf_config, sources
 from services.model.config import ModelConfig
 from services.tokenizer.tokenizer import Tokenizer
 from services.tracing import NO_SPAN, Span, Tracer
-from services.worker.convert import to_proto_params
+from services.worker.convert import USER_FIELDS, to_proto_params
 
 M = TypeVar("M", bound=pydantic.BaseModel)
 
@@ -53,7 +53,7 @@ class RouterState:
     @classmethod
     def create(cls, config: RouterConfig) -> RouterState:
         path = sources.resolve(config.model)
-        model = hf_dir.read_config(path)
+        model = hf_config.read_config(path)
         metrics = Metrics()
         registry = Registry(
             config.health_interval,
@@ -62,6 +62,7 @@ class RouterState:
             config.health_timeout,
             config.health_failures,
             on_health=metrics.health_changed,
+            block_size=config.block_size,
         )
         policy = Policy(config.policy, config.imbalance)
         pipeline = Pipeline(
@@ -116,24 +117,15 @@ class RouterState:
         if req.n > self.config.max_n:
             raise bad_request(f"n is {req.n}; at most {self.config.max_n}", "n")
         try:
+            given = {f: v for f in USER_FIELDS if (v := getattr(req, f)) is not None}
             params = SamplingParams(
+                **given,  # a null is the default
                 max_tokens=max_tokens,
-                temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p,
-                top_k=-1 if req.top_k is None else req.top_k,
-                min_p=req.min_p or 0.0,
-                presence_penalty=req.presence_penalty or 0.0,
-                frequency_penalty=req.frequency_penalty or 0.0,
-                repetition_penalty=req.repetition_penalty or 1.0,
                 logit_bias={int(k): v for k, v in (req.logit_bias or {}).items()},
-                min_tokens=req.min_tokens,
-                ignore_eos=req.ignore_eos,
                 stop=req.stop_strings(),
                 stop_token_ids=tuple(req.stop_token_ids or ()),
-                include_stop_str_in_output=req.include_stop_str_in_output,
                 n=req.n,
                 logprobs=logprobs,
-                skip_special_tokens=req.skip_special_tokens,
             )
             return params.validate(self.model.vocab_size)
         except ValueError as e:  # int() of a logit_bias key, or ValidationError

@@ -29,6 +29,7 @@ from typing import Any
 
 import grpc
 
+from kvstore.block_hash import BLOCK_SIZE
 from router.backlog import Backlog
 from services.rpc import worker_pb2 as pb
 from services.rpc import worker_pb2_grpc as pbg
@@ -51,6 +52,7 @@ class WorkerState:
     stub: Any  # PrefillWorkerStub or DecodeWorkerStub
     healthy: bool = False
     namespace: str = ""
+    refused: str | None = None  # why its KV cannot be used with the others' (Registry._check)
     load: pb.LoadReply = field(default_factory=pb.LoadReply)
     inflight: int = 0  # requests the router has on it now
     failures: int = 0  # consecutive failed calls while serving
@@ -92,6 +94,7 @@ class Registry:
         health_timeout: float = 5.0,
         health_failures: int = 3,
         on_health: Callable[[WorkerState, bool], None] = lambda worker, healthy: None,
+        block_size: int = BLOCK_SIZE,
     ) -> None:
         self.health_interval = health_interval
         self.breaker_failures = breaker_failures
@@ -99,6 +102,7 @@ class Registry:
         self.health_timeout = health_timeout
         self.health_failures = health_failures
         self.on_health = on_health  # called on every change of a worker's health
+        self.block_size = block_size  # the router hashes prompts in blocks of this many tokens
         self.workers: dict[tuple[str, str], WorkerState] = {}
         self.discovered: dict[tuple[str, str], set[str]] = {}  # (role, dns name) -> addresses
         self._task: asyncio.Task[None] | None = None
@@ -208,12 +212,35 @@ class Registry:
                 self._set_health(worker, False, f"{e.code().name} x{worker.check_failures}")
             return
         worker.check_failures = 0
+        refused = self._disagreement(worker, health)
+        if refused != worker.refused:
+            worker.refused = refused
+            if refused:
+                log.warning(
+                    "worker refused",
+                    extra={"fields": {"role": worker.role, "address": worker.address,
+                                      "why": refused}},
+                )  # fmt: skip
+        if refused:
+            self._set_health(worker, False, refused)
+            return
         worker.namespace = health.namespace
         if not health.ready or health.role != worker.role:
             self._set_health(worker, False, "wrong role" if health.ready else "not ready")
         elif not worker.healthy:
             worker.failures = 0
             self._set_health(worker, True, "ready")
+
+    def _disagreement(self, worker: WorkerState, health: pb.HealthReply) -> str | None:
+        """Why a worker's KV cannot be used with the others' (None if it can): another block
+        size than the router's, or another namespace than the healthy workers' (another
+        model, dtype, quantization or codec: its blocks would never match theirs)."""
+        if health.block_size != self.block_size:
+            return f"block size {health.block_size}, the router's {self.block_size}"
+        others = {w.namespace for w in self.workers.values() if w.healthy and w is not worker}
+        if others and health.namespace not in others:
+            return f"KV namespace {health.namespace}, the other workers' {min(others)}"
+        return None
 
     def _set_health(self, worker: WorkerState, healthy: bool, why: str) -> None:
         if worker.healthy == healthy:

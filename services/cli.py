@@ -5,23 +5,25 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from importlib.metadata import entry_points
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
+from kvstore.block_hash import BLOCK_SIZE
 from services import logs, settings
+from services.engine.request import EngineRequest
 from services.model.errors import ModelLoadError
 
-if TYPE_CHECKING:
-    from router.config import RouterConfig
+# Roles register their entry points in pyproject.toml ([project.entry-points."pdserve.roles"]):
+# the shared runtime runs them without importing the services built on it.
+ROLE_GROUP = "pdserve.roles"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:  # its own parser (and `pdserve bench compare`)
-        from bench.load.cli import main as bench
-
-        return bench(argv[1:])
+        return int(role("bench")(argv[1:]))
     parser = _parser()
     args = parser.parse_args(argv)
     logs.configure()
@@ -111,68 +113,18 @@ def _serve(args: argparse.Namespace) -> int:
         from services.up import up
 
         return up(s)
-    if args.role == "router":
-        from router.main import serve
-
-        serve(router_config(s))
-        return 0
-    return _worker(s, args.role)
+    return int(role(args.role)(s))
 
 
-def router_config(s: settings.Settings) -> RouterConfig:
-    from router.config import RouterConfig
-
-    api_keys = s.api_keys
-    if s.api_keys_file:
-        api_keys += settings.read_secrets(s.api_keys_file, "--api-keys-file")
-    admin_key = s.admin_key
-    if s.admin_key_file:
-        admin_key = settings.read_secrets(s.admin_key_file, "--admin-key-file")[0]
-    return RouterConfig(
-        host=s.host, port=s.port_for("router"), model=s.model,
-        served_model_name=s.served_model_name, prefill=s.prefill, decode=s.decode,
-        policy=s.policy, imbalance=s.imbalance, disagg_threshold=s.disagg_threshold,
-        api_keys=api_keys, admin_key=admin_key, max_pending=s.max_pending,
-        max_prompts=s.max_prompts, max_n=s.max_n, max_body_bytes=s.max_body_bytes,
-        health_interval=s.health_interval, health_timeout=s.health_timeout,
-        health_failures=s.health_failures, prefill_timeout=s.prefill_timeout,
-        retry_wait=s.retry_wait,
-        ttft_slo=s.ttft_slo, trace_file=s.trace_file,
-    )  # fmt: skip
-
-
-def _worker(s: settings.Settings, role: str) -> int:
-    import asyncio
-
-    from kvstore.keyfile import read_key
-    from kvstore.local import path_of, private_dir
-    from services.worker.server import WorkerConfig
-
-    try:  # refused here, before the model loads
-        kv_key = read_key(s.kv_key_file) if s.kv_key_file else None
-        if s.kv_store.startswith("local:"):
-            private_dir(path_of(s.kv_store))
-    except (OSError, ValueError) as e:
-        raise settings.SettingsError(str(e)) from e
-    config = WorkerConfig(
-        role=role, host=s.host, port=s.port_for(role), model=s.model, dtype=s.dtype,
-        device=s.device, quantization=s.quantization, kv_store=s.kv_store,
-        kv_store_dtype=s.kv_store_dtype,
-        kv_store_max_bytes=int(s.kv_store_max_gb * (1 << 30)), store_timeout=s.store_timeout,
-        num_blocks=s.num_blocks, kv_cache_bytes=int(s.kv_cache_gb * (1 << 30)),
-        max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
-        prefill_chunk_size=s.prefill_chunk_size,
-        grace_period=s.grace_period, write_back=s.write_back, metrics_port=s.metrics_port,
-        stall_timeout=s.engine_stall_timeout, kv_key=kv_key, trace_file=s.trace_file,
-    )  # fmt: skip
-    # The CLI is the one place that knows every role; the roles' code is imported here only.
-    if role == "prefill":
-        from prefill.worker import PrefillWorker
-
-        return asyncio.run(PrefillWorker(config).serve())
-    from decode.worker import DecodeWorker
-
-    return asyncio.run(DecodeWorker(config).serve())
+def role(name: str) -> Callable[..., Any]:
+    """The entry point a role registered: router, prefill and decode take the Settings,
+    bench its arguments; each returns an exit code."""
+    for point in entry_points(group=ROLE_GROUP, name=name):
+        return point.load()  # type: ignore[no-any-return]
+    raise settings.SettingsError(
+        f"no `{name}` role installed (entry point group {ROLE_GROUP}): reinstall pdserve "
+        "(make install)"
+    )
 
 
 def _config_show(args: argparse.Namespace) -> int:
@@ -201,10 +153,10 @@ def _generate(args: argparse.Namespace) -> int:
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
     )
-    blocks = -(-(len(prompt) + args.max_tokens) // 16)
+    blocks = -(-(len(prompt) + args.max_tokens) // BLOCK_SIZE)
     engine = Engine(loaded.model, tok, EngineConfig(num_blocks=max(blocks, 1)))
     try:
-        engine.add_request("cli", prompt, params)
+        engine.add_request(EngineRequest("cli", prompt, params))
     except ValidationError as e:
         print(f"pdserve: error: {e.message}", file=sys.stderr)
         return 2

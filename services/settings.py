@@ -305,3 +305,6 @@ def show(loaded: Loaded, role: str | None) -> str:
     return "\n".join(
         f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:<{widths[2]}}  {r[3]}" for r in rows
     )
+
+
+DEFAULTS = Settings()  # the defaults, for the configs built from settings (worker, router)

@@ -14,7 +14,7 @@ from collections import OrderedDict
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
-from services.engine.block_hash import extend_hashes
+from kvstore.block_hash import extend_hashes
 from services.engine.request import Sequence
 
 

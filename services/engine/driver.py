@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 from services.engine.engine import Engine
 from services.engine.outputs import SequenceDelta
-from services.engine.request import Status
+from services.engine.request import EngineRequest, Status
 
 log = logging.getLogger("pdserve.engine")
 T = TypeVar("T")
@@ -122,14 +122,15 @@ class AsyncEngine:
         self._wake.set()
         return future
 
-    async def submit(self, request_id: str, **kwargs: Any) -> AsyncIterator[SequenceDelta]:
-        """Add a request (Engine.add_request's arguments); raises its ValidationError before
-        anything is queued. Iterate the result for the request's deltas; a reader that
-        stops before the last one aborts the request."""
+    async def submit(self, request: EngineRequest) -> AsyncIterator[SequenceDelta]:
+        """Add a request (Engine.add_request); raises its ValidationError before anything is
+        queued. Iterate the result for the request's deltas; a reader that stops before the
+        last one aborts the request."""
         stream: Stream = asyncio.Queue()
+        request_id = request.request_id
 
         def add(engine: Engine) -> None:
-            engine.add_request(request_id, **kwargs)
+            engine.add_request(request)
             self._streams[request_id] = stream  # on the engine thread: before its first step
 
         try:
@@ -169,6 +170,15 @@ class AsyncEngine:
         self._publish(engine.abort(request_id))
         self._streams.pop(request_id, None)
         return found
+
+    async def abort_all(self) -> None:
+        """Abort every request the engine holds (a worker's shutdown), on the engine thread."""
+
+        def abort_all(engine: Engine) -> None:
+            for request_id in list(engine.requests):
+                self._abort(engine, request_id)
+
+        await self.call(abort_all)
 
     def kill(self) -> None:
         """Test hook: the engine thread dies at its next command, as it would of a bug."""

@@ -14,11 +14,10 @@ import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
-from services.engine.block_hash import KVLayout
+from kvstore.block_hash import BLOCK_SIZE, KVLayout
 from services.engine.block_manager import BlockManager
 from services.engine.kv_transfer import (
     Exporter,
-    ImportedKV,
     admit_import,
     blocks_to_export,
     partial_block_hash,
@@ -31,22 +30,32 @@ from services.engine.outputs import (
     StopChecker,
 )
 from services.engine.params import SamplingParams, ValidationError, validate_prompt
-from services.engine.request import FinishReason, Sequence, Status, TokenLogprobs
-from services.engine.sampler import Sampler, choice_seed
+from services.engine.request import (
+    EngineRequest,
+    FinishReason,
+    Sequence,
+    Status,
+    TokenLogprobs,
+)
+from services.engine.sampler import Sampler
 from services.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+from services.engine.seeds import choice_seed
 from services.model.batch import ForwardBatch, SeqChunk
 from services.model.llama import LlamaModel
+from services.settings import DEFAULTS
 from services.tokenizer.detokenize import IncrementalDetokenizer
 from services.tokenizer.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    block_size: int = 16
+    """The engine's sizes; defaults shared with the workers' settings (services/settings.py)."""
+
+    block_size: int = BLOCK_SIZE
     num_blocks: int | None = None  # KV blocks in the pool; None: as many as kv_cache_bytes holds
-    kv_cache_bytes: int = 1 << 30
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
+    kv_cache_bytes: int = int(DEFAULTS.kv_cache_gb * (1 << 30))
+    max_num_seqs: int = DEFAULTS.max_num_seqs
+    max_num_batched_tokens: int = DEFAULTS.max_num_batched_tokens
     # tokens of one prompt per step, at most (scheduler.py); None: min(256, the budget)
     prefill_chunk_size: int | None = None
     enable_prefix_caching: bool = True
@@ -121,28 +130,10 @@ class Engine:
 
     # -- requests --------------------------------------------------------------------
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt_ids: Seq[int],
-        params: SamplingParams,
-        salt: bytes = b"",
-        *,
-        output_ids: Seq[int] = (),
-        text_sent: int | None = None,
-        kv_import: ImportedKV | None = None,
-        prefill_only: bool = False,
-        export: bool = False,
-    ) -> None:
-        """Queue a request, or raise ValidationError (nothing queued) if it cannot be run.
-
-        Disaggregation: `output_ids` are tokens already generated elsewhere (their KV is
-        computed here), of whose text `text_sent` characters reached the client (default:
-        all); `kv_import` is prompt KV read from a store; `prefill_only` finishes the
-        request at its first token; `export` reports its blocks to the exporter: as they
-        fill for a prefill_only request (its reader waits for them), else all at once when
-        it finishes (a write-back: the encoding stays off the path of its tokens).
-        """
+    def add_request(self, request: EngineRequest) -> None:
+        """Queue a request, or raise ValidationError (nothing queued) if it cannot be run."""
+        request_id, prompt_ids, params = request.request_id, request.prompt_ids, request.params
+        output_ids, salt = request.output_ids, request.salt
         mc = self.model.config
         params.validate(mc.vocab_size)
         validate_prompt(prompt_ids, mc.vocab_size, mc.max_model_len, params.max_tokens)
@@ -170,9 +161,9 @@ class Engine:
                 arrival=next(self._arrivals),
                 salt=salt,
                 detokenizer=self._detokenizer(prompt_ids, output_ids, params),
-                prefill_only=prefill_only,
-                export=export,
-                kv_import=kv_import if i == 0 else None,
+                prefill_only=request.prefill_only,
+                export=request.export,
+                kv_import=request.kv_import if i == 0 else None,
             )
             for i in range(params.n)
         ]
@@ -180,9 +171,11 @@ class Engine:
             assert seq.detokenizer is not None
             seq.text = seq.detokenizer.text
             seq.emitted_chars = (
-                len(seq.text) if text_sent is None else min(text_sent, len(seq.text))
+                len(seq.text)
+                if request.text_sent is None
+                else min(request.text_sent, len(seq.text))
             )
-        if export and prefill_only:
+        if request.export and request.prefill_only:
             seqs[0].partial_hash = partial_block_hash(self.blocks, seqs[0])
         self.requests[request_id] = _Request(seqs, held_back=seqs[1:])
         # Choices 1..n-1 wait until choice 0 has computed the prompt; they then find its
@@ -315,7 +308,7 @@ class Engine:
         ids = [f"offline-{next(self._arrivals)}" for _ in prompts]
         token_lists = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
         for rid, tokens, p in zip(ids, token_lists, per_prompt, strict=True):
-            self.add_request(rid, tokens, p)
+            self.add_request(EngineRequest(rid, tokens, p))
         seqs = {rid: self.requests[rid].seqs for rid in ids}
         while self.has_unfinished:
             self.step()

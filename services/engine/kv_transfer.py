@@ -19,7 +19,7 @@ from typing import Protocol
 
 import torch
 
-from services.engine.block_hash import block_hashes
+from kvstore.block_hash import block_hashes
 from services.engine.block_manager import BlockManager
 from services.engine.request import Sequence
 from services.model.kv_cache import KVCache, scatter_blocks

@@ -12,6 +12,7 @@ sequence always has exactly one token to compute.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence as SeqOf
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -41,6 +42,28 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...]  # the most likely tokens, best first
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """A request as the engine takes it (Engine.add_request, AsyncEngine.submit).
+
+    Disaggregation: `output_ids` are tokens already generated elsewhere (their KV is computed
+    here), of whose text `text_sent` characters reached the client (None: all); `kv_import` is
+    prompt KV read from a store; `prefill_only` finishes the request at its first token;
+    `export` reports its blocks to the exporter: as they fill for a prefill_only request (its
+    reader waits for them), else all at once when it finishes (a write-back: the encoding stays
+    off the path of its tokens)."""
+
+    request_id: str
+    prompt_ids: SeqOf[int]
+    params: SamplingParams
+    salt: bytes = b""  # per-tenant prefix-cache isolation
+    output_ids: SeqOf[int] = ()
+    text_sent: int | None = None
+    kv_import: ImportedKV | None = None
+    prefill_only: bool = False
+    export: bool = False
 
 
 @dataclass(eq=False)

@@ -14,40 +14,16 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from services.engine.params import SamplingParams
 from services.engine.request import Sequence, TokenLogprobs
-
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
-
-
-def splitmix64(x: np.ndarray) -> np.ndarray:
-    """The SplitMix64 finaliser: a well-mixed 64-bit value per input (uint64, wrapping)."""
-    with np.errstate(over="ignore"):
-        z = x + _GOLDEN
-        z = (z ^ (z >> np.uint64(30))) * _M1
-        z = (z ^ (z >> np.uint64(27))) * _M2
-        return z ^ (z >> np.uint64(31))
+from services.engine.seeds import uniforms as numpy_uniforms
 
 
 def uniforms(seeds: Seq[int], positions: Seq[int]) -> torch.Tensor:
-    """One number in [0, 1) per (seed, position), float64 [R]."""
-    s = np.array([x & 0xFFFFFFFFFFFFFFFF for x in seeds], dtype=np.uint64)
-    p = np.array(positions, dtype=np.uint64)
-    bits = splitmix64(splitmix64(s) ^ p) >> np.uint64(11)  # 53 bits
-    return torch.from_numpy(bits.astype(np.float64) / float(1 << 53))
-
-
-def choice_seed(seed: int, index: int) -> int:
-    """Seed of choice `index` of a request seeded `seed` (choice 0 keeps the request's)."""
-    if index == 0:
-        return seed
-    mixed = splitmix64(np.array([seed & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64) ^ np.uint64(index))
-    return int(mixed[0])
+    """One number in [0, 1) per (seed, position), float64 [R] (services/engine/seeds.py)."""
+    return torch.from_numpy(numpy_uniforms(seeds, positions))
 
 
 @dataclass(frozen=True)

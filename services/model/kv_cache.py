@@ -22,6 +22,7 @@ import sys
 
 import torch
 
+from kvstore.block_hash import BLOCK_SIZE
 from services.model.config import ModelConfig
 
 PAGE = mmap.PAGESIZE
@@ -32,7 +33,7 @@ class KVCache:
         self,
         config: ModelConfig,
         num_blocks: int,
-        block_size: int = 16,
+        block_size: int = BLOCK_SIZE,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvstore.block_hash import BLOCK_SIZE
 from services.model.attention import Attention, default_attention
 from services.model.batch import ForwardBatch
 from services.model.config import ModelConfig
@@ -95,7 +96,7 @@ class LlamaModel:
             config, Rotary(config, dtype, self.device), self.device, dtype
         )
 
-    def new_kv_cache(self, num_blocks: int, block_size: int = 16) -> KVCache:
+    def new_kv_cache(self, num_blocks: int, block_size: int = BLOCK_SIZE) -> KVCache:
         return KVCache(self.config, num_blocks, block_size, self.dtype, self.device)
 
     @torch.inference_mode()

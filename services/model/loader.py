@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from services.model import hf_dir, quantize, sources
+from services.model import hf_config, hf_dir, quantize, sources
 from services.model.config import ModelConfig
 from services.model.llama import LlamaModel
 from services.tokenizer.tokenizer import Tokenizer
@@ -61,7 +61,7 @@ def load_model(
     quantization: str = "none",
 ) -> LoadedModel:
     path = sources.resolve(spec)
-    config = hf_dir.read_config(path)
+    config = hf_config.read_config(path)
     tokenizer = Tokenizer.from_dir(path)
     weights = hf_dir.read_weights(path, config)
     dev = resolve_device(device)

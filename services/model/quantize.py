@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from kvstore.block_hash import BLOCK_SIZE as BLOCK
 from services.model.batch import ForwardBatch, SeqChunk
 from services.model.config import ModelConfig
 from services.model.linear import Linear
@@ -42,7 +43,6 @@ ALPHA = 0.5  # SmoothQuant's migration strength: half the outliers' range moves 
 TINY = 1e-30  # the scale of an all-zero row (kernels/int8.c has the same)
 CALIBRATION = Path(__file__).with_name("calibration.txt")
 CALIBRATION_WINDOW = 512  # tokens per calibration pass, each window from an empty cache
-BLOCK = 16
 
 
 def quantize_rows(x: torch.Tensor, smooth: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,6 +19,12 @@ FINISH = {
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
     FinishReason.ABORT: pb.FINISH_REASON_ABORT,
 }
+# the wire's reasons as the OpenAI API names them ("stop", "length", "abort"); none: running
+FINISH_NAMES = {
+    wire: reason.value
+    for reason, wire in FINISH.items()
+    if reason is not None and wire != pb.FINISH_REASON_UNSPECIFIED
+}
 
 
 def check_no_unknown_fields(message: Message, name: str = "request") -> None:
@@ -33,49 +39,36 @@ def check_no_unknown_fields(message: Message, name: str = "request") -> None:
             check_no_unknown_fields(value, field.name)
 
 
-def sampling_params(p: pb.SamplingParams, seed: int) -> SamplingParams:
-    def opt(field: str, default: float | int | bool) -> float | int | bool:
-        return getattr(p, field) if p.HasField(field) else default
+# SamplingParams fields the wire carries as they are; OPTIONAL ones are proto3 `optional`
+# (absent: SamplingParams' default). The rest are converted by hand below.
+PLAIN = ("max_tokens", "min_p", "presence_penalty", "frequency_penalty", "min_tokens",
+         "ignore_eos", "include_stop_str_in_output")  # fmt: skip
+OPTIONAL = ("temperature", "top_p", "top_k", "repetition_penalty", "skip_special_tokens")
+# what a user sets by name, a null meaning the default (the router's SamplingFields; the
+# router derives max_tokens itself)
+USER_FIELDS = tuple(f for f in (*PLAIN, *OPTIONAL) if f != "max_tokens")
 
+
+def sampling_params(p: pb.SamplingParams, seed: int) -> SamplingParams:
+    values = {f: getattr(p, f) for f in PLAIN}
+    values |= {f: getattr(p, f) for f in OPTIONAL if p.HasField(f)}
     return SamplingParams(
-        max_tokens=p.max_tokens,
-        temperature=float(opt("temperature", 1.0)),
-        top_p=float(opt("top_p", 1.0)),
-        top_k=int(opt("top_k", -1)),
-        min_p=p.min_p,
-        presence_penalty=p.presence_penalty,
-        frequency_penalty=p.frequency_penalty,
-        repetition_penalty=float(opt("repetition_penalty", 1.0)),
+        **values,
         logit_bias=dict(p.logit_bias),
-        min_tokens=p.min_tokens,
-        ignore_eos=p.ignore_eos,
         stop=tuple(p.stop),
         stop_token_ids=tuple(p.stop_token_ids),
-        include_stop_str_in_output=p.include_stop_str_in_output,
         seed=seed,
         logprobs=p.logprobs if p.HasField("logprobs") else None,
-        skip_special_tokens=bool(opt("skip_special_tokens", True)),
     )
 
 
 def to_proto_params(p: SamplingParams) -> pb.SamplingParams:
     """The inverse, for clients (the router, tests)."""
     out = pb.SamplingParams(
-        max_tokens=p.max_tokens,
-        temperature=p.temperature,
-        top_p=p.top_p,
-        top_k=p.top_k,
-        min_p=p.min_p,
-        presence_penalty=p.presence_penalty,
-        frequency_penalty=p.frequency_penalty,
-        repetition_penalty=p.repetition_penalty,
+        **{f: getattr(p, f) for f in (*PLAIN, *OPTIONAL)},
         logit_bias=dict(p.logit_bias),
-        min_tokens=p.min_tokens,
-        ignore_eos=p.ignore_eos,
         stop=list(p.stop),
         stop_token_ids=list(p.stop_token_ids),
-        include_stop_str_in_output=p.include_stop_str_in_output,
-        skip_special_tokens=p.skip_special_tokens,
     )
     if p.logprobs is not None:
         out.logprobs = p.logprobs

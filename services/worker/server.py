@@ -24,10 +24,11 @@ from typing import Any
 import grpc
 import torch
 
+from kvstore import open_store
+from kvstore.block_hash import BLOCK_SIZE, KVLayout, block_hashes
 from kvstore.blocks import BlockStore, StoredBlocks
 from kvstore.codec import BlockCodec, StorageDtype
-from kvstore.store import StoreUnavailable, open_store
-from services.engine.block_hash import KVLayout, block_hashes
+from kvstore.store import StoreUnavailable
 from services.engine.driver import AsyncEngine
 from services.engine.engine import Engine, EngineConfig
 from services.engine.kv_transfer import BlockToExport, ImportedKV
@@ -39,6 +40,7 @@ from services.model.kv_cache import gather_blocks
 from services.model.loader import load_model
 from services.model.openmp import release_this_threads_team
 from services.rpc import worker_pb2 as pb
+from services.settings import DEFAULTS, Settings, SettingsError
 from services.tracing import Span, Tracer, from_metadata
 
 log = logging.getLogger("pdserve.worker")
@@ -50,30 +52,57 @@ SWITCH_INTERVAL = 0.0005  # seconds; Python's default is 0.005
 
 @dataclass(frozen=True)
 class WorkerConfig:
+    """What a worker runs with; defaults and meanings: services/settings.py."""
+
     role: str  # "prefill" or "decode"
-    host: str = "127.0.0.1"
+    host: str = DEFAULTS.host
     port: int = 50051
-    model: str = "embedded"
-    dtype: str = "auto"
-    device: str = "auto"
-    quantization: str = "none"  # or "int8" (services/model/quantize.py)
-    kv_store: str = "local://"
-    kv_store_dtype: str = "auto"  # as computed; or float32, float16, bfloat16, fp8
+    model: str = DEFAULTS.model
+    dtype: str = DEFAULTS.dtype
+    device: str = DEFAULTS.device
+    quantization: str = DEFAULTS.quantization
+    kv_store: str = DEFAULTS.kv_store
+    kv_store_dtype: str = DEFAULTS.kv_store_dtype
     kv_store_max_bytes: int | None = None  # cap of a local:// or memory:// store (LRU)
-    store_timeout: float = 1.0  # seconds; a slower store counts as unavailable
+    store_timeout: float = DEFAULTS.store_timeout
     num_blocks: int | None = None  # KV pool size; None: as many as kv_cache_bytes holds
-    kv_cache_bytes: int = 1 << 30
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
+    kv_cache_bytes: int = int(DEFAULTS.kv_cache_gb * (1 << 30))
+    max_num_seqs: int = DEFAULTS.max_num_seqs
+    max_num_batched_tokens: int = DEFAULTS.max_num_batched_tokens
     prefill_chunk_size: int | None = None  # None: min(256, max_num_batched_tokens)
-    grace_period: float = 10.0  # seconds in-flight requests get on SIGTERM
+    grace_period: float = DEFAULTS.grace_period
     stall_timeout: float = 60.0  # seconds without an engine step, work queued: the worker exits
-    write_back: bool = True  # decode: write finished generations' blocks to the store
+    write_back: bool = DEFAULTS.write_back
     metrics_port: int | None = None  # HTTP /metrics and /health (services/worker/http.py)
     # the deployment's secret: stored blocks carry a MAC made with it (kvstore/codec.py);
     # None: a checksum only
     kv_key: bytes | None = field(default=None, repr=False)
     trace_file: str | None = None  # OpenTelemetry spans appended here (services/tracing.py)
+
+
+def worker_config(s: Settings, role: str) -> WorkerConfig:
+    """A worker's part of the settings; a bad key file or store directory is refused here,
+    before the model loads."""
+    from kvstore.keyfile import read_key
+    from kvstore.local import path_of, private_dir
+
+    try:
+        kv_key = read_key(s.kv_key_file) if s.kv_key_file else None
+        if s.kv_store.startswith("local:"):
+            private_dir(path_of(s.kv_store))
+    except (OSError, ValueError) as e:
+        raise SettingsError(str(e)) from e
+    return WorkerConfig(
+        role=role, host=s.host, port=s.port_for(role), model=s.model, dtype=s.dtype,
+        device=s.device, quantization=s.quantization, kv_store=s.kv_store,
+        kv_store_dtype=s.kv_store_dtype,
+        kv_store_max_bytes=int(s.kv_store_max_gb * (1 << 30)), store_timeout=s.store_timeout,
+        num_blocks=s.num_blocks, kv_cache_bytes=int(s.kv_cache_gb * (1 << 30)),
+        max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
+        prefill_chunk_size=s.prefill_chunk_size,
+        grace_period=s.grace_period, write_back=s.write_back, metrics_port=s.metrics_port,
+        stall_timeout=s.engine_stall_timeout, kv_key=kv_key, trace_file=s.trace_file,
+    )  # fmt: skip
 
 
 @dataclass
@@ -100,7 +129,7 @@ class Worker:
         if config.quantization != "none":
             weights_id += f"+{config.quantization}"
         self.layout = KVLayout(
-            weights_id, storage.name.lower(), 16,
+            weights_id, storage.name.lower(), BLOCK_SIZE,
             mc.num_layers, mc.num_kv_heads, mc.head_dim,
         )  # fmt: skip
         self.namespace = self.layout.namespace()
@@ -146,9 +175,10 @@ class Worker:
     def _export(self, seq: Sequence, ready: list[BlockToExport]) -> None:
         assert self._loop is not None
         k, v = gather_blocks(self.engine.kv, [b.block_id for b in ready])
-        hashes = [b.block_hash for b in ready]
-        values = self.codec.encode_many(k, v, hashes, [b.num_tokens for b in ready])
-        put = self.store.put_many(list(zip(hashes, values, strict=True)))
+        items = self.blocks.encode(
+            k, v, [b.block_hash for b in ready], [b.num_tokens for b in ready]
+        )
+        put = self.store.put_many(items)
         self.pending_puts[seq.request_id].append(asyncio.run_coroutine_threadsafe(put, self._loop))
 
     async def wait_for_puts(self, request_id: str) -> None:
@@ -230,8 +260,9 @@ class Worker:
 
     async def Health(self, request: pb.HealthRequest, context: Any) -> pb.HealthReply:
         return pb.HealthReply(
-            role=self.role, model=self.model_name, ready=self.ready, namespace=self.namespace
-        )
+            role=self.role, model=self.model_name, ready=self.ready, namespace=self.namespace,
+            block_size=self.layout.block_size,
+        )  # fmt: skip
 
     async def Load(self, request: pb.LoadRequest, context: Any) -> pb.LoadReply:
         load, stats = self.driver.load, self.store.stats()
@@ -295,8 +326,7 @@ class Worker:
         else:
             log.warning("draining", extra={"fields": {"grace_seconds": self.config.grace_period}})
             await server.stop(self.config.grace_period)
-            for request_id in list(self.engine.requests):
-                await self.driver.abort(request_id)
+            await self.driver.abort_all()
             await self.driver.stop()
         with contextlib.suppress(StoreUnavailable):
             await self.store.close()

@@ -25,11 +25,17 @@ import openai
 import pytest
 import torch
 
-from services.engine.engine import Engine, EngineConfig
-from services.engine.params import SamplingParams
 from services.launcher import RouterProcess, WorkerProcess
 from services.model.loader import load_model
-from tests.support.cluster import MODEL, addresses, load, metrics
+from tests.support.cluster import (
+    MODEL,
+    Output,
+    addresses,
+    greedy_in_process,
+    greedy_stream,
+    load,
+    metrics,
+)
 from tests.support.dtypes import COMPUTE_DTYPES
 from tests.support.redis_servers import RedisServer
 
@@ -40,8 +46,6 @@ PROMPTS = [
     torch.randint(100, 49000, (n,), generator=torch.Generator().manual_seed(i)).tolist()
     for i, n in enumerate(LENGTHS)
 ]
-
-Output = tuple[str, list[float]]  # text, logprob of each token
 
 
 @dataclass
@@ -83,21 +87,6 @@ def client_of(router: RouterProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{router.url}/v1", api_key="x", max_retries=0, timeout=120)
 
 
-def stream(client: openai.OpenAI, prompt: list[int], on_token: Callable[[], None]) -> Output:
-    text, logprobs = "", []
-    for chunk in client.completions.create(
-        model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, logprobs=1,
-        stream=True, extra_body={"ignore_eos": True},
-    ):  # fmt: skip
-        for c in chunk.choices:
-            text += c.text
-            new = c.logprobs.token_logprobs if c.logprobs and c.logprobs.token_logprobs else []
-            logprobs += new
-            for _ in new:
-                on_token()
-    return text, logprobs
-
-
 def run_all(cluster: Cluster, during: Callable[[], None] | None = None) -> list[Output]:
     """The 16 prompts streamed at once; `during` runs once a quarter of the tokens are out."""
     client, lock, seen = client_of(cluster.router), threading.Lock(), [0]
@@ -110,7 +99,7 @@ def run_all(cluster: Cluster, during: Callable[[], None] | None = None) -> list[
                 quarter.set()
 
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        futures = [pool.submit(stream, client, p, on_token) for p in PROMPTS]
+        futures = [pool.submit(greedy_stream, client, p, MAX_TOKENS, on_token) for p in PROMPTS]
         if during is not None:
             assert quarter.wait(timeout=120), "no tokens streamed"
             during()
@@ -134,10 +123,7 @@ def kill_a_busy_decode_worker(cluster: Cluster) -> int:
 
 def in_process(embedded_dir, dtype: str) -> list[Output]:
     loaded = load_model(str(embedded_dir), dtype=dtype, device="cpu")
-    engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(num_blocks=300))
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logprobs=1)
-    outputs = engine.generate(PROMPTS, params)
-    return [(o.choices[0].text, [lp.logprob for lp in o.choices[0].logprobs]) for o in outputs]
+    return greedy_in_process(loaded, PROMPTS, MAX_TOKENS, num_blocks=300)
 
 
 def test_greedy_outputs_are_identical_cold_warm_and_after_a_migration(cluster, embedded_dir):

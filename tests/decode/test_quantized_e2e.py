@@ -1,7 +1,8 @@
 """`--quantization int8` through real processes: a prefill and a decode worker sharing a
 local:// store, a router, the official client. Greedy streams give exactly the in-process
-quantized engine's tokens and logprobs, in each dtype `--dtype auto` picks here; the workers'
-KV namespace differs from unquantized workers' (their blocks never mix in a shared store)."""
+quantized engine's tokens and logprobs, in each dtype `--dtype auto` picks here. The workers'
+KV namespace differs from unquantized workers' (their blocks never mix in a shared store), and
+the router refuses an unquantized worker added beside them, saying both namespaces."""
 
 from __future__ import annotations
 
@@ -9,17 +10,16 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import httpx
 import openai
 import pytest
 import torch
 
-from services.engine.engine import Engine, EngineConfig
-from services.engine.params import SamplingParams
 from services.launcher import RouterProcess, WorkerProcess
 from services.model.loader import load_model
 from services.rpc import worker_pb2 as pb
 from services.rpc import worker_pb2_grpc as pbg
-from tests.support.cluster import MODEL
+from tests.support.cluster import greedy_in_process, greedy_stream
 from tests.support.dtypes import COMPUTE_DTYPES
 
 MAX_TOKENS = 12
@@ -38,18 +38,6 @@ def namespace(worker: WorkerProcess) -> str:
     return asyncio.run(ask())
 
 
-def stream(client: openai.OpenAI, prompt: list[int]) -> tuple[str, list[float]]:
-    text, logprobs = "", []
-    for chunk in client.completions.create(
-        model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, logprobs=1,
-        stream=True, extra_body={"ignore_eos": True},
-    ):  # fmt: skip
-        for c in chunk.choices:
-            text += c.text
-            logprobs += c.logprobs.token_logprobs if c.logprobs else []
-    return text, logprobs
-
-
 @pytest.mark.parametrize("dtype", COMPUTE_DTYPES)
 def test_int8_workers_serve_the_quantized_engines_tokens(dtype, embedded_dir, tmp_path):
     model, store = str(embedded_dir), f"local://{tmp_path / 'store'}"
@@ -58,7 +46,7 @@ def test_int8_workers_serve_the_quantized_engines_tokens(dtype, embedded_dir, tm
     decode = WorkerProcess("decode", model, store, tmp_path, *args, dtype=dtype)
     plain = WorkerProcess("decode", model, store, tmp_path, "--num-blocks", "8", dtype=dtype)
     workers = [prefill, decode, plain]
-    router = RouterProcess(tmp_path, [prefill.address], [decode.address])
+    router = RouterProcess(tmp_path, [prefill.address], [decode.address], "--admin-key", "root")
     try:
         for w in workers:
             w.launch()
@@ -66,20 +54,21 @@ def test_int8_workers_serve_the_quantized_engines_tokens(dtype, embedded_dir, tm
             w.wait_ready()
         assert namespace(decode) != namespace(plain)
         router.start()
+        admin, root = f"{router.url}/admin/workers", {"Authorization": "Bearer root"}
+        change = {"role": "decode", "address": plain.address}
+        assert httpx.post(admin, json=change, headers=root).json()["healthy"] is False
+        line = f"KV namespace {namespace(plain)}, the other workers' {namespace(decode)}"
+        assert "worker refused" in router.log_path.read_text()
+        assert line in router.log_path.read_text()
         client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="x", max_retries=0)
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
-            served = list(pool.map(lambda p: stream(client, p), PROMPTS))
+            served = list(pool.map(lambda p: greedy_stream(client, p, MAX_TOKENS), PROMPTS))
     finally:
         router.stop()
         for w in workers:
             w.stop()
 
     loaded = load_model(model, dtype=dtype, device="cpu", quantization="int8")
-    engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(num_blocks=200))
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logprobs=1)
-    want = [
-        (o.choices[0].text, [lp.logprob for lp in o.choices[0].logprobs])
-        for o in engine.generate(PROMPTS, params)
-    ]
+    want = greedy_in_process(loaded, PROMPTS, MAX_TOKENS, num_blocks=200)
     assert served == want
     assert all(len(lp) == MAX_TOKENS for _, lp in served)

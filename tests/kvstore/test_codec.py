@@ -9,6 +9,7 @@ import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvstore.block_hash import KVLayout
 from kvstore.codec import (
     FLAG_MAC,
     FORMAT,
@@ -18,7 +19,6 @@ from kvstore.codec import (
     StorageDtype,
     mac,
 )
-from services.engine.block_hash import KVLayout
 
 LAYOUT = KVLayout("model-a", "bfloat16", 16, 4, 3, 64)  # small: 4 layers
 N = 5

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from kvstore.store import open_store
+from kvstore import open_store
 
 NS = "2" * 32
 

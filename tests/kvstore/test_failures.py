@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from kvstore.store import StoreUnavailable, open_store
+from kvstore import open_store
+from kvstore.store import StoreUnavailable
 from tests.support.redis_servers import RedisServer, free_port
 
 TIMEOUT = 1.0

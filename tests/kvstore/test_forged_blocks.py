@@ -15,12 +15,12 @@ import redis
 import torch
 import xxhash
 
+from kvstore import open_store
+from kvstore.block_hash import KVLayout, block_hashes
 from kvstore.blocks import BlockStore
 from kvstore.codec import FLAG_MAC, FORMAT, MAC_BYTES, BlockCodec, StorageDtype, mac
 from kvstore.keyfile import read_key
 from kvstore.keys import PREFIX, store_key
-from kvstore.store import open_store
-from services.engine.block_hash import KVLayout, block_hashes
 from services.launcher import RouterProcess
 from tests.support.cluster import load, start_workers
 from tests.support.redis_servers import RedisServer

@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore import local
-from kvstore.store import open_store
+from kvstore import local, open_store
 from services.launcher import PDSERVE
 from tests.support.records import Records
 

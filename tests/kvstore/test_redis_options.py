@@ -7,7 +7,8 @@ import re
 
 import pytest
 
-from kvstore.store import StoreUnavailable, open_store
+from kvstore import open_store
+from kvstore.store import StoreUnavailable
 from tests.support.redis_servers import ACLUser, RedisServer, TLSFiles
 
 NS = "1" * 32

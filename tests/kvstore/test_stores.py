@@ -9,12 +9,12 @@ import os
 import pytest
 import torch
 
+from kvstore import open_store
+from kvstore.block_hash import KVLayout, block_hashes
 from kvstore.blocks import BlockStore
 from kvstore.codec import BlockCodec, StorageDtype
-from kvstore.store import open_store
-from services.engine.block_hash import KVLayout, block_hashes
 from services.model.config import ModelConfig
-from services.model.kv_cache import KVCache, scatter_blocks
+from services.model.kv_cache import KVCache, gather_blocks, scatter_blocks
 
 LAYOUT = KVLayout("model-a", "bfloat16", 16, 2, 3, 64)
 NS = LAYOUT.namespace()
@@ -115,7 +115,7 @@ def test_blocks_move_between_caches_byte_for_byte(store_url):
         blocks = BlockStore(open_store(store_url, NS), codec)
         source, target = _cache(1), _cache(2)
         hashes = block_hashes(list(range(64)), 16, NS)
-        await blocks.put(source, [5, 1, 6, 2], hashes)
+        await blocks.put(*gather_blocks(source, [5, 1, 6, 2]), hashes)
         fetched = await blocks.get_prefix(hashes, torch.bfloat16)
         assert fetched.count == 4 and fetched.blocks is not None
         scatter_blocks(target, [0, 3, 4, 7], fetched.blocks.k, fetched.blocks.v)
@@ -134,7 +134,7 @@ def test_corrupt_and_vanished_blocks_are_misses(store_url):
         blocks = BlockStore(store, codec)
         cache = _cache(3)
         hashes = block_hashes(list(range(80)), 16, NS)
-        await blocks.put(cache, [0, 1, 2, 3, 4], hashes)
+        await blocks.put(*gather_blocks(cache, [0, 1, 2, 3, 4]), hashes)
         good = (await store.get_many([hashes[3]]))[0]
         assert good is not None
         bad = bytearray(good)

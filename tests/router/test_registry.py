@@ -144,3 +144,44 @@ def test_a_request_returns_to_a_worker_it_gave_up_on_once_that_worker_is_back():
             await pipeline._pick("prefill", [], tried)
 
     asyncio.run(run())
+
+
+class AnsweringStub:
+    """A worker's Health and Load answers (a worker process cannot run another block size)."""
+
+    def __init__(self, health: pb.HealthReply) -> None:
+        self.health = health
+
+    async def Health(self, request: pb.HealthRequest, timeout: float) -> pb.HealthReply:
+        return self.health
+
+    async def Load(self, request: pb.LoadRequest, timeout: float) -> pb.LoadReply:
+        return pb.LoadReply()
+
+
+def test_a_worker_with_another_block_size_or_namespace_is_refused_and_logged(caplog):
+    registry = Registry(health_interval=1, breaker_failures=3, breaker_cooldown=1)
+    good = pb.HealthReply(role="decode", ready=True, namespace="ns-a", block_size=16)
+
+    def add(address: str, health: pb.HealthReply) -> WorkerState:
+        state = WorkerState("decode", address, channel=None, stub=AnsweringStub(health))  # type: ignore[arg-type]
+        registry.workers[("decode", address)] = state
+        return state
+
+    first = add("a", good)
+    asyncio.run(registry.check_all())
+    assert first.healthy
+    wide = add("b", pb.HealthReply(role="decode", ready=True, namespace="ns-a", block_size=32))
+    other = add("c", pb.HealthReply(role="decode", ready=True, namespace="ns-b", block_size=16))
+    with caplog.at_level("WARNING", logger="pdserve.router"):
+        asyncio.run(registry.check_all())
+        asyncio.run(registry.check_all())  # said once, not at every check
+    assert first.healthy and not wide.healthy and not other.healthy
+    refusals = [r.fields["why"] for r in caplog.records if r.getMessage() == "worker refused"]  # type: ignore[attr-defined]
+    assert sorted(refusals) == [
+        "KV namespace ns-b, the other workers' ns-a",
+        "block size 32, the router's 16",
+    ]
+    other.stub = AnsweringStub(good)  # restarted with the others' layout
+    asyncio.run(registry.check_all())
+    assert other.healthy and other.refused is None

@@ -5,20 +5,54 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import grpc
 import httpx
+import openai
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.engine.engine import Engine
+from services.engine.engine import Engine, EngineConfig
 from services.engine.params import SamplingParams
 from services.launcher import WorkerProcess
+from services.model.loader import LoadedModel
 from services.rpc import worker_pb2 as pb
 from services.rpc import worker_pb2_grpc as pbg
 
 MODEL = "SmolLM2-135M-Instruct"
+Output = tuple[str, list[float]]  # a greedy choice's text and each token's logprob
+
+
+def greedy_stream(
+    client: openai.OpenAI,
+    prompt: list[int],
+    max_tokens: int,
+    on_token: Callable[[], None] = lambda: None,
+) -> Output:
+    """A completion streamed at temperature 0, EOS ignored; `on_token` runs per token."""
+    text, logprobs = "", []
+    for chunk in client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, logprobs=1,
+        stream=True, extra_body={"ignore_eos": True},
+    ):  # fmt: skip
+        for c in chunk.choices:
+            text += c.text
+            new = c.logprobs.token_logprobs if c.logprobs and c.logprobs.token_logprobs else []
+            logprobs += new
+            for _ in new:
+                on_token()
+    return text, logprobs
+
+
+def greedy_in_process(
+    loaded: LoadedModel, prompts: list[list[int]], max_tokens: int, num_blocks: int
+) -> list[Output]:
+    """What `greedy_stream` should give for each prompt: the engine in this process."""
+    engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(num_blocks=num_blocks))
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=1)
+    outputs = engine.generate(prompts, params)
+    return [(o.choices[0].text, [lp.logprob for lp in o.choices[0].logprobs]) for o in outputs]
 
 
 def start_workers(

@@ -7,9 +7,9 @@ import time
 
 import torch
 
+from kvstore import open_store
+from kvstore.block_hash import KVLayout
 from kvstore.codec import BlockCodec, CodecError, StorageDtype
-from kvstore.store import open_store
-from services.engine.block_hash import KVLayout
 
 LAYOUT = KVLayout("smollm2", "bfloat16", 16, 30, 3, 64)  # 368,640-byte payloads
 KEYS = [i.to_bytes(32, "little") for i in range(12)]

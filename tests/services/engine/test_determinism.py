@@ -11,11 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.block_hash import block_hashes
+from kvstore.block_hash import block_hashes
 from services.engine.engine import Engine, EngineConfig
 from services.engine.outputs import RequestOutput
 from services.engine.params import SamplingParams
-from services.engine.request import TokenLogprobs
+from services.engine.request import EngineRequest, TokenLogprobs
 from services.model.attention import CpuAttention
 from services.model.kv_cache import gather_blocks
 from services.model.loader import LoadedModel, load_model
@@ -128,7 +128,7 @@ def test_a_migrated_stream_continues_with_the_results_and_kv_it_had(model, param
     first = engine(model)
     [(expected, logprobs)] = results(first.generate([ids], params))
     second = engine(model)
-    second.add_request("moved", ids, params, output_ids=expected[:13])
+    second.add_request(EngineRequest("moved", ids, params, output_ids=expected[:13]))
     deltas = []
     while second.has_unfinished:
         deltas += second.step()

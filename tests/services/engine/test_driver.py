@@ -14,6 +14,7 @@ import pytest
 from services.engine.driver import AsyncEngine, EngineDied
 from services.engine.engine import Engine, EngineConfig
 from services.engine.params import SamplingParams
+from services.engine.request import EngineRequest
 
 PROMPT = list(range(1000, 1040))
 LONG = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
@@ -33,7 +34,7 @@ async def until_idle(driver: AsyncEngine, timeout: float = 10.0) -> None:
 
 
 async def first_delta_then_leave(driver: AsyncEngine, rid: str) -> None:
-    stream = await driver.submit(rid, prompt_ids=PROMPT, params=LONG)
+    stream = await driver.submit(EngineRequest(rid, PROMPT, LONG))
     async for _ in stream:
         return  # abandoned after one delta: the request must not keep running
 
@@ -63,7 +64,7 @@ def test_a_cancel_storm_leaves_the_engine_serving_and_idle(engine):
             assert driver.alive
         engine.check()
         assert engine.blocks.referenced_blocks() == 0
-        stream = await driver.submit("after", prompt_ids=PROMPT, params=SHORT)
+        stream = await driver.submit(EngineRequest("after", PROMPT, SHORT))
         tokens = [t for d in [d async for d in stream] for t in d.token_ids]
         await driver.stop()
         return tokens
@@ -76,7 +77,7 @@ def test_a_dead_engine_thread_fails_every_caller_and_stream_at_once(engine):
     async def run() -> None:
         driver = AsyncEngine(engine)
         driver.start()
-        stream = await driver.submit("long", prompt_ids=PROMPT, params=LONG)
+        stream = await driver.submit(EngineRequest("long", PROMPT, LONG))
         await anext(stream)
         driver.kill()
         with pytest.raises(EngineDied, match="test hook"):
@@ -85,7 +86,7 @@ def test_a_dead_engine_thread_fails_every_caller_and_stream_at_once(engine):
                     pass
         assert not driver.alive and "_Killed" in (driver.failure or "")
         with pytest.raises(EngineDied):
-            await driver.submit("later", prompt_ids=PROMPT, params=SHORT)
+            await driver.submit(EngineRequest("later", PROMPT, SHORT))
         driver.abort_soon("long")  # cleanup paths may still call it: no error
         await driver.stop()
 
@@ -97,7 +98,7 @@ def test_a_thread_that_stops_stepping_with_work_queued_shows_as_stalled(engine):
         driver = AsyncEngine(engine)
         driver.start()
         assert driver.stalled_for() == 0.0  # idle is not stalled
-        stream = await driver.submit("long", prompt_ids=PROMPT, params=LONG)
+        stream = await driver.submit(EngineRequest("long", PROMPT, LONG))
         await anext(stream)
         blocked = asyncio.create_task(driver.call(lambda e: time.sleep(1.5)))  # stuck 1.5 s
         await asyncio.sleep(1.2)

@@ -8,7 +8,7 @@ import torch
 
 from services.engine.engine import Engine, EngineConfig
 from services.engine.params import SamplingParams, ValidationError
-from services.engine.request import FinishReason
+from services.engine.request import EngineRequest, FinishReason
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
@@ -97,7 +97,9 @@ def test_streamed_text_never_takes_back_a_stop_string_prefix(embedded, engine):
     prompt = embedded.tokenizer.encode_chat(
         [{"role": "user", "content": "What is the capital of France?"}]
     )
-    engine.add_request("s", prompt, SamplingParams(max_tokens=20, temperature=0, stop=("Paris",)))
+    engine.add_request(
+        EngineRequest("s", prompt, SamplingParams(max_tokens=20, temperature=0, stop=("Paris",)))
+    )
     pieces = []
     while engine.has_unfinished:
         pieces += [d.text for d in engine.step()]
@@ -106,7 +108,9 @@ def test_streamed_text_never_takes_back_a_stop_string_prefix(embedded, engine):
 
 def test_n_choices_share_the_prompt_blocks(embedded, engine):
     prompt = random_prompt(70, seed=3)  # 4 full blocks and 6 tokens
-    engine.add_request("n4", prompt, SamplingParams(n=4, max_tokens=6, temperature=1.0, seed=5))
+    engine.add_request(
+        EngineRequest("n4", prompt, SamplingParams(n=4, max_tokens=6, temperature=1.0, seed=5))
+    )
     seqs = engine.requests["n4"].seqs
     while not all(s.num_output_tokens >= 2 for s in seqs):
         engine.step()
@@ -124,7 +128,9 @@ def test_n_choices_share_the_prompt_blocks(embedded, engine):
 def test_pool_invariants_hold_at_every_step(embedded):
     eng = Engine(embedded.model, embedded.tokenizer, EngineConfig(num_blocks=24))
     for i in range(10):
-        eng.add_request(f"r{i}", random_prompt(20 + 25 * i, seed=i), SamplingParams(max_tokens=6))
+        eng.add_request(
+            EngineRequest(f"r{i}", random_prompt(20 + 25 * i, seed=i), SamplingParams(max_tokens=6))
+        )
     while eng.has_unfinished:
         eng.step()
         eng.check()
@@ -133,8 +139,10 @@ def test_pool_invariants_hold_at_every_step(embedded):
 
 
 def test_abort_frees_blocks_at_once(embedded, engine):
-    engine.add_request("a", random_prompt(300, seed=1), SamplingParams(max_tokens=50))
-    engine.add_request("b", random_prompt(40, seed=2), SamplingParams(max_tokens=50))
+    engine.add_request(
+        EngineRequest("a", random_prompt(300, seed=1), SamplingParams(max_tokens=50))
+    )
+    engine.add_request(EngineRequest("b", random_prompt(40, seed=2), SamplingParams(max_tokens=50)))
     for _ in range(3):
         engine.step()
     assert engine.blocks.referenced_blocks() > 0
@@ -167,7 +175,7 @@ def test_abort_frees_blocks_at_once(embedded, engine):
 )
 def test_invalid_requests_are_refused_and_nothing_is_queued(engine, params, prompt, field):
     with pytest.raises(ValidationError) as err:
-        engine.add_request("bad", prompt, params)
+        engine.add_request(EngineRequest("bad", prompt, params))
     assert err.value.field == field
     assert not engine.requests and not engine.scheduler.has_work
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.block_hash import block_hashes
+from kvstore.block_hash import block_hashes
 from services.engine.engine import Engine, EngineConfig
 from services.engine.kv_transfer import ImportedKV, TensorKV
 from services.engine.params import SamplingParams
-from services.engine.request import FinishReason
+from services.engine.request import EngineRequest, FinishReason
 from services.model.kv_cache import gather_blocks
 
 PARAMS = SamplingParams(max_tokens=12, temperature=0.7, top_p=0.9, seed=11, ignore_eos=True)
@@ -43,7 +43,7 @@ def test_prefill_exports_every_prompt_block_then_decode_continues(embedded):
     prefill = Engine(embedded.model, embedded.tokenizer,
                      EngineConfig(num_blocks=64, max_num_batched_tokens=32), collect)  # fmt: skip
     ref.append(prefill)
-    prefill.add_request("r", ids, PARAMS, prefill_only=True, export=True)
+    prefill.add_request(EngineRequest("r", ids, PARAMS, prefill_only=True, export=True))
     deltas = []
     while prefill.has_unfinished:
         deltas += prefill.step()
@@ -60,7 +60,7 @@ def test_prefill_exports_every_prompt_block_then_decode_continues(embedded):
     v = torch.stack([collect.blocks[i][3] for i in range(5)])
     decode = Engine(embedded.model, embedded.tokenizer, EngineConfig(num_blocks=64))
     kv = ImportedKV(full, TensorKV(k, v), 16, partial_tokens=6)
-    decode.add_request("r", ids, PARAMS, output_ids=[first], kv_import=kv)
+    decode.add_request(EngineRequest("r", ids, PARAMS, output_ids=[first], kv_import=kv))
     out = []
     while decode.has_unfinished:
         out += [t for d in decode.step() for t in d.token_ids]
@@ -81,7 +81,7 @@ def test_an_import_missing_blocks_is_completed_by_recomputing(embedded):
     k, v = gather_blocks(first_engine.kv, kept[:1])  # only block 0 "survived" in the store
     decode = Engine(embedded.model, embedded.tokenizer, EngineConfig(num_blocks=64))
     kv = ImportedKV(block_hashes(ids, 16, decode.blocks.namespace)[:1], TensorKV(k, v), 16)
-    decode.add_request("r", ids, PARAMS, output_ids=[expected[0]], kv_import=kv)
+    decode.add_request(EngineRequest("r", ids, PARAMS, output_ids=[expected[0]], kv_import=kv))
     out = []
     while decode.has_unfinished:
         out += [t for d in decode.step() for t in d.token_ids]
@@ -115,7 +115,7 @@ def test_unfetched_leading_blocks_come_from_the_cache_or_are_recomputed(embedded
     if still_cached:  # the worker's view held: blocks 0-1 are in this engine's cache
         decode.generate([ids[:40]], SamplingParams(max_tokens=1))
     kv = _import_with_first_two_blocks_unfetched(embedded, ids)
-    decode.add_request("r", ids, PARAMS, output_ids=[expected[0]], kv_import=kv)
+    decode.add_request(EngineRequest("r", ids, PARAMS, output_ids=[expected[0]], kv_import=kv))
     deltas = []
     while decode.has_unfinished:
         deltas += decode.step()

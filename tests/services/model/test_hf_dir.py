@@ -11,7 +11,8 @@ import transformers
 
 from services.engine.engine import Engine, EngineConfig
 from services.engine.params import SamplingParams
-from services.model.hf_dir import read_config, safetensors_files
+from services.model.hf_config import read_config
+from services.model.hf_dir import safetensors_files
 from services.model.loader import load_model
 
 TINY = dict(

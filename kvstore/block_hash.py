@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+BLOCK_SIZE = 16  # tokens per KV block, everywhere: part of every block's hash and store key
 HASH_BYTES = 32
 PARTIAL_MARKER = b"\xff"
 

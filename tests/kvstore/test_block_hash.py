@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import struct
 
-from services.engine.block_hash import KVLayout, block_hashes, extend_hashes
+from kvstore.block_hash import KVLayout, block_hashes, extend_hashes
 
 NS = "0123456789abcdef0123456789abcdef"
 
