@@ -120,7 +120,8 @@ def role(name: str) -> Callable[..., Any]:
     """The entry point a role registered: router, prefill and decode take the Settings,
     bench its arguments; each returns an exit code."""
     for point in entry_points(group=ROLE_GROUP, name=name):
-        return point.load()  # type: ignore[no-any-return]
+        loaded: Callable[..., Any] = point.load()
+        return loaded
     raise settings.SettingsError(
         f"no `{name}` role installed (entry point group {ROLE_GROUP}): reinstall pdserve "
         "(make install)"
