@@ -39,6 +39,7 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[bytes, int] = {}  # content hash -> block holding it
+        self.cache_version = 0  # counts changes to `cached` (AsyncEngine's snapshot of it)
         self.hits = 0  # prefix-cache lookups, in blocks
         self.queries = 0
 
@@ -107,6 +108,7 @@ class BlockManager:
             if block.hash is None and hashes[i] not in self.cached:
                 block.hash = hashes[i]
                 self.cached[hashes[i]] = block.id
+                self.cache_version += 1
 
     # -- allocation ----------------------------------------------------------------------
 
@@ -121,6 +123,7 @@ class BlockManager:
             block = self.blocks[block_id]
             if block.hash is not None:  # evict its content from the prefix cache
                 del self.cached[block.hash]
+                self.cache_version += 1
                 block.hash = None
             block.ref_count = 1
             seq.block_ids.append(block_id)

@@ -84,6 +84,10 @@ class AsyncEngine:
         self.failure: str | None = None  # why the engine thread stopped (None: it serves)
         self.heartbeat = time.monotonic()
         self.load = EngineLoad()
+        # the hashes of the blocks the prefix cache holds, as of the last step: what the event
+        # loop reads instead of the block manager the engine thread changes
+        self.cached_hashes: frozenset[bytes] = frozenset()
+        self._cache_version = -1
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -254,6 +258,9 @@ class AsyncEngine:
 
     def _refresh_load(self) -> None:
         e = self.engine
+        if e.blocks.cache_version != self._cache_version:  # copied only when it changed
+            self._cache_version = e.blocks.cache_version
+            self.cached_hashes = frozenset(e.blocks.cached)
         seqs = [s for r in e.requests.values() for s in r.seqs]
         running = [s for s in seqs if s.status is Status.RUNNING]
         self.load = EngineLoad(

@@ -214,7 +214,8 @@ class Worker:
         Leading blocks this worker's cache holds are not read (what KV-aware routing buys):
         the import names them and the engine shares them at admission."""
         start = time.perf_counter()
-        skipped = len(self.engine.blocks.lookup(full))  # a read: safe off the engine thread
+        cached = self.driver.cached_hashes  # a snapshot: the engine thread owns the cache
+        skipped = next((i for i, h in enumerate(full) if h not in cached), len(full))
         values: list[bytes] = [b""] * skipped
         try:
             step = FETCH_BATCH if gentle else max(1, len(full) - skipped)
