@@ -69,7 +69,7 @@ class DecodeWorker(Worker, worker_pb2_grpc.DecodeWorkerServicer):
                 EngineRequest(
                     rid, prompt, params, request.salt, output_ids=output,
                     text_sent=request.text_sent if request.HasField("text_sent") else None,
-                    kv_import=kv, export=self.config.write_back,
+                    kv_import=kv, export=self.config.write_back, block_hashes=full,
                 )
             )  # fmt: skip
             async for chunk in self._chunks(rid, len(prompt), stream, span):

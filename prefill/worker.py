@@ -54,7 +54,7 @@ class PrefillWorker(Worker, worker_pb2_grpc.PrefillWorkerServicer):
         try:
             stream = await self.driver.submit(
                 EngineRequest(rid, prompt, params, request.salt, kv_import=kv, prefill_only=True,
-                              export=True)
+                              export=True, block_hashes=full)
             )  # fmt: skip
             # a caller gone (cancelled) aborts the request as the stream is left
             delta = [d async for d in stream][-1]

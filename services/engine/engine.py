@@ -164,6 +164,9 @@ class Engine:
                 prefill_only=request.prefill_only,
                 export=request.export,
                 kv_import=request.kv_import if i == 0 else None,
+                block_hashes=list(
+                    request.block_hashes[: len(prompt_ids) // self.config.block_size]
+                ),
             )
             for i in range(params.n)
         ]

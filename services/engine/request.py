@@ -53,7 +53,9 @@ class EngineRequest:
     prompt KV read from a store; `prefill_only` finishes the request at its first token;
     `export` reports its blocks to the exporter: as they fill for a prefill_only request (its
     reader waits for them), else all at once when it finishes (a write-back: the encoding stays
-    off the path of its tokens)."""
+    off the path of its tokens). `block_hashes`: the prompt's full-block hashes where the caller
+    has computed them (in the engine's namespace, with `salt`), so they are computed once per
+    request in a process; else the engine computes them."""
 
     request_id: str
     prompt_ids: SeqOf[int]
@@ -64,6 +66,7 @@ class EngineRequest:
     kv_import: ImportedKV | None = None
     prefill_only: bool = False
     export: bool = False
+    block_hashes: SeqOf[bytes] = ()
 
 
 @dataclass(eq=False)

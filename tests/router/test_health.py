@@ -10,6 +10,7 @@ from typing import Any
 
 import grpc
 
+from kvstore.block_hash import BLOCK_SIZE
 from router.metrics import Metrics
 from router.workers import Registry
 from services.launcher import free_port
@@ -26,7 +27,9 @@ class StandIn(pbg.PrefillWorkerServicer):
 
     async def Health(self, request: pb.HealthRequest, context: Any) -> pb.HealthReply:
         await asyncio.sleep(self.delay)
-        return pb.HealthReply(role="prefill", model="m", ready=self.ready, namespace="ns")
+        return pb.HealthReply(
+            role="prefill", model="m", ready=self.ready, namespace="ns", block_size=BLOCK_SIZE
+        )
 
     async def Load(self, request: pb.LoadRequest, context: Any) -> pb.LoadReply:
         return pb.LoadReply(running=2)
