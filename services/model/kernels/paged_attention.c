@@ -91,18 +91,29 @@ INLINE void score_block(vb *s, const rows_t *w, const void *k, int64_t at, int b
     }
 }
 
-/* Fold row r's scores of one block into its running softmax, the block's keys at offsets 0 to
- * `last` counted (none when last < 0): a larger maximum rescales what was summed so far; the
- * block's weights go to p[r], 0 for keys not counted. */
-INLINE void fold(rows_t *w, int64_t r, vb s, int64_t last, const int64_t D) {
-    const vbi seen = up_to(last);
-    const vb masked = where(seen, s, -FLT_MAX);
-    const float top = hmax(masked, w->m[r]), rescale = expf(w->m[r] - top);
-    const vb e = where(seen, vexp_block(add_sub(masked, zero_block(), top)), 0.0f);
-    memcpy(w->p[r], &e, sizeof e);
-    w->l[r] = w->l[r] * rescale + hsum(e);
-    w->m[r] = top;
-    for (int64_t c = 0; c < D / LANES; c++) w->acc[r][c] *= rescale;
+/* Fold rows 0..R-1's scores of one block into their running softmaxes, row r counting the
+ * block's keys at offsets 0 to last[r] (none when last[r] < 0): a larger maximum rescales what
+ * was summed so far; the block's weights go to p[r], 0 for keys not counted. The rescales
+ * e^(old max - new max) are computed a vector of rows at a time (vexp, lane by lane: a row's
+ * never depends on the others'), not by a libm call per row and block. */
+INLINE void fold(rows_t *w, const vb *s, const int64_t *last, const int64_t R, const int64_t D) {
+    float top[MAX_ROWS + LANES], rescale[MAX_ROWS + LANES];
+    for (int64_t r = 0; r < R; r++) top[r] = hmax(where(up_to(last[r]), s[r], -FLT_MAX), w->m[r]);
+    for (int64_t r0 = 0; r0 < R; r0 += LANES) {
+        vf gap = {0};
+        for (int64_t i = 0; i < LANES && r0 + i < R; i++) gap[i] = w->m[r0 + i] - top[r0 + i];
+        const vf e = vexp(gap);
+        memcpy(rescale + r0, &e, sizeof e);
+    }
+    for (int64_t r = 0; r < R; r++) {
+        const vbi seen = up_to(last[r]);
+        const vb masked = where(seen, s[r], -FLT_MAX);
+        const vb e = where(seen, vexp_block(add_sub(masked, zero_block(), top[r])), 0.0f);
+        memcpy(w->p[r], &e, sizeof e);
+        w->l[r] = w->l[r] * rescale[r] + hsum(e);
+        w->m[r] = top[r];
+        for (int64_t c = 0; c < D / LANES; c++) w->acc[r][c] *= rescale[r];
+    }
 }
 
 /* acc[r] += the sum over t < n, in order, of p[r][t] * V[t] (V at v + at), for rows 0..R-1,
@@ -155,7 +166,9 @@ INLINE int attend(const void *q, const void *k, const void *v, int bf16, const i
             }
             vb s[MAX_GROUP];
             score_block(s, &heads[kh], k, at, bf16, nk, nv, G, D);
-            for (int64_t g = 0; g < G; g++) fold(&heads[kh], g, s[g], n - 1, D);
+            int64_t last[MAX_GROUP];
+            for (int64_t g = 0; g < G; g++) last[g] = n - 1;
+            fold(&heads[kh], s, last, G, D);
             add_values(&heads[kh], v, at, n, bf16, G, D);
         }
     }
@@ -245,7 +258,9 @@ INLINE void prefill_tile(rows_t *w, const void *q, const void *k, const void *v,
         const int64_t n = last + 1 - start < BLOCK ? last + 1 - start : BLOCK;
         vb s[MAX_ROWS];
         score_block(s, w, k, at, bf16, NULL, NULL, rows, D);
-        for (int64_t r = 0; r < rows; r++) fold(w, r, s[r], first + query[r] - start, D);
+        int64_t lasts[MAX_ROWS];
+        for (int64_t r = 0; r < rows; r++) lasts[r] = first + query[r] - start;
+        fold(w, s, lasts, rows, D);
         add_values(w, v, at, n, bf16, rows, D);
     }
     for (int64_t r = 0; r < qt * G; r++)
