@@ -9,6 +9,7 @@ import torch
 
 from services.model import hf_config, hf_dir, quantize, sources
 from services.model.config import ModelConfig
+from services.model.errors import ModelLoadError
 from services.model.llama import LlamaModel
 from services.tokenizer.tokenizer import Tokenizer
 
@@ -60,17 +61,19 @@ def load_model(
     device: str = "auto",
     quantization: str = "none",
 ) -> LoadedModel:
+    if quantization not in quantize.QUANTIZATIONS:  # refused before anything loads
+        raise ValueError(
+            f"unknown quantization {quantization!r} (choose {', '.join(quantize.QUANTIZATIONS)})"
+        )
+    dev = resolve_device(device)
     path = sources.resolve(spec)
+    if quantization == "int8" and dev.type != "cpu":
+        raise ModelLoadError(path, f"--quantization int8 runs on CPUs, not {dev}")
     config = hf_config.read_config(path)
     tokenizer = Tokenizer.from_dir(path)
     weights = hf_dir.read_weights(path, config)
-    dev = resolve_device(device)
     model = LlamaModel(config, weights, resolve_dtype(dtype, dev), dev)
     if quantization == "int8":
         calibration = tokenizer.encode(quantize.calibration_text(), add_special_tokens=False)
         quantize.quantize_int8(model, weights, calibration)
-    elif quantization != "none":
-        raise ValueError(
-            f"unknown quantization {quantization!r} (choose {', '.join(quantize.QUANTIZATIONS)})"
-        )
     return LoadedModel(model, tokenizer, path)
