@@ -87,11 +87,12 @@ class BlockStore:
 
 
 class PagedKV(Protocol):
-    """A paged KV pool: K [layers, blocks, kv_heads, D, bs], V [layers, blocks, kv_heads, bs, D]
-    (services/model/kv_cache.py's KVCache)."""
+    """A paged KV pool (services/model/kv_cache.py's KVCache), indexed in the layout blocks are
+    stored in: K [layers, blocks, kv_heads, D / 2, 2, bs], V [layers, blocks, kv_heads, bs / 2,
+    2, D] (views: a dimension of K, a token of V, split in two)."""
 
-    k: torch.Tensor
-    v: torch.Tensor
+    k_plain: torch.Tensor
+    v_plain: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -103,4 +104,6 @@ class StoredBlocks:
 
     def write(self, cache: PagedKV, items: list[tuple[int, int]]) -> None:
         for i, block_id in items:
-            self.codec.decode_into(self.values[i], cache.k[:, block_id], cache.v[:, block_id])
+            self.codec.decode_into(
+                self.values[i], cache.k_plain[:, block_id], cache.v_plain[:, block_id]
+            )

@@ -243,8 +243,10 @@ class BlockCodec:
         return DecodedBlocks(k, v, counts)
 
     def decode_into(self, value: bytes | memoryview, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write a checked value into one cache block: k [layers, kv_heads, D, bs] and v
-        [layers, kv_heads, bs, D] (views into the cache), converting to their dtype."""
+        """Write a checked value into one cache block: k and v views into the cache indexed in
+        the stored layout (k [layers, kv_heads, D, bs], v [layers, kv_heads, bs, D], or any
+        split of their dimensions: services/model/kv_cache.py's plain views), converting to
+        their dtype."""
         layers = self.layout.num_layers
         with warnings.catch_warnings():  # read-only buffer, and we only read it
             warnings.simplefilter("ignore", UserWarning)

@@ -1,17 +1,24 @@
-"""The paged KV pool: fixed-size blocks of K and V for every layer, and its layout.
+"""The paged KV pool: fixed-size blocks of K and V for every layer, and its layouts.
 
-Per layer, a block holds `block_size` tokens of one sequence, grouped by KV head:
+Per layer, a block holds `block_size` tokens of one sequence, grouped by KV head. The plain
+layout, the one blocks are stored and moved in (kvstore's codec), and a float32 cache's:
 
     K: [num_blocks, kv_heads, head_dim, block_size]   (a head's keys transposed: a row of
                                                        the block per dimension)
     V: [num_blocks, kv_heads, block_size, head_dim]   (a row per token)
 
-K is transposed so that decode attention scores a whole block at once with vector
-arithmetic along the tokens (as vLLM's key cache does); V keeps a row per token so the
-weighted sum runs along the head dimension. A slot is a flat token index:
-block * block_size + offset. This module is the only one that knows the layout (the C kernel
-in kernels/paged_attention.c mirrors it); who owns which block is the block manager's
-business.
+K is transposed so that attention scores a whole block at once with vector arithmetic along
+the tokens (as vLLM's key cache does); V keeps a row per token so the weighted sum runs along
+the head dimension. A bfloat16 cache holds the same tensors' shapes, with each block's elements
+in pairs, the order a bfloat16 dot-product instruction takes (VDPBF16PS: a float32 lane sums
+two products):
+
+    K: [.., head_dim / 2, block_size, 2]   (dimensions 2j and 2j + 1 of a token side by side)
+    V: [.., block_size / 2, head_dim, 2]   (tokens 2j and 2j + 1 of a dimension side by side)
+
+A slot is a flat token index: block * block_size + offset. This module is the only one that
+knows the layouts (the C kernel in kernels/paged_attention.c mirrors them): `plain_views`
+indexes either as the plain one. Who owns which block is the block manager's business.
 """
 
 from __future__ import annotations
@@ -40,11 +47,13 @@ class KVCache:
         layers, heads, dim = config.num_layers, config.num_kv_heads, config.head_dim
         self.k = _allocate((layers, num_blocks, heads, dim, block_size), dtype, device)
         self.v = _allocate((layers, num_blocks, heads, block_size, dim), dtype, device)
+        self.k_plain, self.v_plain = plain_views(self.k, self.v)  # for whole-block copies
         self.num_blocks = num_blocks
         self.block_size = block_size
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K [blocks, kv_heads, D, block_size] and V [blocks, kv_heads, block_size, D]."""
+        """K [blocks, kv_heads, D, block_size] and V [blocks, kv_heads, block_size, D], in the
+        dtype's layout."""
         return self.k[i], self.v[i]
 
     @property
@@ -72,6 +81,29 @@ def _allocate(
     return tensor.zero_()  # first touch after the advice, so the pages come in huge
 
 
+def paired(dtype: torch.dtype) -> bool:
+    """Whether a cache of this dtype holds its blocks' elements in pairs."""
+    return dtype == torch.bfloat16
+
+
+def plain_views(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of caches ([..., D, bs] and [..., bs, D], contiguous, in their dtype's layout)
+    indexed as the plain layout, one dimension split in two: K [..., D / 2, 2, bs] (dimension d
+    at d // 2, d % 2) and V [..., bs / 2, 2, D] (token t at t // 2, t % 2)."""
+    *lead, dim, bs = k_cache.shape
+    if paired(k_cache.dtype):
+        k = k_cache.view(*lead, dim // 2, bs, 2).transpose(-1, -2)
+        v = v_cache.view(*lead, bs // 2, dim, 2).transpose(-1, -2)
+        return k, v
+    return k_cache.view(*lead, dim // 2, 2, bs), v_cache.view(*lead, bs // 2, 2, dim)
+
+
+def to_plain(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks in their dtype's layout as the plain layout, same shapes (a copy when paired)."""
+    k, v = plain_views(k_cache, v_cache)
+    return k.reshape(k_cache.shape), v.reshape(v_cache.shape)
+
+
 def write(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -82,8 +114,9 @@ def write(
     """Store k, v ([T, kv_heads, D]) at token slots [T] of one layer."""
     block_size = v_cache.shape[2]
     blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, :, :, offsets] = k
-    v_cache[blocks, :, offsets, :] = v
+    k_pairs, v_pairs = plain_views(k_cache, v_cache)
+    k_pairs[blocks, :, :, :, offsets] = k.reshape(*k.shape[:2], -1, 2)
+    v_pairs[blocks, :, offsets // 2, offsets % 2, :] = v
 
 
 def gather(
@@ -93,23 +126,24 @@ def gather(
     lead, n = table.shape[:-1], table.shape[-1]
     flat = table.flatten()  # index_select on a flat index is ~10x faster than fancy indexing
     _, heads, dim, bs = k_cache.shape
-    k = k_cache.index_select(0, flat).view(*lead, n, heads, dim, bs).transpose(-1, -3)
-    v = v_cache.index_select(0, flat).view(*lead, n, heads, bs, dim).transpose(-2, -3)
+    k, v = to_plain(k_cache.index_select(0, flat), v_cache.index_select(0, flat))
+    k = k.view(*lead, n, heads, dim, bs).transpose(-1, -3)
+    v = v.view(*lead, n, heads, bs, dim).transpose(-2, -3)
     shape = (*lead, n * bs, heads, dim)
     return k.transpose(-1, -2).reshape(shape), v.reshape(shape)
 
 
 def gather_blocks(cache: KVCache, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Copies of whole blocks, all layers each: K [n, L, kv_heads, D, bs], V [n, L, kv_heads,
-    bs, D] (one copy each: gathered layer-major, viewed block-major)."""
+    """Copies of whole blocks, all layers each, in the plain layout: K [n, L, kv_heads, D, bs],
+    V [n, L, kv_heads, bs, D] (gathered layer-major, viewed block-major)."""
     index = torch.tensor(block_ids, dtype=torch.int64, device=cache.k.device)
-    return cache.k.index_select(1, index).transpose(0, 1), cache.v.index_select(1, index).transpose(
-        0, 1
-    )
+    k, v = to_plain(cache.k.index_select(1, index), cache.v.index_select(1, index))
+    return k.transpose(0, 1), v.transpose(0, 1)
 
 
 def scatter_blocks(cache: KVCache, block_ids: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
     """Write blocks shaped as `gather_blocks` returns them into the given cache blocks."""
     index = torch.tensor(block_ids, dtype=torch.int64, device=cache.k.device)
-    cache.k.index_copy_(1, index, k.transpose(0, 1).to(cache.k.dtype))
-    cache.v.index_copy_(1, index, v.transpose(0, 1).to(cache.v.dtype))
+    k, v = k.transpose(0, 1).to(cache.k.dtype), v.transpose(0, 1).to(cache.v.dtype)
+    cache.k_plain.index_copy_(1, index, k.reshape(*k.shape[:3], -1, 2, k.shape[-1]))
+    cache.v_plain.index_copy_(1, index, v.reshape(*v.shape[:3], -1, 2, v.shape[-1]))

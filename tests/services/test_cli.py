@@ -24,7 +24,9 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_generate_answers_paris():
-    out = _run("generate", "--chat", "--prompt", "What is the capital of France?")
+    # float32: in bfloat16 the model's first token here is a near tie (see greedy_chat_in_process)
+    out = _run("generate", "--chat", "--prompt", "What is the capital of France?", "--dtype",
+               "float32")  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert "Paris" in out.stdout
 

@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from services.engine.engine import Engine, EngineConfig
 from services.engine.params import SamplingParams
 from services.launcher import WorkerProcess
-from services.model.loader import LoadedModel
+from services.model.loader import LoadedModel, load_model
 from services.rpc import worker_pb2 as pb
 from services.rpc import worker_pb2_grpc as pbg
 
@@ -53,6 +53,18 @@ def greedy_in_process(
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=1)
     outputs = engine.generate(prompts, params)
     return [(o.choices[0].text, [lp.logprob for lp in o.choices[0].logprobs]) for o in outputs]
+
+
+def greedy_chat_in_process(question: str, max_tokens: int) -> str:
+    """The embedded model's answer to one user message at temperature 0 (EOS honoured), from
+    the engine in this process in the dtype `auto` picks on this CPU, as a server started with
+    its defaults answers. (The answer itself is the model's: in bfloat16 its first token for
+    "What is the capital of France?" is a near tie, one kernel's rounding from "L'Étoile".)"""
+    loaded = load_model("embedded", "auto", "cpu")
+    engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(num_blocks=64))
+    prompt = loaded.tokenizer.encode_chat([{"role": "user", "content": question}])
+    (output,) = engine.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0))
+    return output.choices[0].text
 
 
 def start_workers(

@@ -1,27 +1,35 @@
 /*
  * Attention over a paged KV cache, for CPUs, keys and values read in place from their blocks
- * (no gather), float32 arithmetic: the per-block arithmetic both kernels share first, then
- * decode (one query token per sequence), then prefill (the chunks of prompts).
+ * (no gather): the per-block arithmetic both kernels share first, then decode (one query token
+ * per sequence), then prefill (the chunks of prompts).
  *
  * For each block and KV head, the query rows sharing that KV head score the block's 16 tokens
  * (K is stored transposed, so a block's tokens lie contiguous along each head dimension and the
  * arithmetic runs along them), fold them into a running softmax (maximum, sum and output
- * rescaled as the maximum grows, as flash-decoding does), and add the block's value rows to
- * their outputs.
+ * rescaled as the maximum grows, as flash-decoding does, lazily: only when it grows by more
+ * than 2^3; weights in base 2), and add the block's value rows to their outputs.
  *
  * Determinism: a query row's result depends on its own query and the blocks it attends to,
  * never on the rows computed with it, and the decode and prefill kernels run the same functions
- * (score_block, fold, add_values) on it, so a token gets the same bits decoded, in a prefill
+ * (score, fold, values) on it, so a token gets the same bits decoded, in a prefill
  * chunk of any length (a cache hit that leaves one token, a migrated stream recomputing its
  * output), alone or in any batch. Every sum takes its terms in an order fixed by the code: the
  * library is built without -ffast-math (kernels/__init__.py), so the compiler reassociates
  * nothing; fused multiply-adds are allowed, and the shared functions contract the same way
- * wherever they are inlined. tests/services/model/test_attention.py checks it bit for bit.
+ * wherever they are inlined (a product that must not fuse with the add after it goes through
+ * rounded()). tests/services/model/test_attention.py checks it bit for bit.
+ *
+ * Arithmetic. float32: products and sums in float32. bfloat16: the products of scores and of
+ * values take bfloat16 pairs (the query's, the weights' rounded to bfloat16) and sum them into
+ * float32 two at a time (dot_pairs: one VDPBF16PS where the CPU has AVX512-BF16, two fused
+ * multiply-adds elsewhere), at twice float32's rate and with no conversion of K and V.
  *
  * Layouts (contiguous; see services/model/kv_cache.py), all float32 or all bfloat16:
  *   q, out:  [T, H, D], a row per token of the forward pass
- *   k:       [num_blocks, KVH, D, BLOCK] (one layer)
- *   v:       [num_blocks, KVH, BLOCK, D]
+ *   k:       float32 [num_blocks, KVH, D, BLOCK] (one layer: a block's tokens along each
+ *            dimension); bfloat16 [num_blocks, KVH, D/2, BLOCK, 2] (dimensions in pairs)
+ *   v:       float32 [num_blocks, KVH, BLOCK, D]; bfloat16 [num_blocks, KVH, BLOCK/2, D, 2]
+ *            (tokens in pairs)
  *   tables:  [B, W] int64 block ids
  * BLOCK is 16, pdserve's block size; D a multiple of LANES (a vector: 16 floats with AVX-512,
  * else 8), at most 256.
@@ -32,6 +40,10 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include "vectors.h"
 
@@ -54,21 +66,58 @@ INLINE void *advance(const void *p, int64_t i, int bf16) {
     return (char *)p + i * (bf16 ? 2 : 4);
 }
 
+/* acc + a * b lane by lane, where a lane of a and b holds a pair of bfloat16 (element 2i in
+ * the low half): acc + a_odd * b_odd + a_even * b_even, each product exact in float32. b is
+ * one pair for every lane. */
+INLINE vf dot_pairs(vf acc, vu a, uint32_t b) {
+#if defined(__AVX512BF16__) && LANES == 16
+    return (vf)_mm512_dpbf16_ps((__m512)acc, (__m512bh)a, (__m512bh)_mm512_set1_epi32((int)b));
+#else
+    const vu high = (vu){0} + 0xFFFF0000u;
+    const uint32_t b_odd = b & 0xFFFF0000u, b_even = b << 16;
+    float odd, even;
+    memcpy(&odd, &b_odd, sizeof odd);
+    memcpy(&even, &b_even, sizeof even);
+    acc += (vf)(a & high) * odd;
+    return acc + (vf)(a << 16) * even;
+#endif
+}
+
+/* x, computed here: the compiler may not fuse the multiply that made it into the next add (a
+ * fused multiply-add rounds once, and the kernels must round alike wherever they inline). */
+INLINE vf rounded(vf x) {
+    __asm__("" : "+v"(x));
+    return x;
+}
+
+/* LANES pairs of bfloat16 at element `at` */
+INLINE vu load_pairs(const uint16_t *base, int64_t at) {
+    vu x;
+    memcpy(&x, base + at, sizeof x);
+    return x;
+}
+
 /* Query rows attending over one KV head together (a decode's G query heads, a prefill tile's
- * queries times G): each row's query, scaled; its running maximum and sum; the weights of the
- * block last folded; its output so far, scaled by e^-max. Sized for the largest shape. */
+ * queries times G): each row's query (float32: scaled; bfloat16: as pairs, unscaled); its
+ * running maximum and sum; the weights of the block last folded (float32, or bfloat16 pairs);
+ * its output so far, scaled by 2^-max. Sized for the largest shape. */
 typedef struct {
-    float qs[MAX_ROWS][MAX_DIM], m[MAX_ROWS], l[MAX_ROWS], p[MAX_ROWS][BLOCK];
+    float qs[MAX_ROWS][MAX_DIM], m[MAX_ROWS], rescale[MAX_ROWS + LANES], p[MAX_ROWS][BLOCK];
+    uint32_t qp[MAX_ROWS][MAX_DIM / 2], pp[MAX_ROWS][BLOCK / 2];
+    vb l[MAX_ROWS]; /* the sum of the weights, by offset in the block */
     vf acc[MAX_ROWS][MAX_DIM / LANES];
 } __attribute__((aligned(LINE))) rows_t;
 
-/* Row r starts: its query (D elements at q + at) scaled, nothing summed yet. */
+/* Row r starts: its query (D elements at q + at), nothing summed yet. */
 INLINE void start_row(rows_t *w, int64_t r, const void *q, int64_t at, float scale, int bf16,
                       const int64_t D) {
-    for (int64_t d = 0; d < D; d++) w->qs[r][d] = scalar(q, at + d, bf16) * scale;
+    if (bf16)
+        memcpy(w->qp[r], (const uint16_t *)q + at, D * sizeof(uint16_t));
+    else
+        for (int64_t d = 0; d < D; d++) w->qs[r][d] = ((const float *)q)[at + d] * scale;
     for (int64_t c = 0; c < D / LANES; c++) w->acc[r][c] = (vf){0};
     w->m[r] = -FLT_MAX;
-    w->l[r] = 0.0f;
+    w->l[r] = zero_block();
 }
 
 /* Scores of rows 0..R-1 against one block's keys (K at k + at): s[r][t] = the sum over
@@ -77,66 +126,195 @@ INLINE void start_row(rows_t *w, int64_t r, const void *q, int64_t at, float sca
  * L1 or non-temporal, decode read 14 GB/s on a Zen 4 EPYC; into L2, 24. Decode once summed
  * even and odd dimensions apart (more multiply-adds in flight), prefill did not: a token's
  * scores then took other bits decoded than prefilled. */
-INLINE void score_block(vb *s, const rows_t *w, const void *k, int64_t at, int bf16,
-                        const char *nk, const char *nv, const int64_t R, const int64_t D) {
-    const int64_t row_bytes = BLOCK * (bf16 ? 2 : 4);
+INLINE void score_block(vb *s, const rows_t *w, const float *k, int64_t at, const char *nk,
+                        const char *nv, const int64_t R, const int64_t D) {
+    const int64_t row_bytes = BLOCK * sizeof(float);
     for (int64_t r = 0; r < R; r++) s[r] = zero_block();
     for (int64_t d = 0; d < D; d++) {
         if (nk && d * row_bytes % LINE == 0) { /* key row d starts a line */
             __builtin_prefetch(nk + d * row_bytes, 0, 1);
             __builtin_prefetch(nv + d * row_bytes, 0, 1);
         }
-        const vb kd = load_block(k, at + d * BLOCK, bf16);
+        const vb kd = load_block(k, at + d * BLOCK, 0);
         for (int64_t r = 0; r < R; r++) fma_block(&s[r], w->qs[r][d], kd);
     }
 }
 
+/* The same in bfloat16 pairs: s[r][t] = scale times the sum over j = 0, 1, ..., D/2 - 1, in
+ * that order, of dot_pairs of query pair j (dimensions 2j, 2j + 1) and key pair row j. A pair
+ * row (the block's 16 tokens, two dimensions each) is one 64-byte line. */
+INLINE void score_pairs(vb *s, const rows_t *w, const uint16_t *k, int64_t at, float scale,
+                        const char *nk, const char *nv, const int64_t R, const int64_t D) {
+    const int64_t row_bytes = 2 * BLOCK * sizeof(uint16_t);
+    for (int64_t r = 0; r < R; r++) s[r] = zero_block();
+    for (int64_t j = 0; j < D / 2; j++) {
+        if (nk && j * row_bytes % LINE == 0) {
+            __builtin_prefetch(nk + j * row_bytes, 0, 1);
+            __builtin_prefetch(nv + j * row_bytes, 0, 1);
+        }
+        for (int i = 0; i < PER_BLOCK; i++) {
+            const vu kj = load_pairs(k, at + 2 * (j * BLOCK + i * LANES));
+            for (int64_t r = 0; r < R; r++) s[r].v[i] = dot_pairs(s[r].v[i], kj, w->qp[r][j]);
+        }
+    }
+    for (int64_t r = 0; r < R; r++)
+        for (int i = 0; i < PER_BLOCK; i++) s[r].v[i] = rounded(s[r].v[i] * scale);
+}
+
+/* Scores of one block (K at k + at, in the cache's dtype): score_block or score_pairs. */
+INLINE void score(vb *s, const rows_t *w, const void *k, int64_t at, int bf16, float scale,
+                  const char *nk, const char *nv, const int64_t R, const int64_t D) {
+    if (bf16)
+        score_pairs(s, w, k, at, scale, nk, nv, R, D);
+    else
+        score_block(s, w, k, at, nk, nv, R, D);
+}
+
+/* Scores are kept in base 2 (the scale times log2 e folded into them), so a weight is 2^x. */
+#define LOG2E 1.44269504f
+
+/* 2^x lane by lane, for x <= LAZY: x = n + r, n the nearest integer, 2^r by its Taylor
+ * polynomial (in r ln 2) of `degree`, times 2^n built in the exponent bits. Degree 7: a few
+ * float32 ulp; degree 4 (bfloat16 weights, rounded to 8 bits after): within 5e-5. Below -125 it
+ * returns about 2^-125, not 0: callers zero what must be exactly 0. */
+INLINE vf vexp2(vf x, const int degree) {
+    static const float c[8] = {1.0f,          0.693147181f,   0.240226507f,  0.0555041087f,
+                               0.00961812911f, 0.00133335581f, 0.000154035304f, 1.52527338e-5f};
+    const vf lo = (vf){0} - 125.0f, magic = (vf){0} + 12582912.0f; /* 1.5 * 2^23 */
+    x = select(x < lo, x, lo);
+    const vf t = x + magic; /* rounds x to the nearest integer, held in t's low bits */
+    const vi n = (vi)t - (vi)magic;
+    const vf r = x - (t - magic);
+    vf p = (vf){0} + c[degree];
+    for (int k = degree - 1; k >= 0; k--) p = p * r + c[k];
+    return (vf)((vi)p + (n << 23));
+}
+
+/* A row's running maximum moves only when a score passes it by more than LAZY: the weights
+ * 2^(score - maximum) stay below 2^LAZY (far inside float32's range), and most blocks, their
+ * scores under the maximum, skip the horizontal maximum and the rescale (FlashAttention-3's
+ * lazy rescaling). 3 held float32 results as close to torch's as an exact maximum did (8 did
+ * not: 2.3e-6 against 0.9e-6 at 512 keys).  */
+#define LAZY 3.0f
+
+/* whether any lane of x is above t */
+INLINE int any_above(vb x, float t) {
+    vi above = {0};
+    for (int i = 0; i < PER_BLOCK; i++) above |= (vi)(x.v[i] > t);
+#if defined(__AVX512F__)
+    return _mm512_test_epi32_mask((__m512i)above, (__m512i)above) != 0;
+#elif defined(__AVX2__)
+    return !_mm256_testz_si256((__m256i)above, (__m256i)above);
+#else
+    for (int j = 0; j < LANES; j++)
+        if (above[j]) return 1;
+    return 0;
+#endif
+}
+
+/* Weights (finite, normal or 0) to bfloat16, rounding to nearest even: to_bf16, in one
+ * instruction where the CPU has AVX512-BF16 (it agrees with to_bf16 on such numbers). */
+INLINE vh weights_to_bf16(vf x) {
+#if defined(__AVX512BF16__) && LANES == 16
+    return (vh)_mm512_cvtneps_pbh((__m512)x);
+#else
+    return to_bf16(x);
+#endif
+}
+
 /* Fold rows 0..R-1's scores of one block into their running softmaxes, row r counting the
- * block's keys at offsets 0 to last[r] (none when last[r] < 0): a larger maximum rescales what
- * was summed so far; the block's weights go to p[r], 0 for keys not counted. The rescales
- * e^(old max - new max) are computed a vector of rows at a time (vexp, lane by lane: a row's
- * never depends on the others'), not by a libm call per row and block. */
-INLINE void fold(rows_t *w, const vb *s, const int64_t *last, const int64_t R, const int64_t D) {
-    float top[MAX_ROWS + LANES], rescale[MAX_ROWS + LANES];
-    for (int64_t r = 0; r < R; r++) top[r] = hmax(where(up_to(last[r]), s[r], -FLT_MAX), w->m[r]);
+ * block's keys at offsets 0 to last[r] (none when last[r] < 0): a maximum passed by more than
+ * LAZY moves to the block's and rescales what was summed so far (by `rescale`, which
+ * values() applies to the outputs; exactly 1 for rows that did not move); the block's weights
+ * go to p[r] (bfloat16: rounded, as pairs to pp[r], and the rounded weights are what the sum
+ * counts), 0 for keys not counted. The rescales 2^(old max - new max) are computed a vector of
+ * rows at a time (vexp2, lane by lane: a row's never depends on the others'). */
+INLINE void fold(rows_t *w, const vb *s, const int64_t *last, int bf16, const int64_t R,
+                 const int64_t D) {
+    (void)D;
+    const int degree = bf16 ? 4 : 7;
+    float top[MAX_ROWS + LANES], *rescale = w->rescale;
+    vb counted[MAX_ROWS];
+    int moved = 0;
+    for (int64_t r = 0; r < R; r++) { /* a block wholly counted needs no mask (same bits) */
+        counted[r] = last[r] >= BLOCK - 1 ? s[r] : where(up_to(last[r]), s[r], -FLT_MAX);
+        top[r] = any_above(counted[r], w->m[r] + LAZY) ? hmax(counted[r], w->m[r]) : w->m[r];
+        moved |= top[r] != w->m[r];
+    }
     for (int64_t r0 = 0; r0 < R; r0 += LANES) {
-        vf gap = {0};
-        for (int64_t i = 0; i < LANES && r0 + i < R; i++) gap[i] = w->m[r0 + i] - top[r0 + i];
-        const vf e = vexp(gap);
+        vf gap = {0}, e = (vf){0} + 1.0f;
+        if (moved) {
+            for (int64_t i = 0; i < LANES && r0 + i < R; i++) gap[i] = w->m[r0 + i] - top[r0 + i];
+            e = vexp2(gap, degree); /* 2^0 is exactly 1 */
+        }
         memcpy(rescale + r0, &e, sizeof e);
     }
     for (int64_t r = 0; r < R; r++) {
-        const vbi seen = up_to(last[r]);
-        const vb masked = where(seen, s[r], -FLT_MAX);
-        const vb e = where(seen, vexp_block(add_sub(masked, zero_block(), top[r])), 0.0f);
-        memcpy(w->p[r], &e, sizeof e);
-        w->l[r] = w->l[r] * rescale[r] + hsum(e);
+        vb e = add_sub(counted[r], zero_block(), top[r]);
+        for (int i = 0; i < PER_BLOCK; i++) e.v[i] = vexp2(e.v[i], degree);
+        if (last[r] < BLOCK - 1) e = where(up_to(last[r]), e, 0.0f);
+        if (bf16) {
+            for (int i = 0; i < PER_BLOCK; i++) {
+                const vh h = weights_to_bf16(e.v[i]);
+                memcpy((uint16_t *)w->pp[r] + i * LANES, &h, sizeof h);
+                e.v[i] = (vf)(__builtin_convertvector(h, vu) << 16);
+            }
+        } else {
+            memcpy(w->p[r], &e, sizeof e);
+        }
+        for (int i = 0; i < PER_BLOCK; i++)
+            w->l[r].v[i] = rounded(w->l[r].v[i] * rescale[r]) + e.v[i];
         w->m[r] = top[r];
-        for (int64_t c = 0; c < D / LANES; c++) w->acc[r][c] *= rescale[r];
     }
 }
 
 /* acc[r] += the sum over t < n, in order, of p[r][t] * V[t] (V at v + at), for rows 0..R-1,
  * a vector of dimensions at a time. A weight of 0 adds exactly nothing (acc starts at +0 and
  * never becomes -0), so a row gets the same sums whatever n covers past its last key. */
-INLINE void add_values(rows_t *w, const void *v, int64_t at, int64_t n, int bf16,
-                       const int64_t R, const int64_t D) {
+INLINE void add_values(rows_t *w, const float *v, int64_t at, int64_t n, const int64_t R,
+                       const int64_t D) {
     for (int64_t c = 0; c < D / LANES; c++) {
         vf a[MAX_ROWS];
-        for (int64_t r = 0; r < R; r++) a[r] = w->acc[r][c];
+        for (int64_t r = 0; r < R; r++) a[r] = rounded(w->acc[r][c] * w->rescale[r]);
         for (int64_t t = 0; t < n; t++) {
-            const vf row = load(v, at + t * D + c * LANES, bf16);
+            const vf row = load(v, at + t * D + c * LANES, 0);
             for (int64_t r = 0; r < R; r++) a[r] += w->p[r][t] * row;
         }
         for (int64_t r = 0; r < R; r++) w->acc[r][c] = a[r];
     }
 }
 
+/* The same in bfloat16 pairs: acc[r] += dot_pairs of weight pair j and value pair row j (tokens
+ * 2j, 2j + 1), for j < n/2 rounded up, in order. Past n the weight is 0 and the cache holds
+ * finite numbers (zeroed at allocation, or an earlier token's), so the token beside the last
+ * adds exactly nothing. */
+INLINE void add_value_pairs(rows_t *w, const uint16_t *v, int64_t at, int64_t n,
+                            const int64_t R, const int64_t D) {
+    for (int64_t c = 0; c < D / LANES; c++) {
+        vf a[MAX_ROWS];
+        for (int64_t r = 0; r < R; r++) a[r] = rounded(w->acc[r][c] * w->rescale[r]);
+        for (int64_t j = 0; j < (n + 1) / 2; j++) {
+            const vu row = load_pairs(v, at + 2 * (j * D + c * LANES));
+            for (int64_t r = 0; r < R; r++) a[r] = dot_pairs(a[r], row, w->pp[r][j]);
+        }
+        for (int64_t r = 0; r < R; r++) w->acc[r][c] = a[r];
+    }
+}
+
+/* The values of one block (V at v + at, in the cache's dtype): add_values or add_value_pairs. */
+INLINE void values(rows_t *w, const void *v, int64_t at, int64_t n, int bf16, const int64_t R,
+                   const int64_t D) {
+    if (bf16)
+        add_value_pairs(w, v, at, n, R, D);
+    else
+        add_values(w, v, at, n, R, D);
+}
+
 /* Row r's output (D elements at out + at): what it summed, over the sum of its weights. */
 INLINE void finish_row(const rows_t *w, int64_t r, void *out, int64_t at, int bf16,
                        const int64_t D) {
-    for (int64_t c = 0; c < D / LANES; c++)
-        store(out, at + c * LANES, w->acc[r][c] / w->l[r], bf16);
+    const float l = hsum(w->l[r]);
+    for (int64_t c = 0; c < D / LANES; c++) store(out, at + c * LANES, w->acc[r][c] / l, bf16);
 }
 
 /* ---- Decode: one query token per sequence, over its first `len` tokens.
@@ -165,11 +343,11 @@ INLINE int attend(const void *q, const void *k, const void *v, int bf16, const i
                 nv = (const char *)v + next;
             }
             vb s[MAX_GROUP];
-            score_block(s, &heads[kh], k, at, bf16, nk, nv, G, D);
+            score(s, &heads[kh], k, at, bf16, scale, nk, nv, G, D);
             int64_t last[MAX_GROUP];
             for (int64_t g = 0; g < G; g++) last[g] = n - 1;
-            fold(&heads[kh], s, last, G, D);
-            add_values(&heads[kh], v, at, n, bf16, G, D);
+            fold(&heads[kh], s, last, bf16, G, D);
+            values(&heads[kh], v, at, n, bf16, G, D);
         }
     }
     for (int64_t kh = 0; kh < kv_heads; kh++)
@@ -222,6 +400,7 @@ int paged_decode_attention(const void *q, const void *k, const void *v, int bf16
         dim % LANES != 0)
         return -1;
     const attend_fn fn = pick(G, dim);
+    scale *= LOG2E; /* scores in base 2 */
     int failed = 0;
 #pragma omp parallel for schedule(dynamic, 1) reduction(| : failed)
     for (int64_t b = 0; b < batch; b++)
@@ -257,11 +436,11 @@ INLINE void prefill_tile(rows_t *w, const void *q, const void *k, const void *v,
         const int64_t at = (table[b] * kv_heads + kh) * head_elems, start = b * BLOCK;
         const int64_t n = last + 1 - start < BLOCK ? last + 1 - start : BLOCK;
         vb s[MAX_ROWS];
-        score_block(s, w, k, at, bf16, NULL, NULL, rows, D);
+        score(s, w, k, at, bf16, scale, NULL, NULL, rows, D);
         int64_t lasts[MAX_ROWS];
         for (int64_t r = 0; r < rows; r++) lasts[r] = first + query[r] - start;
-        fold(w, s, lasts, rows, D);
-        add_values(w, v, at, n, bf16, rows, D);
+        fold(w, s, lasts, bf16, rows, D);
+        values(w, v, at, n, bf16, rows, D);
     }
     for (int64_t r = 0; r < qt * G; r++)
         finish_row(w, r, out, (query[r] * heads + kh * G + r % G) * D, bf16, D);
@@ -320,6 +499,7 @@ int paged_prefill_attention(const void *q, const void *k, const void *v, int bf1
                 count++;
             }
     const tile_fn fn = pick_tile(G, dim);
+    scale *= LOG2E; /* scores in base 2 */
     int failed = 0;
 #pragma omp parallel reduction(| : failed)
     {
@@ -341,7 +521,7 @@ int paged_prefill_attention(const void *q, const void *k, const void *v, int bf1
 }
 
 /* Store the K and V rows of T new tokens at their slots (block * BLOCK + offset) of one layer's
- * cache; services/model/kv_cache.py's write() is the reference. k: [T, KVH, D] contiguous;
+ * cache, in the layouts above; services/model/kv_cache.py's write() is the reference. k: [T, KVH, D] contiguous;
  * v: rows of [KVH, D] contiguous, `v_stride` elements apart (a view of the qkv projection). */
 void write_kv(const void *k, const void *v, int64_t v_stride, const int64_t *slots,
               void *k_cache, void *v_cache, int64_t rows, int64_t kv_heads, int64_t dim,
@@ -352,10 +532,14 @@ void write_kv(const void *k, const void *v, int64_t v_stride, const int64_t *slo
             const int64_t head = block * kv_heads + h, from = (r * kv_heads + h) * dim;
             const int64_t kt = head * dim * BLOCK + offset, vt = (head * BLOCK + offset) * dim;
             const int64_t vs = r * v_stride + h * dim;
-            if (bf16) { /* K transposed within its block: a dimension every BLOCK elements */
-                for (int64_t d = 0; d < dim; d++)
-                    ((uint16_t *)k_cache)[kt + d * BLOCK] = ((const uint16_t *)k)[from + d];
-                memcpy((uint16_t *)v_cache + vt, (const uint16_t *)v + vs, dim * 2);
+            if (bf16) { /* pairs: K (d, t) at (d / 2, t, d % 2), V (t, d) at (t / 2, d, t % 2) */
+                const int64_t kp = head * dim * BLOCK + 2 * offset;
+                const int64_t vp = head * BLOCK * dim + offset / 2 * 2 * dim + offset % 2;
+                for (int64_t d = 0; d < dim; d++) {
+                    ((uint16_t *)k_cache)[kp + d / 2 * 2 * BLOCK + d % 2] =
+                        ((const uint16_t *)k)[from + d];
+                    ((uint16_t *)v_cache)[vp + 2 * d] = ((const uint16_t *)v)[vs + d];
+                }
             } else {
                 for (int64_t d = 0; d < dim; d++)
                     ((float *)k_cache)[kt + d * BLOCK] = ((const float *)k)[from + d];

@@ -8,6 +8,8 @@ import torch
 from services.model import kernels, kv_cache
 from services.model.attention import CpuAttention, TorchAttention, default_attention
 from services.model.batch import ForwardBatch, SeqChunk
+from services.model.config import ModelConfig
+from services.model.kv_cache import KVCache
 
 BLOCK = 16
 LIBRARY = kernels.load("paged_attention")
@@ -42,6 +44,38 @@ def test_write_then_gather_round_trips_in_token_order():
     assert keys.shape == (2, 48, 3, 4)
     assert torch.equal(keys[1, :40], k) and torch.equal(values[0, :40], v)
     assert torch.equal(k_cache[0, 2, :, 5], k[16 + 5, 2])  # K transposed within its block
+
+
+def test_bfloat16_blocks_hold_pairs_and_move_in_the_plain_layout():
+    """A bfloat16 cache keeps a block's elements in pairs (what VDPBF16PS takes): K's dimensions
+    2j and 2j + 1 of a token side by side, V's tokens 2j and 2j + 1 of a dimension side by side.
+    Whole blocks leave and enter it (store export and import) in the plain layout, the same
+    bytes a float32 cache's blocks convert to."""
+    config = ModelConfig("llama", 8, 72, 8, 2, 6, 3, 12, 1e-5, 1e4, 64, True, False)
+    gen = torch.Generator().manual_seed(3)
+    caches = {dt: KVCache(config, 4, BLOCK, dt) for dt in (torch.float32, torch.bfloat16)}
+    k, v = torch.randn(2, 40, 3, 12, generator=gen), torch.randn(2, 40, 3, 12, generator=gen)
+    k, v = k.to(torch.bfloat16).float(), v.to(torch.bfloat16).float()  # exact in both dtypes
+    table = [3, 0, 2]
+    slots = torch.tensor([table[p // BLOCK] * BLOCK + p % BLOCK for p in range(40)])
+    for cache in caches.values():
+        for layer in range(2):
+            kv_cache.write(*cache.layer(layer), slots, k[layer].to(cache.k.dtype),
+                           v[layer].to(cache.v.dtype))  # fmt: skip
+    paired = caches[torch.bfloat16]
+    raw_k, raw_v = paired.k[1, 0, 2].flatten(), paired.v[1, 0, 2].flatten()  # token 16 + t
+    for t, d in [(0, 0), (5, 7), (15, 11)]:
+        assert raw_k[d // 2 * 2 * BLOCK + 2 * t + d % 2] == k[1, 16 + t, 2, d]
+        assert raw_v[t // 2 * 2 * 12 + 2 * d + t % 2] == v[1, 16 + t, 2, d]
+    plain = [kv_cache.gather_blocks(c, table) for c in (caches[torch.float32], paired)]
+    assert torch.equal(plain[0][0].to(torch.bfloat16), plain[1][0])
+    assert torch.equal(plain[0][1].to(torch.bfloat16), plain[1][1])
+    keys, _ = kv_cache.gather(*paired.layer(1), torch.tensor(table))
+    assert torch.equal(keys[:40].float(), k[1])
+    target = KVCache(config, 4, BLOCK, torch.bfloat16)
+    kv_cache.scatter_blocks(target, [1, 2, 3], *plain[0])  # float32 blocks, converted
+    assert torch.equal(target.k[:, 1:], paired.k[:, table])
+    assert torch.equal(target.v[:, 1:], paired.v[:, table])
 
 
 @needs_kernel
