@@ -18,6 +18,7 @@ from typing import Any
 
 import grpc
 
+from decode.transfer import DecodeTransfer
 from services.engine.driver import EngineDied
 from services.engine.params import ValidationError
 from services.engine.request import EngineRequest
@@ -51,7 +52,7 @@ class DecodeWorker(Worker, worker_pb2_grpc.DecodeWorkerServicer):
             params = convert.sampling_params(request.params, request.seed)
             if not rid:
                 raise ValidationError("request_id", "must not be empty")
-            full, partial = self.hashes(prompt, request.salt)
+            full, partial = self.link.hashes(prompt, request.salt)
             if not request.local_prefill and list(request.block_hashes) != [
                 *full,
                 *([partial] if partial else []),
@@ -62,14 +63,16 @@ class DecodeWorker(Worker, worker_pb2_grpc.DecodeWorkerServicer):
         kv = None
         if not request.local_prefill:
             rest = len(prompt) % self.layout.block_size
-            kv = await self.fetch(rid, full, partial, rest, gentle=True)
+            kv = await self.link.fetch(rid, full, partial, rest, gentle=True)
             span.event("fetched", tokens=kv.num_tokens if kv is not None else 0)
+        write_back = self.link.export if self.config.write_back else None
         try:
             stream = await self.driver.submit(
                 EngineRequest(
                     rid, prompt, params, request.salt, output_ids=output,
                     text_sent=request.text_sent if request.HasField("text_sent") else None,
-                    kv_import=kv, export=self.config.write_back, block_hashes=full,
+                    transfer=DecodeTransfer(kv, write_back),
+                    block_hashes=full,
                 )
             )  # fmt: skip
             async for chunk in self._chunks(rid, len(prompt), stream, span):
@@ -115,7 +118,7 @@ class DecodeWorker(Worker, worker_pb2_grpc.DecodeWorkerServicer):
             if not finished:  # the client went away (or the server is stopping)
                 log.info("cancelled", extra={"fields": {"request_id": rid}})
                 self.driver.abort_soon(rid)
-            self.pending_puts.pop(rid, None)  # write-back finishes on its own
+            self.link.forget(rid)  # write-back finishes on its own
 
 
 def run(settings: Settings) -> int:

@@ -17,6 +17,7 @@ from typing import Any
 import grpc
 
 from kvstore.store import StoreUnavailable
+from prefill.transfer import PrefillTransfer
 from services.engine.driver import EngineDied
 from services.engine.params import ValidationError
 from services.engine.request import EngineRequest, FinishReason
@@ -47,19 +48,20 @@ class PrefillWorker(Worker, worker_pb2_grpc.PrefillWorkerServicer):
                 raise ValidationError("request_id", "must not be empty")
         except ValidationError as e:
             await refuse(context, e)
-        full, partial = self.hashes(prompt, request.salt)
+        full, partial = self.link.hashes(prompt, request.salt)
         usable = max(0, (len(prompt) - 1) // self.layout.block_size)  # the last token computes
-        kv = await self.fetch(rid, full[:usable], None, 0) if usable else None
+        kv = await self.link.fetch(rid, full[:usable], None, 0) if usable else None
         span.event("fetched", tokens=kv.num_tokens if kv is not None else 0)
         try:
+            transfer = PrefillTransfer(kv, self.link.export, partial)
             stream = await self.driver.submit(
-                EngineRequest(rid, prompt, params, request.salt, kv_import=kv, prefill_only=True,
-                              export=True, block_hashes=full)
+                EngineRequest(rid, prompt, params, request.salt, transfer=transfer,
+                              block_hashes=full)
             )  # fmt: skip
             # a caller gone (cancelled) aborts the request as the stream is left
             delta = [d async for d in stream][-1]
             trace_steps(span, delta, first=True)
-            await self.wait_for_puts(rid)
+            await self.link.wait_for_puts(rid)
             span.event("stored")
         except ValidationError as e:
             await refuse(context, e)
@@ -68,7 +70,7 @@ class PrefillWorker(Worker, worker_pb2_grpc.PrefillWorkerServicer):
         except EngineDied as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         finally:
-            self.pending_puts.pop(rid, None)
+            self.link.forget(rid)
             span.end()
         if delta.finish_reason is FinishReason.ABORT:
             await context.abort(grpc.StatusCode.CANCELLED, f"request {rid} was aborted")

@@ -16,12 +16,6 @@ from dataclasses import dataclass, field
 
 from kvstore.block_hash import BLOCK_SIZE, KVLayout
 from services.engine.block_manager import BlockManager
-from services.engine.kv_transfer import (
-    Exporter,
-    admit_import,
-    blocks_to_export,
-    partial_block_hash,
-)
 from services.engine.outputs import (
     Choice,
     RequestOutput,
@@ -90,9 +84,7 @@ class Engine:
         model: LlamaModel,
         tokenizer: Tokenizer,
         config: EngineConfig | None = None,
-        exporter: Exporter | None = None,
     ) -> None:
-        """`exporter` receives the blocks of export-marked sequences as they are computed."""
         self.model = model
         self.tokenizer = tokenizer
         self.config = config = config or EngineConfig()
@@ -116,7 +108,6 @@ class Engine:
             self.blocks,
             self._admit,
         )
-        self.exporter = exporter
         self.sampler = Sampler(mc.vocab_size, mc.eos_token_ids)
         self.requests: dict[str, _Request] = {}
         self.times = StepTimes()
@@ -161,9 +152,7 @@ class Engine:
                 arrival=next(self._arrivals),
                 salt=salt,
                 detokenizer=self._detokenizer(prompt_ids, output_ids, params),
-                prefill_only=request.prefill_only,
-                export=request.export,
-                kv_import=request.kv_import if i == 0 else None,
+                transfer=request.transfer,
                 block_hashes=list(
                     request.block_hashes[: len(prompt_ids) // self.config.block_size]
                 ),
@@ -178,8 +167,6 @@ class Engine:
                 if request.text_sent is None
                 else min(request.text_sent, len(seq.text))
             )
-        if request.export and request.prefill_only:
-            seqs[0].partial_hash = partial_block_hash(self.blocks, seqs[0])
         self.requests[request_id] = _Request(seqs, held_back=seqs[1:])
         # Choices 1..n-1 wait until choice 0 has computed the prompt; they then find its
         # full blocks in the prefix cache and share them instead of computing them again.
@@ -194,14 +181,13 @@ class Engine:
         return detok
 
     def _admit(self, seq: Sequence) -> int:
-        """The computed prefix of a sequence entering the batch: imported KV, or the cache's."""
-        if seq.kv_import is None:
-            return self.blocks.admit(seq)
-        computed = admit_import(self.blocks, self.kv, seq, seq.kv_import)
-        if computed:
-            seq.exported_blocks = computed // self.config.block_size  # in the store already
-            seq.kv_import = None
-        return computed
+        """The computed prefix of a sequence entering the batch: what its transfer brings, or
+        the prefix cache's."""
+        if seq.transfer is not None:
+            computed = seq.transfer.admit(self.blocks, self.kv, seq)
+            if computed is not None:
+                return computed
+        return self.blocks.admit(seq)
 
     def abort(self, request_id: str) -> list[SequenceDelta]:
         """Stop a request now; its blocks return to the pool before this returns."""
@@ -237,8 +223,8 @@ class Engine:
             chunk.seq.scheduled_ns = chunk.seq.scheduled_ns or start_ns
             chunk.seq.num_computed_tokens += chunk.num_tokens
             self.blocks.commit(chunk.seq)
-            if chunk.seq.export and chunk.seq.prefill_only:
-                self._export(chunk.seq)
+            if chunk.seq.transfer is not None:
+                chunk.seq.transfer.computed(self.blocks, chunk.seq)
         sampling = [c.seq for c in scheduled.chunks if c.want_logits]
         result = self.sampler(logits, sampling)
         deltas = [
@@ -275,8 +261,8 @@ class Engine:
         stops = StopChecker(seq, self.sampler.eos_token_ids, self.model.config.max_model_len)
         delta = stops.apply(token, step)
         if seq.finish_reason is not None:
-            if seq.export and not seq.prefill_only:
-                self._export(seq)  # written back whole, before its blocks are released
+            if seq.transfer is not None:
+                seq.transfer.finished(self.blocks, seq)  # before its blocks are released
             self.scheduler.finish(seq)
         if seq.index == 0 and seq.num_output_tokens == 1:
             self._release_held_back(seq.request_id)
@@ -284,12 +270,6 @@ class Engine:
         if req is not None and all(s.is_finished for s in req.seqs):
             del self.requests[seq.request_id]
         return delta
-
-    def _export(self, seq: Sequence) -> None:
-        if self.exporter is not None:
-            ready = blocks_to_export(self.blocks, seq, seq.partial_hash)
-            if ready:
-                self.exporter(seq, ready)
 
     def _release_held_back(self, request_id: str) -> None:
         req = self.requests.get(request_id)

@@ -1,14 +1,17 @@
-"""KV computed elsewhere coming in, and KV computed here going out: the engine's seam to a
-KV store, which stays outside the engine (workers wire it up).
+"""The engine's one seam to disaggregation: a request's `KVTransfer`, which decides what its
+sequences bring at admission, what leaves as their blocks are computed, and what happens when
+they finish. The engine knows nothing else of prefill or decode workers; their two
+implementations are prefill/transfer.py and decode/transfer.py, both built on `StoreTransfer`
+below (vLLM's KV connector plays the same part).
 
-In: a decode worker fetches a request's prompt blocks before the engine admits it and
-attaches them as `ImportedKV`. At admission the engine shares the blocks it already caches,
-fills fresh ones from the import, and computes whatever the import lacks.
+In: a worker fetches a request's prompt blocks before the engine admits it (`ImportedKV`).
+At admission the sequence shares the blocks the engine already caches, fills fresh ones from
+the import, and computes whatever the import lacks.
 
-Out: for a sequence marked for export, the engine reports each block once it is full and
-computed (and, for a prefill, the partial last block of the prompt when the prompt is done)
-to an exporter callback, from the engine's own thread, right after the step that computed
-it: the callback copies what it needs before the blocks can change hands.
+Out: blocks that are full and computed (and a prompt's partial last block, once the prompt is
+done) go to an exporter callback, from the engine's own thread, right after the step that
+computed them (a prefill) or when the sequence finishes (a decode's write-back): the callback
+copies what it needs before the blocks can change hands.
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ from typing import Protocol
 
 import torch
 
-from kvstore.block_hash import block_hashes
 from services.engine.block_manager import BlockManager
 from services.engine.request import Sequence
 from services.model.kv_cache import KVCache, scatter_blocks
@@ -74,6 +76,67 @@ class BlockToExport:
 Exporter = Callable[[Sequence, list[BlockToExport]], None]
 
 
+class KVTransfer(Protocol):
+    """A request's KV beyond the engine; every method runs on the engine's thread."""
+
+    # the sequence finishes at its first token (FinishReason.PREFILLED): decode goes on elsewhere
+    finishes_at_first_token: bool
+
+    def admit(self, blocks: BlockManager, cache: KVCache, seq: Sequence) -> int | None:
+        """Give `seq` (holding no blocks) the prefix it brings: the tokens now computed (0:
+        not yet, the pool is short), or None when it brings nothing (the engine's prefix
+        cache decides)."""
+        ...
+
+    def computed(self, blocks: BlockManager, seq: Sequence) -> None:
+        """A step computed (and committed) part of `seq`."""
+        ...
+
+    def finished(self, blocks: BlockManager, seq: Sequence) -> None:
+        """`seq` finished; its blocks are still its own."""
+        ...
+
+
+class StoreTransfer:
+    """A KVTransfer to and from a KV store: the import (for choice 0; the other choices share
+    its blocks through the prefix cache), and blocks out to `exporter` when a subclass says.
+    Remembers, per choice, the leading blocks already sent or already in the store."""
+
+    finishes_at_first_token = False
+
+    def __init__(self, imported: ImportedKV | None, exporter: Exporter | None) -> None:
+        self.imported = imported
+        self.exporter = exporter
+        self.exported: dict[int, int] = {}  # choice -> leading blocks sent or in the store
+
+    def admit(self, blocks: BlockManager, cache: KVCache, seq: Sequence) -> int | None:
+        if self.imported is None or seq.index != 0:
+            return None
+        computed = admit_import(blocks, cache, seq, self.imported)
+        if computed:
+            self.exported[seq.index] = computed // blocks.block_size  # in the store already
+            self.imported = None
+        return computed
+
+    def computed(self, blocks: BlockManager, seq: Sequence) -> None:
+        pass
+
+    def finished(self, blocks: BlockManager, seq: Sequence) -> None:
+        pass
+
+    def export(
+        self, blocks: BlockManager, seq: Sequence, partial_hash: bytes | None = None
+    ) -> None:
+        """Send the blocks of `seq` that became full since the last call, and with
+        `partial_hash` (its hash) the prompt's partial last block once the prompt is computed."""
+        if self.exporter is None:
+            return
+        done = self.exported.get(seq.index, 0)
+        ready, self.exported[seq.index] = blocks_to_export(blocks, seq, done, partial_hash)
+        if ready:
+            self.exporter(seq, ready)
+
+
 def admit_import(blocks: BlockManager, cache: KVCache, seq: Sequence, kv: ImportedKV) -> int:
     """Give `seq` (holding no blocks) its imported prefix: cached blocks shared, the others
     written from the import. Returns the tokens now computed; 0 (nothing changed) when the
@@ -102,27 +165,15 @@ def admit_import(blocks: BlockManager, cache: KVCache, seq: Sequence, kv: Import
 
 
 def blocks_to_export(
-    blocks: BlockManager, seq: Sequence, partial_hash: bytes | None
-) -> list[BlockToExport]:
-    """The blocks of `seq` that became full (or, with `partial_hash`, the prompt's partial last
-    block) since the last call; marks them exported."""
+    blocks: BlockManager, seq: Sequence, done: int, partial_hash: bytes | None
+) -> tuple[list[BlockToExport], int]:
+    """The full blocks of `seq` past its first `done` (and, with `partial_hash`, the prompt's
+    partial last block once the prompt is computed), and the count of leading blocks now sent."""
     bs = blocks.block_size
     full = seq.num_computed_tokens // bs
     hashes = blocks.hashes(seq)
-    out = [
-        BlockToExport(i, seq.block_ids[i], hashes[i], bs) for i in range(seq.exported_blocks, full)
-    ]
-    seq.exported_blocks = max(seq.exported_blocks, full)
+    out = [BlockToExport(i, seq.block_ids[i], hashes[i], bs) for i in range(done, full)]
     rest = seq.prompt_len - full * bs
     if partial_hash is not None and 0 < rest < bs and seq.num_computed_tokens >= seq.prompt_len:
         out.append(BlockToExport(full, seq.block_ids[full], partial_hash, rest))
-    return out
-
-
-def partial_block_hash(blocks: BlockManager, seq: Sequence) -> bytes | None:
-    """The hash of the prompt's partial last block (DESIGN.md), None if the prompt fills its
-    blocks exactly."""
-    prompt = seq.token_ids[: seq.prompt_len]
-    if len(prompt) % blocks.block_size == 0:
-        return None
-    return block_hashes(prompt, blocks.block_size, blocks.namespace, seq.salt, True)[-1]
+    return out, max(done, full)

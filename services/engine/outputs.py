@@ -106,7 +106,7 @@ class StopChecker:
             seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len
         ):
             reason = FinishReason.LENGTH
-        if reason is None and seq.prefill_only:
+        if reason is None and seq.transfer is not None and seq.transfer.finishes_at_first_token:
             reason = FinishReason.PREFILLED  # the text goes on elsewhere: hold back as usual
         final = reason is not None and reason is not FinishReason.PREFILLED
         if final:  # the end: cut at the stop string, or flush what is pending

@@ -20,7 +20,7 @@ from services.engine.params import SamplingParams
 from services.tokenizer.detokenize import IncrementalDetokenizer
 
 if TYPE_CHECKING:
-    from services.engine.kv_transfer import ImportedKV
+    from services.engine.kv_transfer import KVTransfer
 
 
 class Status(enum.Enum):
@@ -49,13 +49,11 @@ class EngineRequest:
     """A request as the engine takes it (Engine.add_request, AsyncEngine.submit).
 
     Disaggregation: `output_ids` are tokens already generated elsewhere (their KV is computed
-    here), of whose text `text_sent` characters reached the client (None: all); `kv_import` is
-    prompt KV read from a store; `prefill_only` finishes the request at its first token;
-    `export` reports its blocks to the exporter: as they fill for a prefill_only request (its
-    reader waits for them), else all at once when it finishes (a write-back: the encoding stays
-    off the path of its tokens). `block_hashes`: the prompt's full-block hashes where the caller
-    has computed them (in the engine's namespace, with `salt`), so they are computed once per
-    request in a process; else the engine computes them."""
+    here), of whose text `text_sent` characters reached the client (None: all); `transfer` is
+    the request's KV beyond the engine (services/engine/kv_transfer.py: what it brings, what
+    leaves, whether it finishes at its first token). `block_hashes`: the prompt's full-block
+    hashes where the caller has computed them (in the engine's namespace, with `salt`), so
+    they are computed once per request in a process; else the engine computes them."""
 
     request_id: str
     prompt_ids: SeqOf[int]
@@ -63,9 +61,7 @@ class EngineRequest:
     salt: bytes = b""  # per-tenant prefix-cache isolation
     output_ids: SeqOf[int] = ()
     text_sent: int | None = None
-    kv_import: ImportedKV | None = None
-    prefill_only: bool = False
-    export: bool = False
+    transfer: KVTransfer | None = None
     block_hashes: SeqOf[bytes] = ()
 
 
@@ -93,13 +89,8 @@ class Sequence:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     times_preempted: int = 0
     scheduled_ns: int = 0  # wall clock when it first entered a step (tracing)
-    # disaggregation (kv_transfer.py)
-    prefill_only: bool = False  # finish after the first token (a prefill worker's request)
-    export: bool = False  # blocks for a KV store: as they fill if prefill_only, else at the end
-    exported_blocks: int = 0  # leading blocks already reported (or known to be in the store)
-    partial_hash: bytes | None = None  # the prompt's partial last block, exported by prefill
-    kv_import: ImportedKV | None = None  # prompt KV read from a store, used at admission
-    store_tokens: int = 0  # prompt tokens written from kv_import (not the local cache's)
+    transfer: KVTransfer | None = None  # its request's KV beyond the engine (kv_transfer.py)
+    store_tokens: int = 0  # prompt tokens it was given from a store (not the local cache's)
 
     @property
     def num_tokens(self) -> int:

@@ -9,44 +9,34 @@ where the request cannot do without it, and a recomputation where it can.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import logging
 import os
 import signal
 import sys
-import time
-from collections import defaultdict
-from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 import torch
 
-from kvstore import open_store
-from kvstore.block_hash import BLOCK_SIZE, KVLayout, block_hashes
-from kvstore.blocks import BlockStore, StoredBlocks
-from kvstore.codec import BlockCodec, StorageDtype
+from kvstore.block_hash import BLOCK_SIZE, KVLayout
+from kvstore.codec import StorageDtype
 from kvstore.store import StoreUnavailable
 from services.engine.driver import AsyncEngine
 from services.engine.engine import Engine, EngineConfig
-from services.engine.kv_transfer import BlockToExport, ImportedKV
 from services.engine.outputs import SequenceDelta
 from services.engine.params import ValidationError
-from services.engine.request import Sequence
 from services.model import sources
-from services.model.kv_cache import gather_blocks
 from services.model.loader import load_model
 from services.model.openmp import release_this_threads_team
 from services.rpc import worker_pb2 as pb
 from services.settings import DEFAULTS, Settings, SettingsError
 from services.tracing import Span, Tracer, from_metadata
+from services.worker.kv_link import KVLink
 
 log = logging.getLogger("pdserve.worker")
 WATCH_INTERVAL = 0.5  # seconds between the watchdog's looks at the engine thread
-FETCH_BATCH = 8  # blocks per store read while fetching a prompt (see Worker.fetch)
-FETCH_PAUSE = 0.005  # seconds between those reads
 SWITCH_INTERVAL = 0.0005  # seconds; Python's default is 0.005
 
 
@@ -108,7 +98,6 @@ def worker_config(s: Settings, role: str) -> WorkerConfig:
 @dataclass
 class Counters:
     recomputed_tokens: int = 0  # prompt tokens computed because the store missed
-    store_failures: int = 0  # requests that went on without the store
 
 
 class Worker:
@@ -143,24 +132,18 @@ class Worker:
             model_id=self.layout.model_id,
             namespace=self.namespace,  # block names in the engine = keys in the store
         )
-        self.engine = Engine(loaded.model, loaded.tokenizer, engine_config, self._export)
+        self.engine = Engine(loaded.model, loaded.tokenizer, engine_config)
         self.cache_dtype: torch.dtype = cache_dtype
-        self.codec = BlockCodec(self.layout, storage, config.kv_key)
-        if config.kv_key is None:
-            log.warning("no kv_key_file: stored blocks are checksummed, not authenticated "
-                        "(whoever can write to the store can plant KV)")  # fmt: skip
-        self.store = open_store(
-            config.kv_store,
-            self.namespace,
-            timeout=config.store_timeout,
-            max_bytes=config.kv_store_max_bytes,
-        )
-        self.blocks = BlockStore(self.store, self.codec)
         release_this_threads_team()  # the engine thread computes from here on (openmp.py)
         self.driver = AsyncEngine(self.engine)
+        self.link = KVLink(
+            self.layout, storage, config.kv_store, key=config.kv_key,
+            timeout=config.store_timeout, max_bytes=config.kv_store_max_bytes,
+            cache=self.engine.kv, cached_hashes=lambda: self.driver.cached_hashes,
+        )  # fmt: skip
+        self.store = self.link.store
         self.counters = Counters()
         self.tracer = Tracer(f"pdserve-{self.role}", config.trace_file)  # None: no-ops
-        self.pending_puts: dict[str, list[concurrent.futures.Future[None]]] = defaultdict(list)
         self.serving = False  # between start and drain
         self.exit_code = 0  # 1 once the engine is found dead or stalled
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -169,82 +152,6 @@ class Worker:
     def ready(self) -> bool:
         """Serving, with an engine that is alive (what Health and HTTP /health report)."""
         return self.serving and self.driver.alive
-
-    # -- KV out: called on the engine thread right after a step computed the blocks -----
-
-    def _export(self, seq: Sequence, ready: list[BlockToExport]) -> None:
-        assert self._loop is not None
-        k, v = gather_blocks(self.engine.kv, [b.block_id for b in ready])
-        items = self.blocks.encode(
-            k, v, [b.block_hash for b in ready], [b.num_tokens for b in ready]
-        )
-        put = self.store.put_many(items)
-        self.pending_puts[seq.request_id].append(asyncio.run_coroutine_threadsafe(put, self._loop))
-
-    async def wait_for_puts(self, request_id: str) -> None:
-        """Until every block exported for the request is written (StoreUnavailable if not)."""
-        for future in self.pending_puts.pop(request_id, []):
-            await asyncio.wrap_future(future)
-
-    # -- KV in ---------------------------------------------------------------------------
-
-    def hashes(self, prompt: Seq[int], salt: bytes) -> tuple[list[bytes], bytes | None]:
-        """The prompt's full-block hashes, and its partial block's (None if it has none)."""
-        hashes = block_hashes(prompt, self.layout.block_size, self.namespace, salt, True)
-        if len(prompt) % self.layout.block_size:
-            return hashes[:-1], hashes[-1]
-        return hashes, None
-
-    async def fetch(
-        self,
-        request_id: str,
-        full: list[bytes],
-        partial: bytes | None,
-        partial_tokens: int,
-        gentle: bool = False,
-    ) -> ImportedKV | None:
-        """The longest valid run of these blocks in the store (and the partial block after
-        them if all are there); None if none, or if the store is unavailable.
-
-        `gentle` (decode: streams are running) reads FETCH_BATCH blocks at a time with a
-        pause between reads: each read and decode then holds the GIL and the cores for a few
-        milliseconds only, and the engine thread stepping the running batch meanwhile is
-        never kept waiting long (one 46 MB read stalled a step by ~170 ms).
-
-        Leading blocks this worker's cache holds are not read (what KV-aware routing buys):
-        the import names them and the engine shares them at admission."""
-        start = time.perf_counter()
-        cached = self.driver.cached_hashes  # a snapshot: the engine thread owns the cache
-        skipped = next((i for i, h in enumerate(full) if h not in cached), len(full))
-        values: list[bytes] = [b""] * skipped
-        try:
-            step = FETCH_BATCH if gentle else max(1, len(full) - skipped)
-            while len(values) < len(full):
-                batch = full[len(values) : len(values) + step]
-                got = [value for value, _ in await self.blocks.get_checked(batch)]
-                values += got
-                if len(got) < len(batch):
-                    break
-                if gentle:
-                    await asyncio.sleep(FETCH_PAUSE)  # leave the cores to the batch a moment
-            count = len(values)
-            if partial is not None and count == len(full):
-                values += [value for value, _ in await self.blocks.get_checked([partial])]
-        except StoreUnavailable as e:
-            self.counters.store_failures += 1
-            log.warning("store unavailable, computing instead",
-                        extra={"fields": {"request_id": request_id, "why": str(e)}})  # fmt: skip
-            return None
-        has_tail = len(values) > count
-        log.info("fetched", extra={"fields": {
-            "request_id": request_id, "blocks": len(values) - skipped, "cached": skipped,
-            "of": len(full) + (partial is not None), "ms": 1000 * (time.perf_counter() - start),
-        }})  # fmt: skip
-        if not values:
-            return None
-        source = StoredBlocks(self.codec, values)
-        bs = self.layout.block_size
-        return ImportedKV(full[:count], source, bs, partial_tokens if has_tail else 0, skipped)
 
     def span(self, name: str, context: Any, **attributes: Any) -> Span:
         """The RPC's server span, in the caller's trace when it sent a traceparent."""
@@ -291,6 +198,7 @@ class Worker:
         flight `grace_period` seconds, abort the rest; exit code 0. Or until the engine
         thread dies or stalls: then exit at once with 1, for the supervisor to restart us."""
         self._loop = asyncio.get_running_loop()
+        self.link.start(self._loop)
         # The engine thread needs the GIL between torch ops, hundreds of times a step; a
         # shorter switch interval bounds its wait when RPCs (a KV fetch) run Python meanwhile.
         sys.setswitchinterval(SWITCH_INTERVAL)

@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from decode.transfer import DecodeTransfer
 from kvstore.block_hash import block_hashes
+from prefill.transfer import PrefillTransfer
 from services.engine.engine import Engine, EngineConfig
 from services.engine.kv_transfer import ImportedKV, TensorKV
 from services.engine.params import SamplingParams
@@ -41,17 +43,18 @@ def test_prefill_exports_every_prompt_block_then_decode_continues(embedded):
     ref: list[Engine] = []
     collect = Collector(ref)
     prefill = Engine(embedded.model, embedded.tokenizer,
-                     EngineConfig(num_blocks=64, max_num_batched_tokens=32), collect)  # fmt: skip
+                     EngineConfig(num_blocks=64, max_num_batched_tokens=32))  # fmt: skip
     ref.append(prefill)
-    prefill.add_request(EngineRequest("r", ids, PARAMS, prefill_only=True, export=True))
+    full = block_hashes(ids, 16, prefill.blocks.namespace)
+    partial = block_hashes(ids, 16, prefill.blocks.namespace, include_partial=True)[-1]
+    transfer = PrefillTransfer(None, collect, partial)
+    prefill.add_request(EngineRequest("r", ids, PARAMS, transfer=transfer))
     deltas = []
     while prefill.has_unfinished:
         deltas += prefill.step()
     assert [d.finish_reason for d in deltas] == [FinishReason.PREFILLED]
     first = deltas[0].token_ids[0]
     assert first == expected[0]
-    full = block_hashes(ids, 16, prefill.blocks.namespace)
-    partial = block_hashes(ids, 16, prefill.blocks.namespace, include_partial=True)[-1]
     assert [collect.blocks[i][0] for i in range(5)] == [*full, partial]
     assert [collect.blocks[i][1] for i in range(5)] == [16, 16, 16, 16, 6]
     assert prefill.blocks.referenced_blocks() == 0
@@ -60,7 +63,9 @@ def test_prefill_exports_every_prompt_block_then_decode_continues(embedded):
     v = torch.stack([collect.blocks[i][3] for i in range(5)])
     decode = Engine(embedded.model, embedded.tokenizer, EngineConfig(num_blocks=64))
     kv = ImportedKV(full, TensorKV(k, v), 16, partial_tokens=6)
-    decode.add_request(EngineRequest("r", ids, PARAMS, output_ids=[first], kv_import=kv))
+    decode.add_request(
+        EngineRequest("r", ids, PARAMS, output_ids=[first], transfer=DecodeTransfer(kv, None))
+    )
     out = []
     while decode.has_unfinished:
         out += [t for d in decode.step() for t in d.token_ids]
@@ -81,7 +86,9 @@ def test_an_import_missing_blocks_is_completed_by_recomputing(embedded):
     k, v = gather_blocks(first_engine.kv, kept[:1])  # only block 0 "survived" in the store
     decode = Engine(embedded.model, embedded.tokenizer, EngineConfig(num_blocks=64))
     kv = ImportedKV(block_hashes(ids, 16, decode.blocks.namespace)[:1], TensorKV(k, v), 16)
-    decode.add_request(EngineRequest("r", ids, PARAMS, output_ids=[expected[0]], kv_import=kv))
+    decode.add_request(
+        EngineRequest("r", ids, PARAMS, output_ids=[expected[0]], transfer=DecodeTransfer(kv, None))
+    )
     out = []
     while decode.has_unfinished:
         out += [t for d in decode.step() for t in d.token_ids]
@@ -115,7 +122,9 @@ def test_unfetched_leading_blocks_come_from_the_cache_or_are_recomputed(embedded
     if still_cached:  # the worker's view held: blocks 0-1 are in this engine's cache
         decode.generate([ids[:40]], SamplingParams(max_tokens=1))
     kv = _import_with_first_two_blocks_unfetched(embedded, ids)
-    decode.add_request(EngineRequest("r", ids, PARAMS, output_ids=[expected[0]], kv_import=kv))
+    decode.add_request(
+        EngineRequest("r", ids, PARAMS, output_ids=[expected[0]], transfer=DecodeTransfer(kv, None))
+    )
     deltas = []
     while decode.has_unfinished:
         deltas += decode.step()

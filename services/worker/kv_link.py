@@ -1,0 +1,153 @@
+"""A worker's one link to the KV store: the store, its codec and the worker's KV layout, and
+the three things a worker does with them, all here: hashing a prompt's blocks (once per
+request), fetching the blocks the engine's cache lacks, and exporting the blocks the engine
+hands out (services/engine/kv_transfer.py), then waiting for their writes.
+
+The worker owns it. Everything runs on the worker's event loop except `export`, which the
+engine thread calls right after the step that computed the blocks: it copies and encodes them
+there (before they can change hands) and leaves the write to the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Callable, Container
+from collections.abc import Sequence as Seq
+
+from kvstore import open_store
+from kvstore.block_hash import KVLayout, block_hashes
+from kvstore.blocks import BlockStore, StoredBlocks
+from kvstore.codec import BlockCodec, StorageDtype
+from kvstore.store import KVStore, StoreUnavailable
+from services.engine.kv_transfer import BlockToExport, ImportedKV
+from services.engine.request import Sequence
+from services.model.kv_cache import KVCache, gather_blocks
+
+log = logging.getLogger("pdserve.worker")
+FETCH_BATCH = 8  # blocks per store read while fetching a prompt gently (see fetch)
+FETCH_PAUSE = 0.005  # seconds between those reads
+
+
+class KVLink:
+    def __init__(
+        self,
+        layout: KVLayout,
+        storage: StorageDtype,
+        store_url: str,
+        *,
+        key: bytes | None,
+        timeout: float,
+        max_bytes: int | None,
+        cache: KVCache,
+        cached_hashes: Callable[[], Container[bytes]],
+    ) -> None:
+        """`cache`: the engine's KV pool (exports copy from it, on the engine thread);
+        `cached_hashes`: a snapshot of the blocks the engine's prefix cache holds."""
+        self.layout = layout
+        self.namespace = layout.namespace()
+        self.codec = BlockCodec(layout, storage, key)
+        if key is None:
+            log.warning("no kv_key_file: stored blocks are checksummed, not authenticated "
+                        "(whoever can write to the store can plant KV)")  # fmt: skip
+        self.store: KVStore = open_store(
+            store_url, self.namespace, timeout=timeout, max_bytes=max_bytes
+        )
+        self.blocks = BlockStore(self.store, self.codec)
+        self.cache = cache
+        self.cached_hashes = cached_hashes
+        self.store_failures = 0  # requests that went on without the store
+        self.pending_puts: dict[str, list[concurrent.futures.Future[None]]] = defaultdict(list)
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The event loop that writes exported blocks."""
+        self._loop = loop
+
+    # -- a request's blocks ---------------------------------------------------------
+
+    def hashes(self, prompt: Seq[int], salt: bytes) -> tuple[list[bytes], bytes | None]:
+        """The prompt's full-block hashes, and its partial block's (None if it has none)."""
+        bs = self.layout.block_size
+        hashes = block_hashes(prompt, bs, self.namespace, salt, True)
+        if len(prompt) % bs:
+            return hashes[:-1], hashes[-1]
+        return hashes, None
+
+    # -- KV in ------------------------------------------------------------------------
+
+    async def fetch(
+        self,
+        request_id: str,
+        full: list[bytes],
+        partial: bytes | None,
+        partial_tokens: int,
+        gentle: bool = False,
+    ) -> ImportedKV | None:
+        """The longest valid run of these blocks in the store (and the partial block after
+        them if all are there); None if none, or if the store is unavailable.
+
+        `gentle` (decode: streams are running) reads FETCH_BATCH blocks at a time with a
+        pause between reads: each read and decode then holds the GIL and the cores for a few
+        milliseconds only, and the engine thread stepping the running batch meanwhile is
+        never kept waiting long (one 46 MB read stalled a step by ~170 ms).
+
+        Leading blocks the engine's cache holds are not read (what KV-aware routing buys):
+        the import names them and the engine shares them at admission."""
+        start = time.perf_counter()
+        cached = self.cached_hashes()  # a snapshot: the engine thread owns the cache
+        skipped = next((i for i, h in enumerate(full) if h not in cached), len(full))
+        values: list[bytes] = [b""] * skipped
+        try:
+            step = FETCH_BATCH if gentle else max(1, len(full) - skipped)
+            while len(values) < len(full):
+                batch = full[len(values) : len(values) + step]
+                got = [value for value, _ in await self.blocks.get_checked(batch)]
+                values += got
+                if len(got) < len(batch):
+                    break
+                if gentle:
+                    await asyncio.sleep(FETCH_PAUSE)  # leave the cores to the batch a moment
+            count = len(values)
+            if partial is not None and count == len(full):
+                values += [value for value, _ in await self.blocks.get_checked([partial])]
+        except StoreUnavailable as e:
+            self.store_failures += 1
+            log.warning("store unavailable, computing instead",
+                        extra={"fields": {"request_id": request_id, "why": str(e)}})  # fmt: skip
+            return None
+        has_tail = len(values) > count
+        log.info("fetched", extra={"fields": {
+            "request_id": request_id, "blocks": len(values) - skipped, "cached": skipped,
+            "of": len(full) + (partial is not None), "ms": 1000 * (time.perf_counter() - start),
+        }})  # fmt: skip
+        if not values:
+            return None
+        source = StoredBlocks(self.codec, values)
+        bs = self.layout.block_size
+        return ImportedKV(full[:count], source, bs, partial_tokens if has_tail else 0, skipped)
+
+    # -- KV out -------------------------------------------------------------------------
+
+    def export(self, seq: Sequence, ready: list[BlockToExport]) -> None:
+        """The engine thread hands out blocks (an Exporter): copied and encoded now, written
+        by the event loop."""
+        assert self._loop is not None
+        k, v = gather_blocks(self.cache, [b.block_id for b in ready])
+        items = self.blocks.encode(
+            k, v, [b.block_hash for b in ready], [b.num_tokens for b in ready]
+        )
+        put = self.store.put_many(items)
+        self.pending_puts[seq.request_id].append(asyncio.run_coroutine_threadsafe(put, self._loop))
+
+    async def wait_for_puts(self, request_id: str) -> None:
+        """Until every block exported for the request is written (StoreUnavailable if not)."""
+        for future in self.pending_puts.pop(request_id, []):
+            await asyncio.wrap_future(future)
+
+    def forget(self, request_id: str) -> None:
+        """Stop tracking a request's writes (they finish on their own)."""
+        self.pending_puts.pop(request_id, None)
