@@ -6,6 +6,7 @@ import asyncio
 import time
 import weakref
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -53,9 +54,7 @@ async def completions(request: Request) -> Response:
     echo = (
         [state.tokenizer.decode(ids) for ids in prompts for _ in range(req.n)] if req.echo else []
     )
-    created = int(time.time())
-    want_usage = req.stream_options is not None and req.stream_options.include_usage
-    envelope = Envelope(rid, "text_completion", created, state.model_id)
+    envelope = Envelope(rid, "text_completion", int(time.time()), state.model_id)
 
     def chunk(
         delta_text: str, state_: ChoiceState, logprobs: list[Any], first: bool
@@ -66,34 +65,13 @@ async def completions(request: Request) -> Response:
             if req.logprobs is not None
             else None
         )
-        return envelope(
-            [{"index": state_.index, "text": text, "logprobs": lp,
-              "finish_reason": state_.finish_reason}]
-        )  # fmt: skip
+        return envelope.choice(state_.index, state_.finish_reason, lp, text=text)
 
     def whole(choices: list[ChoiceState], usage_: dict[str, Any]) -> dict[str, Any]:
-        return completion_body(
-            rid,
-            state.model_id,
-            created,
-            choices,
-            state.tokenizer,
-            req.logprobs is not None,
-            echo,
-            usage_,
-        )
+        return completion_body(envelope, choices, state.tokenizer, req.logprobs is not None,
+                               echo, usage_)  # fmt: skip
 
-    return await respond(
-        request,
-        state,
-        jobs,
-        req.stream,
-        want_usage,
-        chunk,
-        whole,
-        envelope,
-        role_chunk=None,
-    )
+    return await respond(request, state, req, jobs, Replies(envelope, chunk, whole))
 
 
 @routes.post("/v1/chat/completions", response_model=None)
@@ -115,48 +93,22 @@ async def chat(request: Request) -> Response:
     params = state.sampling(req, max_tokens, (top or 0) if req.logprobs else None)
     rid = new_id("chatcmpl")
     jobs = state.jobs(rid, [ids], params, req.seed, state.salt(request))
-    created = int(time.time())
-    want_usage = req.stream_options is not None and req.stream_options.include_usage
-    envelope = Envelope(rid, "chat.completion.chunk", created, state.model_id)
+    envelope = Envelope(rid, "chat.completion.chunk", int(time.time()), state.model_id)
 
     def chunk(
         delta_text: str, state_: ChoiceState, logprobs: list[Any], first: bool
     ) -> dict[str, Any]:
         lp = chat_logprobs(state.tokenizer, logprobs, top or 0) if req.logprobs else None
         delta = {"content": delta_text} if delta_text or not state_.finish_reason else {}
-        return envelope(
-            [{"index": state_.index, "delta": delta, "logprobs": lp,
-              "finish_reason": state_.finish_reason}]
-        )  # fmt: skip
+        return envelope.choice(state_.index, state_.finish_reason, lp, delta=delta)
 
     def whole(choices: list[ChoiceState], usage_: dict[str, Any]) -> dict[str, Any]:
-        return chat_body(
-            rid,
-            state.model_id,
-            created,
-            choices,
-            state.tokenizer,
-            top if req.logprobs else None,
-            usage_,
-        )
+        return chat_body(envelope, choices, state.tokenizer, top if req.logprobs else None, usage_)
 
     def role_chunk(index: int) -> dict[str, Any]:
-        return envelope(
-            [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-              "finish_reason": None}]
-        )  # fmt: skip
+        return envelope.choice(index, None, None, delta={"role": "assistant", "content": ""})
 
-    return await respond(
-        request,
-        state,
-        jobs,
-        req.stream,
-        want_usage,
-        chunk,
-        whole,
-        envelope,
-        role_chunk,
-    )
+    return await respond(request, state, req, jobs, Replies(envelope, chunk, whole, role_chunk))
 
 
 def prompt_ids(
@@ -179,19 +131,29 @@ def prompt_ids(
 
 
 Chunk = Callable[[str, ChoiceState, list[Any], bool], dict[str, Any]]
+Whole = Callable[[list[ChoiceState], dict[str, Any]], dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Replies:
+    """How one endpoint answers: a streamed choice's chunk (its new text or delta), the whole
+    body when not streaming, and (chat) the chunk announcing a choice's role first."""
+
+    envelope: Envelope
+    chunk: Chunk
+    whole: Whole
+    role_chunk: Callable[[int], dict[str, Any]] | None = None
 
 
 async def respond(
     request: Request,
     state: RouterState,
+    req: CompletionRequest | ChatCompletionRequest,
     jobs: list[Job],
-    stream: bool,
-    want_usage: bool,
-    chunk: Chunk,
-    whole: Callable[[list[ChoiceState], dict[str, Any]], dict[str, Any]],
-    envelope: Envelope,
-    role_chunk: Callable[[int], dict[str, Any]] | None,
+    replies: Replies,
 ) -> Response:
+    stream = req.stream
+    want_usage = req.stream_options is not None and req.stream_options.include_usage
     for role in state.required_roles:
         if not state.registry.available(role):  # before a stream starts: a plain 503
             raise unavailable(f"no {role} worker is available", retry_after=1)
@@ -203,9 +165,7 @@ async def respond(
     span.start_ns = request.scope.get(RECEIVED, span.start_ns)
     span.event("admitted")
     if stream:
-        body = stream_events(
-            state, jobs, admission, want_usage, chunk, envelope, role_chunk, prompt_tokens, span
-        )
+        body = stream_events(state, jobs, admission, want_usage, replies, prompt_tokens, span)
         # a stream the server never starts (the client left first) still gives its place back
         weakref.finalize(body, admission.release)
         return StreamingResponse(body, media_type="text/event-stream")
@@ -218,7 +178,7 @@ async def respond(
             cached += delta.cached_tokens
         ordered = [choices[i] for i in sorted(choices)]
         completion = sum(len(c.token_ids) for c in ordered)
-        return whole(ordered, usage(prompt_tokens, completion, min(cached, prompt_tokens)))
+        return replies.whole(ordered, usage(prompt_tokens, completion, min(cached, prompt_tokens)))
 
     task = asyncio.create_task(collect())
     watcher = asyncio.create_task(watch_disconnect(request, task))
@@ -240,12 +200,11 @@ async def stream_events(
     jobs: list[Job],
     admission: Admission,
     want_usage: bool,
-    chunk: Chunk,
-    envelope: Envelope,
-    role_chunk: Callable[[int], dict[str, Any]] | None,
+    replies: Replies,
     prompt_tokens: int,
     span: Span = NO_SPAN,
 ) -> AsyncIterator[bytes]:
+    role_chunk = replies.role_chunk
     started: set[int] = set()
     completion, cached = 0, 0
     try:
@@ -265,14 +224,16 @@ async def stream_events(
                 or delta.finish_reason
                 or (first and role_chunk is None)
             ):
-                event = chunk(delta.text, choice, delta.logprobs, first)
+                event = replies.chunk(delta.text, choice, delta.logprobs, first)
                 if want_usage:
                     event["usage"] = None
                 yield sse(event)
                 span.event("written", tokens=len(delta.token_ids))
         if want_usage:
             yield sse(
-                envelope([], usage=usage(prompt_tokens, completion, min(cached, prompt_tokens)))
+                replies.envelope(
+                    [], usage=usage(prompt_tokens, completion, min(cached, prompt_tokens))
+                )
             )
     except APIError as e:  # mid-stream: an error event, then the end of the stream
         yield sse(e.body())

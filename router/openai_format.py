@@ -35,6 +35,14 @@ class Envelope:
         return {"id": self.id, "object": self.object, "created": self.created,
                 "model": self.model, "choices": choices, **extra}  # fmt: skip
 
+    def choice(
+        self, index: int, finish_reason: str | None, logprobs: Any, **content: Any
+    ) -> dict[str, Any]:
+        """A chunk with one choice: its index, its content (`text`, or a chat `delta`), its
+        logprobs and finish reason, in OpenAI's order."""
+        return self([{"index": index, **content, "logprobs": logprobs,
+                      "finish_reason": finish_reason}])  # fmt: skip
+
 
 def sse(payload: dict[str, Any] | str) -> bytes:
     data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
@@ -99,9 +107,7 @@ def chat_logprobs(
 
 
 def completion_body(
-    rid: str,
-    model: str,
-    created: int,
+    envelope: Envelope,
     choices: Sequence[ChoiceState],
     tokenizer: Tokenizer,
     want_logprobs: bool,
@@ -121,20 +127,11 @@ def completion_body(
                 "finish_reason": c.finish_reason,
             }
         )
-    return {
-        "id": rid,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": out,
-        "usage": usage_,
-    }
+    return envelope(out, usage=usage_)  # the stream's object name, "text_completion"
 
 
 def chat_body(
-    rid: str,
-    model: str,
-    created: int,
+    envelope: Envelope,
     choices: Sequence[ChoiceState],
     tokenizer: Tokenizer,
     top_logprobs: int | None,
@@ -152,11 +149,4 @@ def chat_body(
                 "finish_reason": c.finish_reason,
             }
         )
-    return {
-        "id": rid,
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "choices": out,
-        "usage": usage_,
-    }
+    return {**envelope(out, usage=usage_), "object": "chat.completion"}  # not ".chunk"

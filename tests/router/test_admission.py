@@ -10,7 +10,7 @@ import weakref
 
 import pytest
 
-from router.api import stream_events
+from router.api import Replies, stream_events
 from router.config import RouterConfig
 from router.errors import APIError
 from router.generation import Job
@@ -34,7 +34,8 @@ def test_places_are_given_back_once_even_by_unstarted_streams():
     assert state.pending == 1
 
     envelope = Envelope("id", "text_completion", 0, "m")
-    body = stream_events(state, [], second, False, lambda *a: {}, envelope, None, 0)
+    replies = Replies(envelope, lambda *a: {}, lambda *a: {})
+    body = stream_events(state, [], second, False, replies, 0)
     weakref.finalize(body, second.release)  # as respond() does
     del body
     gc.collect()
