@@ -98,10 +98,13 @@ def plain_views(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Ten
     return k_cache.view(*lead, dim // 2, 2, bs), v_cache.view(*lead, bs // 2, 2, dim)
 
 
-def to_plain(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Blocks in their dtype's layout as the plain layout, same shapes (a copy when paired)."""
+def select_plain(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, dim: int, index: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies of the blocks at `index` along `dim`, in the plain layout (one copy, whatever the
+    dtype's layout): K [..., D, bs], V [..., bs, D]."""
     k, v = plain_views(k_cache, v_cache)
-    return k.reshape(k_cache.shape), v.reshape(v_cache.shape)
+    return k.index_select(dim, index).flatten(-3, -2), v.index_select(dim, index).flatten(-3, -2)
 
 
 def write(
@@ -126,7 +129,7 @@ def gather(
     lead, n = table.shape[:-1], table.shape[-1]
     flat = table.flatten()  # index_select on a flat index is ~10x faster than fancy indexing
     _, heads, dim, bs = k_cache.shape
-    k, v = to_plain(k_cache.index_select(0, flat), v_cache.index_select(0, flat))
+    k, v = select_plain(k_cache, v_cache, 0, flat)
     k = k.view(*lead, n, heads, dim, bs).transpose(-1, -3)
     v = v.view(*lead, n, heads, bs, dim).transpose(-2, -3)
     shape = (*lead, n * bs, heads, dim)
@@ -137,7 +140,7 @@ def gather_blocks(cache: KVCache, block_ids: list[int]) -> tuple[torch.Tensor, t
     """Copies of whole blocks, all layers each, in the plain layout: K [n, L, kv_heads, D, bs],
     V [n, L, kv_heads, bs, D] (gathered layer-major, viewed block-major)."""
     index = torch.tensor(block_ids, dtype=torch.int64, device=cache.k.device)
-    k, v = to_plain(cache.k.index_select(1, index), cache.v.index_select(1, index))
+    k, v = select_plain(cache.k, cache.v, 1, index)
     return k.transpose(0, 1), v.transpose(0, 1)
 
 

@@ -229,9 +229,7 @@ INLINE vh weights_to_bf16(vf x) {
  * go to p[r] (bfloat16: rounded, as pairs to pp[r], and the rounded weights are what the sum
  * counts), 0 for keys not counted. The rescales 2^(old max - new max) are computed a vector of
  * rows at a time (vexp2, lane by lane: a row's never depends on the others'). */
-INLINE void fold(rows_t *w, const vb *s, const int64_t *last, int bf16, const int64_t R,
-                 const int64_t D) {
-    (void)D;
+INLINE void fold(rows_t *w, const vb *s, const int64_t *last, int bf16, const int64_t R) {
     const int degree = bf16 ? 4 : 7;
     float top[MAX_ROWS + LANES], *rescale = w->rescale;
     vb counted[MAX_ROWS];
@@ -346,7 +344,7 @@ INLINE int attend(const void *q, const void *k, const void *v, int bf16, const i
             score(s, &heads[kh], k, at, bf16, scale, nk, nv, G, D);
             int64_t last[MAX_GROUP];
             for (int64_t g = 0; g < G; g++) last[g] = n - 1;
-            fold(&heads[kh], s, last, bf16, G, D);
+            fold(&heads[kh], s, last, bf16, G);
             values(&heads[kh], v, at, n, bf16, G, D);
         }
     }
@@ -439,7 +437,7 @@ INLINE void prefill_tile(rows_t *w, const void *q, const void *k, const void *v,
         score(s, w, k, at, bf16, scale, NULL, NULL, rows, D);
         int64_t lasts[MAX_ROWS];
         for (int64_t r = 0; r < rows; r++) lasts[r] = first + query[r] - start;
-        fold(w, s, lasts, bf16, rows, D);
+        fold(w, s, lasts, bf16, rows);
         values(w, v, at, n, bf16, rows, D);
     }
     for (int64_t r = 0; r < qt * G; r++)
@@ -521,8 +519,9 @@ int paged_prefill_attention(const void *q, const void *k, const void *v, int bf1
 }
 
 /* Store the K and V rows of T new tokens at their slots (block * BLOCK + offset) of one layer's
- * cache, in the layouts above; services/model/kv_cache.py's write() is the reference. k: [T, KVH, D] contiguous;
- * v: rows of [KVH, D] contiguous, `v_stride` elements apart (a view of the qkv projection). */
+ * cache, in the layouts above; services/model/kv_cache.py's write() is the reference.
+ * k: [T, KVH, D] contiguous; v: rows of [KVH, D] contiguous, `v_stride` elements apart (a view
+ * of the qkv projection). */
 void write_kv(const void *k, const void *v, int64_t v_stride, const int64_t *slots,
               void *k_cache, void *v_cache, int64_t rows, int64_t kv_heads, int64_t dim,
               int bf16) {
@@ -530,7 +529,6 @@ void write_kv(const void *k, const void *v, int64_t v_stride, const int64_t *slo
         const int64_t block = slots[r] / BLOCK, offset = slots[r] % BLOCK;
         for (int64_t h = 0; h < kv_heads; h++) {
             const int64_t head = block * kv_heads + h, from = (r * kv_heads + h) * dim;
-            const int64_t kt = head * dim * BLOCK + offset, vt = (head * BLOCK + offset) * dim;
             const int64_t vs = r * v_stride + h * dim;
             if (bf16) { /* pairs: K (d, t) at (d / 2, t, d % 2), V (t, d) at (t / 2, d, t % 2) */
                 const int64_t kp = head * dim * BLOCK + 2 * offset;
@@ -540,7 +538,8 @@ void write_kv(const void *k, const void *v, int64_t v_stride, const int64_t *slo
                         ((const uint16_t *)k)[from + d];
                     ((uint16_t *)v_cache)[vp + 2 * d] = ((const uint16_t *)v)[vs + d];
                 }
-            } else {
+            } else { /* K transposed within its block: a dimension every BLOCK elements */
+                const int64_t kt = head * dim * BLOCK + offset, vt = (head * BLOCK + offset) * dim;
                 for (int64_t d = 0; d < dim; d++)
                     ((float *)k_cache)[kt + d * BLOCK] = ((const float *)k)[from + d];
                 memcpy((float *)v_cache + vt, (const float *)v + vs, dim * 4);
