@@ -101,10 +101,12 @@ def plain_views(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Ten
 def select_plain(
     k_cache: torch.Tensor, v_cache: torch.Tensor, dim: int, index: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Copies of the blocks at `index` along `dim`, in the plain layout (one copy, whatever the
-    dtype's layout): K [..., D, bs], V [..., bs, D]."""
-    k, v = plain_views(k_cache, v_cache)
-    return k.index_select(dim, index).flatten(-3, -2), v.index_select(dim, index).flatten(-3, -2)
+    """Copies of the blocks at `index` along `dim`, in the plain layout: K [..., D, bs], V [...,
+    bs, D]. Selected from the cache as it lies, then rearranged (a second copy when paired, of
+    the selected blocks only): index_select on the plain views would copy the whole pool first
+    (a strided source), 2.8 s for a 4,000-block pool per finished request's write-back."""
+    k, v = plain_views(k_cache.index_select(dim, index), v_cache.index_select(dim, index))
+    return k.flatten(-3, -2), v.flatten(-3, -2)
 
 
 def write(
