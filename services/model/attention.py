@@ -23,6 +23,10 @@ and its results move in the last bits with it.
 from __future__ import annotations
 
 import ctypes
+import functools
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -127,6 +131,8 @@ class CpuAttention:
     it. Decode rows and prefill chunks each take one call per layer."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
+        # bfloat16 products on AMX tiles where they run (both kernels alike: same bits)
+        self.amx = bool(library.paged_attention_use_amx(int(amx_usable(library._name))))
         self.kernel = _bind(library.paged_decode_attention, arrays=4)
         self.prefill_kernel = _bind(library.paged_prefill_attention, arrays=5)
         self.write_kernel = library.write_kv
@@ -226,6 +232,25 @@ class CpuAttention:
             spans.rows.shape[0], heads, k_cache.shape[1], dim, v_cache.shape[2],
             spans.tables.shape[1], dim**-0.5,
         ))  # fmt: skip
+
+
+@functools.cache
+def amx_usable(library_path: str) -> bool:
+    """Whether the kernels' AMX path may run here: built in (the compiler and the CPU have AMX),
+    not switched off (PDSERVE_AMX=0), and a tile product ran in a child process: a CPU can list
+    AMX in its flags while the machine refuses it (an illegal instruction, seen on a Xeon VM)."""
+    if os.environ.get("PDSERVE_AMX", "1") == "0":
+        return False
+    if not ctypes.CDLL(library_path).paged_attention_amx_compiled():
+        return False
+    probe = (
+        "import ctypes, sys; "
+        f"sys.exit(ctypes.CDLL({library_path!r}).paged_attention_amx_probe() != 1)"
+    )
+    try:
+        return subprocess.run([sys.executable, "-c", probe], timeout=60).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
 
 
 def _bind(fn: Any, arrays: int) -> Any:

@@ -45,6 +45,14 @@
 #include <immintrin.h>
 #endif
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define HAVE_AMX 1
+#include <sys/syscall.h>
+long syscall(long number, ...); /* unistd.h's, which would need _GNU_SOURCE (and its select) */
+#else
+#define HAVE_AMX 0
+#endif
+
 #include "vectors.h"
 
 #define BLOCK 16
@@ -106,7 +114,126 @@ typedef struct {
     uint32_t qp[MAX_ROWS][MAX_DIM / 2], pp[MAX_ROWS][BLOCK / 2];
     vb l[MAX_ROWS]; /* the sum of the weights, by offset in the block */
     vf acc[MAX_ROWS][MAX_DIM / LANES];
+    float tile_s[MAX_ROWS][BLOCK]; /* AMX: a block's scores, as the tile stores them */
 } __attribute__((aligned(LINE))) rows_t;
+
+/* ---- AMX (bfloat16 only, where the CPU and the kernel allow it; off unless
+ * paged_attention_use_amx(1) switched it on). The score and value products of a block become
+ * tile products (TDPBF16PS): the bfloat16 layouts are already the pair-interleaved operand
+ * tiles take (K: 16 pair rows of a block's 16 tokens, 64 bytes each; V: 8 pair rows of 2 tokens
+ * per dimension), and the queries' and the weights' pairs are rows of rows_t. Both kernels
+ * take the same path, so a token keeps one set of bits decoded or prefilled; the fold between
+ * the products is unchanged. Tiles: 0 scores, 1 a query chunk, 2 a K chunk, 3 the weights,
+ * 4 a V column group, 5 an output column group. */
+static int amx_on = 0;
+
+/* whether a call takes the tile path: bfloat16, AMX on, whole 32-dimension chunks */
+INLINE int tiles(int bf16, int64_t D) { return bf16 && amx_on && D % 32 == 0; }
+
+#if HAVE_AMX
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) tile_config;
+
+static int amx_permitted(void) {
+    /* ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA: the kernel must allow AMX's state */
+    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+}
+
+/* Configure this thread's tiles for R rows of queries (R <= 16). */
+static void amx_configure(int64_t R) {
+    tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    const int rows[6] = {(int)R, (int)R, 16, (int)R, BLOCK / 2, (int)R};
+    const int colsb[6] = {64, 64, 64, BLOCK * 2, 64, 64};
+    for (int t = 0; t < 6; t++) c.rows[t] = (uint8_t)rows[t], c.colsb[t] = (uint16_t)colsb[t];
+    _tile_loadconfig(&c);
+}
+
+/* score_pairs' sums as tile products: rows 0..R-1 (R as configured) against one block's keys
+ * (K at k + at, D/2 pair rows of 64 bytes), 32 dimensions a product, then scaled as there. */
+INLINE void score_tiles(vb *s, rows_t *w, const uint16_t *k, int64_t at, float scale,
+                        const int64_t R, const int64_t D) {
+    _tile_zero(0);
+    for (int64_t c = 0; c < D / 32; c++) {
+        _tile_loadd(1, &w->qp[0][c * 16], sizeof w->qp[0]);
+        _tile_loadd(2, k + at + c * 32 * BLOCK, 2 * BLOCK * sizeof(uint16_t));
+        _tile_dpbf16ps(0, 1, 2);
+    }
+    _tile_stored(0, w->tile_s, sizeof w->tile_s[0]);
+    for (int64_t r = 0; r < R; r++)
+        for (int i = 0; i < PER_BLOCK; i++) {
+            vf x;
+            memcpy(&x, &w->tile_s[r][i * LANES], sizeof x);
+            s[r].v[i] = rounded(x * scale);
+        }
+}
+
+/* add_value_pairs as tile products: the outputs rescaled, then the block's 16 weights (8 pairs)
+ * of each row times V (8 pair rows of D * 2 elements), 16 dimensions a product. A weight past
+ * the block's last counted key is 0 and the cache's values are finite: it adds nothing. */
+INLINE void value_tiles(rows_t *w, const uint16_t *v, int64_t at, const int64_t R,
+                        const int64_t D) {
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t c = 0; c < D / LANES; c++) w->acc[r][c] = rounded(w->acc[r][c] * w->rescale[r]);
+    _tile_loadd(3, w->pp, sizeof w->pp[0]);
+    for (int64_t c = 0; c < D / 16; c++) {
+        _tile_loadd(5, &w->acc[0][c * 16 / LANES], sizeof w->acc[0]);
+        _tile_loadd(4, v + at + c * 32, 2 * D * sizeof(uint16_t));
+        _tile_dpbf16ps(5, 3, 4);
+        _tile_stored(5, &w->acc[0][c * 16 / LANES], sizeof w->acc[0]);
+    }
+}
+#endif
+
+/* Whether the library was built with the AMX path. */
+int paged_attention_amx_compiled(void) { return HAVE_AMX; }
+
+/* Run a tile product once (a process that can survive it, a probe: an illegal instruction
+ * kills it where the CPU lists AMX but the machine refuses it). 1 if it ran. */
+int paged_attention_amx_probe(void) {
+#if HAVE_AMX
+    if (!amx_permitted()) return 0;
+    amx_configure(1);
+    float out[16][16];
+    _tile_zero(0);
+    _tile_stored(0, out, 64);
+    _tile_release();
+    return out[0][0] == 0.0f;
+#else
+    return 0;
+#endif
+}
+
+/* Switch the AMX path on (1) or off (0) for this process; returns whether it is on. */
+int paged_attention_use_amx(int on) {
+#if HAVE_AMX
+    amx_on = on && LANES == 16 && amx_permitted();
+#else
+    (void)on;
+#endif
+    return amx_on;
+}
+
+/* A kernel call's thread: its tiles configured for R query rows, then released. */
+INLINE void tiles_begin(int bf16, int64_t R, int64_t D) {
+#if HAVE_AMX
+    if (tiles(bf16, D)) amx_configure(R);
+#else
+    (void)bf16, (void)R, (void)D;
+#endif
+}
+
+INLINE void tiles_end(int bf16, int64_t D) {
+#if HAVE_AMX
+    if (tiles(bf16, D)) _tile_release();
+#else
+    (void)bf16, (void)D;
+#endif
+}
 
 /* Row r starts: its query (D elements at q + at), nothing summed yet. */
 INLINE void start_row(rows_t *w, int64_t r, const void *q, int64_t at, float scale, int bf16,
@@ -162,8 +289,19 @@ INLINE void score_pairs(vb *s, const rows_t *w, const uint16_t *k, int64_t at, f
 }
 
 /* Scores of one block (K at k + at, in the cache's dtype): score_block or score_pairs. */
-INLINE void score(vb *s, const rows_t *w, const void *k, int64_t at, int bf16, float scale,
+INLINE void score(vb *s, rows_t *w, const void *k, int64_t at, int bf16, float scale,
                   const char *nk, const char *nv, const int64_t R, const int64_t D) {
+#if HAVE_AMX
+    if (tiles(bf16, D)) {
+        if (nk)
+            for (int64_t line = 0; line < D * BLOCK * 2; line += LINE) {
+                __builtin_prefetch(nk + line, 0, 1);
+                __builtin_prefetch(nv + line, 0, 1);
+            }
+        score_tiles(s, w, k, at, scale, R, D);
+        return;
+    }
+#endif
     if (bf16)
         score_pairs(s, w, k, at, scale, nk, nv, R, D);
     else
@@ -302,6 +440,12 @@ INLINE void add_value_pairs(rows_t *w, const uint16_t *v, int64_t at, int64_t n,
 /* The values of one block (V at v + at, in the cache's dtype): add_values or add_value_pairs. */
 INLINE void values(rows_t *w, const void *v, int64_t at, int64_t n, int bf16, const int64_t R,
                    const int64_t D) {
+#if HAVE_AMX
+    if (tiles(bf16, D)) {
+        value_tiles(w, v, at, R, D);
+        return;
+    }
+#endif
     if (bf16)
         add_value_pairs(w, v, at, n, R, D);
     else
@@ -400,10 +544,16 @@ int paged_decode_attention(const void *q, const void *k, const void *v, int bf16
     const attend_fn fn = pick(G, dim);
     scale *= LOG2E; /* scores in base 2 */
     int failed = 0;
-#pragma omp parallel for schedule(dynamic, 1) reduction(| : failed)
-    for (int64_t b = 0; b < batch; b++)
-        failed |= fn(advance(q, rows[b] * heads * dim, bf16), k, v, bf16, tables + b * width,
-                     lens[b], kv_heads, scale, advance(out, rows[b] * heads * dim, bf16), G, dim);
+#pragma omp parallel reduction(| : failed)
+    {
+        tiles_begin(bf16, G, dim);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t b = 0; b < batch; b++)
+            failed |= fn(advance(q, rows[b] * heads * dim, bf16), k, v, bf16,
+                         tables + b * width, lens[b], kv_heads, scale,
+                         advance(out, rows[b] * heads * dim, bf16), G, dim);
+        tiles_end(bf16, dim);
+    }
     return failed ? -1 : 0;
 }
 
@@ -503,6 +653,7 @@ int paged_prefill_attention(const void *q, const void *k, const void *v, int bf1
     {
         rows_t *w = aligned_alloc(LINE, sizeof *w);
         failed |= w == NULL;
+        tiles_begin(bf16, qt * G, dim);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < count; i++) {
             if (w == NULL) continue;
@@ -512,6 +663,7 @@ int paged_prefill_attention(const void *q, const void *k, const void *v, int bf1
                lens[s] - qlens[s], q0, n, kh, kv_heads, scale,
                advance(out, rows[s] * heads * dim, bf16), G, dim);
         }
+        tiles_end(bf16, dim);
         free(w);
     }
     free(tasks);

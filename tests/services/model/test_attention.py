@@ -7,7 +7,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from services.model import kernels, kv_cache
-from services.model.attention import CpuAttention, TorchAttention, default_attention
+from services.model.attention import CpuAttention, TorchAttention, amx_usable, default_attention
 from services.model.batch import ForwardBatch, SeqChunk
 from services.model.config import ModelConfig
 from services.model.kv_cache import KVCache
@@ -77,6 +77,26 @@ def test_bfloat16_blocks_hold_pairs_and_move_in_the_plain_layout():
     kv_cache.scatter_blocks(target, [1, 2, 3], *plain[0])  # float32 blocks, converted
     assert torch.equal(target.k[:, 1:], paired.k[:, table])
     assert torch.equal(target.v[:, 1:], paired.v[:, table])
+
+
+@needs_kernel
+def test_the_tile_path_runs_where_a_probe_survived_and_the_setting_allows(monkeypatch):
+    """AMX is used only where the library has it, a child process ran a tile product, and
+    PDSERVE_AMX is not 0; the kernels tests above then run it (both kernels alike)."""
+    assert LIBRARY is not None
+    path = LIBRARY._name
+    try:
+        amx_usable.cache_clear()
+        monkeypatch.setenv("PDSERVE_AMX", "0")
+        assert amx_usable(path) is False
+        amx_usable.cache_clear()
+        monkeypatch.delenv("PDSERVE_AMX")
+        if not LIBRARY.paged_attention_amx_compiled():  # no AMX in this CPU or compiler
+            assert amx_usable(path) is False
+        assert CpuAttention(LIBRARY).amx == amx_usable(path)
+    finally:
+        amx_usable.cache_clear()
+        LIBRARY.paged_attention_use_amx(int(amx_usable(path)))
 
 
 def _largest_allocation(fn):  # type: ignore[no-untyped-def]
