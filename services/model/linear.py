@@ -17,9 +17,20 @@ row-invariant: its rows move in the last bits with the batch.
 
 from __future__ import annotations
 
+import os
 from typing import Protocol
 
 import torch
+
+# oneDNN runs bfloat16 on AMX tiles where a CPU has them, and there picks kernels whose sums
+# differ with the number of rows (on a Xeon with AMX, a 576 x 576 product's row took other
+# bits at 37-257 rows than at 1-36 or 511 and more): a request's logits would depend on the
+# batch it shares. So oneDNN is held to AVX-512's bfloat16 kernels, which sum a row the same
+# way at every row count (tests/services/model/test_linear.py checks it on the suite's CPU).
+# oneDNN reads the variable once, when it first runs: set here, at import, before any product
+# (in the processes that compute; a process that only launches others, e.g. bench.serving
+# starting vLLM, never imports this). A user's own setting wins.
+os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
 
 
 class Linear(Protocol):

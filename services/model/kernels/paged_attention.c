@@ -22,7 +22,9 @@
  * Arithmetic. float32: products and sums in float32. bfloat16: the products of scores and of
  * values take bfloat16 pairs (the query's, the weights' rounded to bfloat16) and sum them into
  * float32 two at a time (dot_pairs: one VDPBF16PS where the CPU has AVX512-BF16, two fused
- * multiply-adds elsewhere), at twice float32's rate and with no conversion of K and V.
+ * multiply-adds elsewhere), at twice float32's rate and with no conversion of K and V. Where
+ * AMX is switched on (paged_attention_use_amx), those two products of a block are tile
+ * products instead, in both kernels (see "AMX" below).
  *
  * Layouts (contiguous; see services/model/kv_cache.py), all float32 or all bfloat16:
  *   q, out:  [T, H, D], a row per token of the forward pass
