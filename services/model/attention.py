@@ -23,17 +23,13 @@ and its results move in the last bits with it.
 from __future__ import annotations
 
 import ctypes
-import functools
-import os
-import subprocess
-import sys
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 
-from services.model import kv_cache
+from services.model import kernels, kv_cache
 from services.model.batch import ForwardBatch, SeqSpan
 
 
@@ -132,7 +128,8 @@ class CpuAttention:
 
     def __init__(self, library: ctypes.CDLL) -> None:
         # bfloat16 products on AMX tiles where they run (both kernels alike: same bits)
-        self.amx = bool(library.paged_attention_use_amx(int(amx_usable(library._name))))
+        usable = kernels.amx_usable(library._name, "paged_attention_amx")
+        self.amx = bool(library.paged_attention_use_amx(int(usable)))
         self.kernel = _bind(library.paged_decode_attention, arrays=4)
         self.prefill_kernel = _bind(library.paged_prefill_attention, arrays=5)
         self.write_kernel = library.write_kv
@@ -234,25 +231,6 @@ class CpuAttention:
         ))  # fmt: skip
 
 
-@functools.cache
-def amx_usable(library_path: str) -> bool:
-    """Whether the kernels' AMX path may run here: built in (the compiler and the CPU have AMX),
-    not switched off (PDSERVE_AMX=0), and a tile product ran in a child process: a CPU can list
-    AMX in its flags while the machine refuses it (an illegal instruction, seen on a Xeon VM)."""
-    if os.environ.get("PDSERVE_AMX", "1") == "0":
-        return False
-    if not ctypes.CDLL(library_path).paged_attention_amx_compiled():
-        return False
-    probe = (
-        "import ctypes, sys; "
-        f"sys.exit(ctypes.CDLL({library_path!r}).paged_attention_amx_probe() != 1)"
-    )
-    try:
-        return subprocess.run([sys.executable, "-c", probe], timeout=60).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-
-
 def _bind(fn: Any, arrays: int) -> Any:
     """A kernel's signature: q, k, v, the bf16 flag, `arrays` more pointers, six sizes (count,
     heads, kv_heads, head dim, block size, table width) and the scale; it returns 0 or -1."""
@@ -307,8 +285,6 @@ def default_attention(
         and group <= KERNEL_MAX_GROUP
     )
     if device.type == "cpu" and supported:
-        from services.model import kernels
-
         library = kernels.load("paged_attention")
         if library is not None and head_dim % library.paged_attention_lanes() == 0:
             return CpuAttention(library)

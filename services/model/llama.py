@@ -26,7 +26,12 @@ from services.model.batch import ForwardBatch
 from services.model.config import ModelConfig
 from services.model.kv_cache import KVCache
 from services.model.layer_ops import LayerOps, default_layer_ops
-from services.model.linear import Linear, make_linear, packed_linear_available
+from services.model.linear import (
+    Linear,
+    amx_linear_library,
+    make_linear,
+    packed_linear_available,
+)
 from services.model.rope import Rotary
 
 
@@ -51,7 +56,8 @@ class LlamaModel:
         packed: bool | None = None,
         ops: LayerOps | None = None,
     ) -> None:
-        """`packed`: oneDNN-prepacked weights (default: wherever they work, i.e. CPUs);
+        """`packed`: prepacked weights (default: wherever they work, i.e. CPUs: on AMX tiles for
+        bfloat16 where they run, else oneDNN's);
         `attention`, `ops`: the kernels (default: the fastest the device has)."""
         self.config = config
         self.dtype = dtype
@@ -63,6 +69,10 @@ class LlamaModel:
         if packed is None:
             packed = packed_linear_available(self.device, dtype)
         self.packed = packed
+        # bfloat16 products on AMX tiles where they run (linear.py): a choice per process, so
+        # every product of a model and every row count take the same path
+        amx = amx_linear_library() if packed and dtype == torch.bfloat16 else None
+        self.amx = amx is not None
 
         def w(name: str) -> torch.Tensor:
             return weights[name].to(device=self.device, dtype=dtype)
@@ -71,7 +81,7 @@ class LlamaModel:
             # several [out, in] matrices stacked into one [sum(out), in]
             weight = torch.cat([w(n + ".weight") for n in names], dim=0)
             b = torch.cat([w(n + ".bias") for n in names]) if bias else None
-            return make_linear(weight, b, packed)
+            return make_linear(weight, b, packed, amx)
 
         self.embed = w("model.embed_tokens.weight")  # [vocab, hidden]
         head = "model.embed_tokens" if config.tie_word_embeddings else "lm_head"

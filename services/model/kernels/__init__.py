@@ -18,6 +18,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -92,3 +93,20 @@ def load(name: str) -> ctypes.CDLL | None:
             extra={"fields": {"kernel": name, "why": detail.strip()[:300]}},
         )
         return None
+
+
+@functools.cache
+def amx_usable(library_path: str, prefix: str) -> bool:
+    """Whether a library's AMX tile path may run here: built in (`<prefix>_compiled()`: the
+    compiler and the CPU have AMX), not switched off (PDSERVE_AMX=0), and a tile product
+    (`<prefix>_probe()`) ran in a child process: a CPU can list AMX in its flags while the
+    machine refuses it (an illegal instruction, seen on a Xeon VM)."""
+    if os.environ.get("PDSERVE_AMX", "1") == "0":
+        return False
+    if not getattr(ctypes.CDLL(library_path), f"{prefix}_compiled")():
+        return False
+    probe = f"import ctypes, sys; sys.exit(ctypes.CDLL({library_path!r}).{prefix}_probe() != 1)"
+    try:
+        return subprocess.run([sys.executable, "-c", probe], timeout=60).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False

@@ -7,7 +7,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from services.model import kernels, kv_cache
-from services.model.attention import CpuAttention, TorchAttention, amx_usable, default_attention
+from services.model.attention import CpuAttention, TorchAttention, default_attention
 from services.model.batch import ForwardBatch, SeqChunk
 from services.model.config import ModelConfig
 from services.model.kv_cache import KVCache
@@ -84,19 +84,19 @@ def test_the_tile_path_runs_where_a_probe_survived_and_the_setting_allows(monkey
     """AMX is used only where the library has it, a child process ran a tile product, and
     PDSERVE_AMX is not 0; the kernels tests above then run it (both kernels alike)."""
     assert LIBRARY is not None
-    path = LIBRARY._name
+    path, prefix = LIBRARY._name, "paged_attention_amx"
     try:
-        amx_usable.cache_clear()
+        kernels.amx_usable.cache_clear()
         monkeypatch.setenv("PDSERVE_AMX", "0")
-        assert amx_usable(path) is False
-        amx_usable.cache_clear()
+        assert kernels.amx_usable(path, prefix) is False
+        kernels.amx_usable.cache_clear()
         monkeypatch.delenv("PDSERVE_AMX")
         if not LIBRARY.paged_attention_amx_compiled():  # no AMX in this CPU or compiler
-            assert amx_usable(path) is False
-        assert CpuAttention(LIBRARY).amx == amx_usable(path)
+            assert kernels.amx_usable(path, prefix) is False
+        assert CpuAttention(LIBRARY).amx == kernels.amx_usable(path, prefix)
     finally:
-        amx_usable.cache_clear()
-        LIBRARY.paged_attention_use_amx(int(amx_usable(path)))
+        kernels.amx_usable.cache_clear()
+        LIBRARY.paged_attention_use_amx(int(kernels.amx_usable(path, prefix)))
 
 
 def _largest_allocation(fn):  # type: ignore[no-untyped-def]

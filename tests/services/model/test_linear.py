@@ -1,11 +1,20 @@
-"""Prepacked oneDNN products against the plain matmul they replace."""
+"""Prepacked products (oneDNN's, and AMX tiles' where they run) against the plain matmul they
+replace, and row for row against themselves at every row count."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from services.model.linear import DenseLinear, PackedLinear, packed_linear_available
+from services.model import kernels
+from services.model.linear import (
+    AmxLinear,
+    DenseLinear,
+    PackedLinear,
+    amx_linear_library,
+    make_linear,
+    packed_linear_available,
+)
 from services.model.loader import DTYPES
 from tests.support.dtypes import COMPUTE_DTYPES
 
@@ -29,6 +38,8 @@ def test_packed_matches_dense(out_f, in_f, dtype, tol):
     linears = [DenseLinear(weight, bias)]
     if packed_linear_available(CPU, dtype):  # oneDNN's bf16 packing needs AVX512 or AVX-NE
         linears.append(PackedLinear(weight, bias))
+    if dtype == torch.bfloat16 and (amx := amx_linear_library()) is not None:
+        linears.append(AmxLinear(amx, weight, bias))
     for linear in linears:
         out = linear(x)
         assert out.dtype == dtype and out.shape == (7, out_f)
@@ -44,17 +55,66 @@ ROW_COUNTS = [1, 2, 3, 5, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 100, 127,
 
 @pytest.mark.parametrize(("out_f", "in_f"), SHAPES)
 @pytest.mark.parametrize("dtype", COMPUTE_DTYPES)
-def test_a_row_does_not_depend_on_the_other_rows(out_f, in_f, dtype):
+@pytest.mark.parametrize("kind", ["onednn", "amx"])
+def test_a_row_does_not_depend_on_the_other_rows(out_f, in_f, dtype, kind):
     """What makes a request's logits the same alone or in any batch: each row of a product
     gets the same bits whatever the number of rows (oneDNN picks kernels by shape; on this
-    CPU, for these shapes, they all sum a row the same way)."""
+    CPU, for these shapes, they all sum a row the same way; the AMX kernel sums each row by
+    one fixed sequence of tile products)."""
     dtype = DTYPES[dtype]
     if not packed_linear_available(CPU, dtype):
         pytest.skip(f"oneDNN does not pack {dtype} here")
+    amx = amx_linear_library()
+    if kind == "amx" and (dtype != torch.bfloat16 or amx is None):
+        pytest.skip("AMX products: bfloat16, on CPUs whose tiles run")
     gen = torch.Generator().manual_seed(1)
-    linear = PackedLinear((torch.randn(out_f, in_f, generator=gen) / in_f**0.5).to(dtype))
+    weight = (torch.randn(out_f, in_f, generator=gen) / in_f**0.5).to(dtype)
+    linear = AmxLinear(amx, weight) if amx is not None and kind == "amx" else PackedLinear(weight)
     counts = ROW_COUNTS if out_f < 10_000 else [m for m in ROW_COUNTS if m <= 129]  # the head
     x = torch.randn(max(counts), in_f, generator=gen).to(dtype)
     every = linear(x)
     for m in counts:
         assert torch.equal(linear(x[:m]), every[:m]), f"{m} rows"
+
+
+def test_amx_products_are_chosen_per_weight_where_the_tiles_run(monkeypatch):
+    """bfloat16 weights that fit the tiles take them where a probe ran one (and PDSERVE_AMX is
+    not 0); float32, and shapes off the tiles' grid, stay on oneDNN; a plain matmul when not
+    packed."""
+    weight = torch.randn(64, 64).to(torch.bfloat16)
+    amx = amx_linear_library()
+    chosen = make_linear(weight, packed=True, amx=amx)
+    assert isinstance(chosen, AmxLinear if amx is not None else PackedLinear)
+    assert isinstance(make_linear(weight[:, :48], packed=True, amx=amx), PackedLinear)
+    assert isinstance(make_linear(weight.float(), packed=True, amx=amx), PackedLinear)
+    assert isinstance(make_linear(weight, packed=False, amx=amx), DenseLinear)
+    try:
+        monkeypatch.setenv("PDSERVE_AMX", "0")
+        amx_linear_library.cache_clear()
+        kernels.amx_usable.cache_clear()
+        assert amx_linear_library() is None
+    finally:
+        monkeypatch.delenv("PDSERVE_AMX")
+        amx_linear_library.cache_clear()
+        kernels.amx_usable.cache_clear()
+    assert (amx_linear_library() is None) == (amx is None)
+
+
+def test_amx_rows_past_a_whole_tile_and_bias():
+    """Row counts that end inside a tile (read from a zero-padded copy), columns in a lone
+    16-column tile, a bias added in float32 before the one rounding to bfloat16."""
+    amx = amx_linear_library()
+    if amx is None:
+        pytest.skip("AMX products: on CPUs whose tiles run")
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(48, 96, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(48, generator=gen).to(torch.bfloat16)
+    linear = AmxLinear(amx, weight, bias)
+    for rows in (1, 5, 17, 33, 47):
+        x = torch.randn(rows, 96, generator=gen).to(torch.bfloat16)
+        exact = x.double() @ weight.double().t() + bias.double()
+        # float32 sums of exact bfloat16 products, then one rounding: within a bfloat16 ulp
+        out = linear(x)
+        assert out.shape == (rows, 48) and out.dtype == torch.bfloat16
+        assert torch.all((out.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-4)
+    assert linear(torch.empty(0, 96, dtype=torch.bfloat16)).shape == (0, 48)

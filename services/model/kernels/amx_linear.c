@@ -1,0 +1,197 @@
+/*
+ * bfloat16 products by a weight on AMX tiles (services/model/linear.py's AmxLinear), each
+ * output row summed one way whatever else the call computes: y[r, n] is TDPBF16PS's sum over
+ * the inputs in chunks of 32, in chunk order, from zero, whether row r is alone, in a decode
+ * batch or in a 1,024-row prompt, and whichever thread computes it; then + bias (float32),
+ * rounded to bfloat16 to nearest even as torch rounds. oneDNN's AMX kernels promise no such
+ * thing and, on a Xeon, summed a row differently at 37-257 rows than at 1-36.
+ *
+ * The weight [N, K] is packed once (amx_linear_pack) into the tiles' second operand: for each
+ * 16 output columns and 32 inputs a 1 KB tile, 16 rows of input pairs by 16 columns x 2.
+ * N a multiple of 16 and K of 32 (linear.py leaves other shapes to oneDNN).
+ *
+ * Work: the output in blocks of 32 rows x 32 columns, four accumulator tiles (0-3) fed by two
+ * tiles of x (4, 5) and two of the weight (6, 7). The columns are split among the threads, so
+ * each weight byte is read by one thread once per ROWS_AT_ONCE rows; those rows of x stay in
+ * the L2 cache while a thread's columns pass over them. A last tile of fewer than 16 rows is
+ * read from a zero-padded copy (a tile load reads 16 rows).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "vectors.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
+#define HAVE_AMX 1
+#include <immintrin.h>
+#include <omp.h>
+#include <sys/syscall.h>
+long syscall(long number, ...); /* unistd.h's, which would need _GNU_SOURCE */
+#else
+#define HAVE_AMX 0
+#endif
+
+#define TR 16            /* rows of a tile */
+#define TC 16            /* output columns of an accumulator tile */
+#define TK 32            /* inputs in a tile row (16 pairs) */
+#define ROWS_AT_ONCE 256 /* rows of x a thread's columns pass over before the next rows */
+
+/* Whether the library was built with the tile path. */
+int amx_linear_compiled(void) { return HAVE_AMX; }
+
+/* Pack w [n, k] (bfloat16) for amx_linear: out holds n * k elements. */
+void amx_linear_pack(const uint16_t *w, uint16_t *out, int64_t n, int64_t k) {
+    const int64_t chunks = k / TK;
+    for (int64_t nb = 0; nb < n / TC; nb++)
+        for (int64_t c = 0; c < chunks; c++) {
+            uint16_t *tile = out + (nb * chunks + c) * TR * TK;
+            for (int64_t p = 0; p < TK / 2; p++)
+                for (int64_t col = 0; col < TC; col++)
+                    for (int64_t j = 0; j < 2; j++)
+                        tile[p * TK + col * 2 + j] = w[(nb * TC + col) * k + c * TK + 2 * p + j];
+        }
+}
+
+#if HAVE_AMX
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) tile_config;
+
+static int permitted(void) {
+    /* ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA: the kernel must allow AMX's state */
+    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+}
+
+/* This thread's eight tiles, each 16 rows of 64 bytes. */
+static void configure(void) {
+    tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) c.rows[t] = TR, c.colsb[t] = 64;
+    _tile_loadconfig(&c);
+}
+
+/* Accumulator tile (one of 0-3, stored into acc) as bfloat16 rows [0, rows) of y at (r0, c0). */
+INLINE void put(float acc[TR][TC], const float *bias, uint16_t *y, int64_t ldy, int64_t r0,
+                int64_t rows, int64_t c0) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < TC; i += LANES) {
+            vf v;
+            memcpy(&v, &acc[r][i], sizeof v);
+            if (bias) v += load(bias, c0 + i, 0);
+            store(y, (r0 + r) * ldy + c0 + i, v, 1);
+        }
+}
+
+/* One block: row tiles at x0 (and x1 when two_rows), column tiles w0 (and w1 when two_cols),
+ * summed over `chunks` chunks of 32 inputs. Tile numbers must be constants: the four shapes
+ * of a block are this function inlined with constant flags. */
+INLINE void block(const uint16_t *x0, const uint16_t *x1, int64_t stride, const uint16_t *w0,
+                  const uint16_t *w1, int64_t chunks, const int two_rows, const int two_cols,
+                  float acc[4][TR][TC]) {
+    _tile_zero(0);
+    if (two_cols) _tile_zero(1);
+    if (two_rows) _tile_zero(2);
+    if (two_rows && two_cols) _tile_zero(3);
+    for (int64_t c = 0; c < chunks; c++) {
+        _tile_loadd(4, x0 + c * TK, stride);
+        _tile_loadd(6, w0 + c * TR * TK, 64);
+        if (two_cols) _tile_loadd(7, w1 + c * TR * TK, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        if (two_cols) _tile_dpbf16ps(1, 4, 7);
+        if (two_rows) {
+            _tile_loadd(5, x1 + c * TK, stride);
+            _tile_dpbf16ps(2, 5, 6);
+            if (two_cols) _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    _tile_stored(0, acc[0], TC * sizeof(float));
+    if (two_cols) _tile_stored(1, acc[1], TC * sizeof(float));
+    if (two_rows) _tile_stored(2, acc[2], TC * sizeof(float));
+    if (two_rows && two_cols) _tile_stored(3, acc[3], TC * sizeof(float));
+}
+#endif
+
+/* Run a tile product once (a probe, in a process that can die of it: a CPU can list AMX while
+ * the machine refuses it). 1 if it ran and summed right. */
+int amx_linear_probe(void) {
+#if HAVE_AMX
+    if (!permitted()) return 0;
+    configure();
+    uint16_t ones[TR * TK];
+    for (int i = 0; i < TR * TK; i++) ones[i] = 0x3F80; /* bfloat16 1.0 */
+    float acc[TR][TC];
+    _tile_zero(0);
+    _tile_loadd(4, ones, 64);
+    _tile_loadd(6, ones, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_stored(0, acc, TC * sizeof(float));
+    _tile_release();
+    return acc[TR - 1][TC - 1] == (float)TK;
+#else
+    return 0;
+#endif
+}
+
+/* Allow this process the tile state (once, before amx_linear); 1 if allowed. */
+int amx_linear_permit(void) {
+#if HAVE_AMX
+    return permitted();
+#else
+    return 0;
+#endif
+}
+
+/* y [m, n] = x [m, k] @ w.T (+ bias [n], float32, or NULL), all bfloat16 but bias; w packed
+ * by amx_linear_pack. x and y contiguous. */
+void amx_linear(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *y, int64_t m,
+                int64_t n, int64_t k) {
+#if HAVE_AMX
+    const int64_t chunks = k / TK, col_tiles = n / TC, row_tiles = (m + TR - 1) / TR;
+    const int64_t whole = m / TR; /* row tiles read from x itself */
+    const int64_t stride = k * (int64_t)sizeof(uint16_t);
+    uint16_t *tail = NULL;
+    if (whole < row_tiles) {
+        tail = calloc((size_t)(TR * k), sizeof(uint16_t));
+        if (!tail) abort();
+        memcpy(tail, x + whole * TR * k, (size_t)((m - whole * TR) * k) * sizeof(uint16_t));
+    }
+#pragma omp parallel
+    {
+        configure();
+        const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
+        const int64_t pairs = (col_tiles + 1) / 2; /* column blocks of 32 (the last maybe 16) */
+        const int64_t first = pairs * me / threads, last = pairs * (me + 1) / threads;
+        float acc[4][TR][TC] __attribute__((aligned(64)));
+        for (int64_t t0 = 0; t0 < row_tiles; t0 += ROWS_AT_ONCE / TR) {
+            const int64_t t1 = t0 + ROWS_AT_ONCE / TR < row_tiles ? t0 + ROWS_AT_ONCE / TR : row_tiles;
+            for (int64_t p = first; p < last; p++) {
+                const int64_t cb = 2 * p;
+                const int two_cols = cb + 1 < col_tiles;
+                const uint16_t *w0 = w + cb * chunks * TR * TK, *w1 = w0 + chunks * TR * TK;
+                for (int64_t t = t0; t < t1; t += 2) {
+                    const int two_rows = t + 1 < t1;
+                    const uint16_t *x0 = t < whole ? x + t * TR * k : tail;
+                    const uint16_t *x1 = t + 1 < whole ? x + (t + 1) * TR * k : tail;
+                    if (two_rows && two_cols) block(x0, x1, stride, w0, w1, chunks, 1, 1, acc);
+                    else if (two_rows) block(x0, x1, stride, w0, w1, chunks, 1, 0, acc);
+                    else if (two_cols) block(x0, x1, stride, w0, w1, chunks, 0, 1, acc);
+                    else block(x0, x1, stride, w0, w1, chunks, 0, 0, acc);
+                    for (int h = 0; h < 1 + two_rows; h++) {
+                        const int64_t r0 = (t + h) * TR, rows = m - r0 < TR ? m - r0 : TR;
+                        for (int g = 0; g < 1 + two_cols; g++)
+                            put(acc[2 * h + g], bias, y, n, r0, rows, (cb + g) * TC);
+                    }
+                }
+            }
+        }
+        _tile_release();
+    }
+    free(tail);
+#else
+    (void)x, (void)w, (void)bias, (void)y, (void)m, (void)n, (void)k;
+#endif
+}
