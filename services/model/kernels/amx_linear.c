@@ -13,8 +13,9 @@
  * Work: the output in blocks of 32 rows x 32 columns, four accumulator tiles (0-3) fed by two
  * tiles of x (4, 5) and two of the weight (6, 7). The columns are split among the threads, so
  * each weight byte is read by one thread once per ROWS_AT_ONCE rows; those rows of x stay in
- * the L2 cache while a thread's columns pass over them. A last tile of fewer than 16 rows is
- * read from a zero-padded copy (a tile load reads 16 rows).
+ * the L2 cache while a thread's columns pass over them. x is first copied into tiles, each
+ * 1 KB in a row, zero past its last row (a tile load reads 16 rows): 10-15% faster than
+ * loading x's rows where they lie, 64 bytes every K * 2.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -89,7 +90,7 @@ INLINE void put(float acc[TR][TC], const float *bias, uint16_t *y, int64_t ldy, 
 /* One block: row tiles at x0 (and x1 when two_rows), column tiles w0 (and w1 when two_cols),
  * summed over `chunks` chunks of 32 inputs. Tile numbers must be constants: the four shapes
  * of a block are this function inlined with constant flags. */
-INLINE void block(const uint16_t *x0, const uint16_t *x1, int64_t stride, const uint16_t *w0,
+INLINE void block(const uint16_t *x0, const uint16_t *x1, const uint16_t *w0,
                   const uint16_t *w1, int64_t chunks, const int two_rows, const int two_cols,
                   float acc[4][TR][TC]) {
     _tile_zero(0);
@@ -97,13 +98,13 @@ INLINE void block(const uint16_t *x0, const uint16_t *x1, int64_t stride, const 
     if (two_rows) _tile_zero(2);
     if (two_rows && two_cols) _tile_zero(3);
     for (int64_t c = 0; c < chunks; c++) {
-        _tile_loadd(4, x0 + c * TK, stride);
+        _tile_loadd(4, x0 + c * TR * TK, 64);
         _tile_loadd(6, w0 + c * TR * TK, 64);
         if (two_cols) _tile_loadd(7, w1 + c * TR * TK, 64);
         _tile_dpbf16ps(0, 4, 6);
         if (two_cols) _tile_dpbf16ps(1, 4, 7);
         if (two_rows) {
-            _tile_loadd(5, x1 + c * TK, stride);
+            _tile_loadd(5, x1 + c * TR * TK, 64);
             _tile_dpbf16ps(2, 5, 6);
             if (two_cols) _tile_dpbf16ps(3, 5, 7);
         }
@@ -151,14 +152,17 @@ void amx_linear(const uint16_t *x, const uint16_t *w, const float *bias, uint16_
                 int64_t n, int64_t k) {
 #if HAVE_AMX
     const int64_t chunks = k / TK, col_tiles = n / TC, row_tiles = (m + TR - 1) / TR;
-    const int64_t whole = m / TR; /* row tiles read from x itself */
-    const int64_t stride = k * (int64_t)sizeof(uint16_t);
-    uint16_t *tail = NULL;
-    if (whole < row_tiles) {
-        tail = calloc((size_t)(TR * k), sizeof(uint16_t));
-        if (!tail) abort();
-        memcpy(tail, x + whole * TR * k, (size_t)((m - whole * TR) * k) * sizeof(uint16_t));
-    }
+    /* x in tiles: [row tile][chunk][16 rows x 32], zero past row m */
+    uint16_t *xt = aligned_alloc(64, (size_t)(row_tiles * TR * k) * sizeof(uint16_t));
+    if (!xt) abort();
+#pragma omp parallel for schedule(static) if (m * k >= 65536)
+    for (int64_t t = 0; t < row_tiles; t++)
+        for (int64_t r = 0; r < TR; r++)
+            for (int64_t c = 0; c < chunks; c++) {
+                uint16_t *to = xt + (t * chunks + c) * TR * TK + r * TK;
+                if (t * TR + r < m) memcpy(to, x + (t * TR + r) * k + c * TK, TK * sizeof(uint16_t));
+                else memset(to, 0, TK * sizeof(uint16_t));
+            }
 #pragma omp parallel
     {
         configure();
@@ -174,12 +178,11 @@ void amx_linear(const uint16_t *x, const uint16_t *w, const float *bias, uint16_
                 const uint16_t *w0 = w + cb * chunks * TR * TK, *w1 = w0 + chunks * TR * TK;
                 for (int64_t t = t0; t < t1; t += 2) {
                     const int two_rows = t + 1 < t1;
-                    const uint16_t *x0 = t < whole ? x + t * TR * k : tail;
-                    const uint16_t *x1 = t + 1 < whole ? x + (t + 1) * TR * k : tail;
-                    if (two_rows && two_cols) block(x0, x1, stride, w0, w1, chunks, 1, 1, acc);
-                    else if (two_rows) block(x0, x1, stride, w0, w1, chunks, 1, 0, acc);
-                    else if (two_cols) block(x0, x1, stride, w0, w1, chunks, 0, 1, acc);
-                    else block(x0, x1, stride, w0, w1, chunks, 0, 0, acc);
+                    const uint16_t *x0 = xt + t * chunks * TR * TK, *x1 = x0 + chunks * TR * TK;
+                    if (two_rows && two_cols) block(x0, x1, w0, w1, chunks, 1, 1, acc);
+                    else if (two_rows) block(x0, x1, w0, w1, chunks, 1, 0, acc);
+                    else if (two_cols) block(x0, x1, w0, w1, chunks, 0, 1, acc);
+                    else block(x0, x1, w0, w1, chunks, 0, 0, acc);
                     for (int h = 0; h < 1 + two_rows; h++) {
                         const int64_t r0 = (t + h) * TR, rows = m - r0 < TR ? m - r0 : TR;
                         for (int g = 0; g < 1 + two_cols; g++)
@@ -190,7 +193,7 @@ void amx_linear(const uint16_t *x, const uint16_t *w, const float *bias, uint16_
         }
         _tile_release();
     }
-    free(tail);
+    free(xt);
 #else
     (void)x, (void)w, (void)bias, (void)y, (void)m, (void)n, (void)k;
 #endif
