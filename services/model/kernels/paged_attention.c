@@ -152,6 +152,9 @@ static void amx_configure(int64_t R) {
     const int rows[6] = {(int)R, (int)R, 16, (int)R, BLOCK / 2, (int)R};
     const int colsb[6] = {64, 64, 64, BLOCK * 2, 64, 64};
     for (int t = 0; t < 6; t++) c.rows[t] = (uint8_t)rows[t], c.colsb[t] = (uint16_t)colsb[t];
+    /* GCC 12 does not count the instruction as reading c: with eight tiles configured it
+     * dropped the stores above, and the instruction faulted on an invalid configuration */
+    __asm__ volatile("" : : "r"(&c) : "memory");
     _tile_loadconfig(&c);
 }
 
