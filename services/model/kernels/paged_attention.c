@@ -69,7 +69,8 @@ long syscall(long number, ...); /* unistd.h's, which would need _GNU_SOURCE (and
 #else
 #define TILE_ROWS 6
 #endif
-#define MAX_ROWS (TILE_ROWS > MAX_GROUP ? TILE_ROWS : MAX_GROUP)
+#define TILE_ROWS_AMX 16 /* prefill on AMX tiles: a tile holds 16 rows, registers none */
+#define MAX_ROWS 16        /* >= TILE_ROWS, TILE_ROWS_AMX and MAX_GROUP */
 
 /* the array p advanced by i elements */
 INLINE void *advance(const void *p, int64_t i, int bf16) {
@@ -565,19 +566,19 @@ int paged_decode_attention(const void *q, const void *k, const void *v, int bf16
 /* ---- Prefill: the new tokens of a sequence (a chunk of its prompt) attend causally over its
  * cached tokens and themselves, all read from the blocks (written before the call).
  *
- * A task is one KV head of one tile of TILE_ROWS / G consecutive queries: their G * QT query
- * heads share every K and V vector the tile loads. Block by block up to the tile's last
- * position: scores for all rows, keys past a row's position not counted, the running softmax,
- * then the values. */
+ * A task is one KV head of one tile of QT consecutive queries (TILE_ROWS / G; TILE_ROWS_AMX / G
+ * on AMX tiles): their G * QT query heads share every K and V vector the tile loads. Block by
+ * block up to the tile's last position: scores for all rows, keys past a row's position not
+ * counted, the running softmax, then the values. */
 
 /* Rows r = i * G + g: query q0 + i of the chunk (position first + q0 + i), head kh * G + g.
  * A tile always computes QT queries (G, D and so its rows known at compile time, its scores
  * held in registers); past the chunk's `qt` the last query is repeated and not written. */
-INLINE void prefill_tile(rows_t *w, const void *q, const void *k, const void *v, int bf16,
+INLINE void prefill_rows(rows_t *w, const void *q, const void *k, const void *v, int bf16,
                          const int64_t *table, int64_t first, int64_t q0, int64_t qt,
                          int64_t kh, int64_t kv_heads, float scale, void *out, const int64_t G,
-                         const int64_t D) {
-    const int64_t QT = TILE_ROWS / G > 0 ? TILE_ROWS / G : 1, rows = QT * G;
+                         const int64_t D, const int64_t QT) {
+    const int64_t rows = QT * G;
     const int64_t heads = kv_heads * G, head_elems = D * BLOCK;
     int64_t query[MAX_ROWS];
     for (int64_t r = 0; r < rows; r++) {
@@ -597,6 +598,25 @@ INLINE void prefill_tile(rows_t *w, const void *q, const void *k, const void *v,
     }
     for (int64_t r = 0; r < qt * G; r++)
         finish_row(w, r, out, (query[r] * heads + kh * G + r % G) * D, bf16, D);
+}
+
+/* Queries a prefill tile computes: as many as fit its rows (at least one). A row's bits do not
+ * depend on the rows beside it, so the tile's height is free to follow the path. */
+INLINE int64_t tile_queries(int bf16, const int64_t G, const int64_t D) {
+    const int64_t rows = tiles(bf16, D) ? TILE_ROWS_AMX : TILE_ROWS;
+    return rows / G > 0 ? rows / G : 1;
+}
+
+INLINE void prefill_tile(rows_t *w, const void *q, const void *k, const void *v, int bf16,
+                         const int64_t *table, int64_t first, int64_t q0, int64_t qt,
+                         int64_t kh, int64_t kv_heads, float scale, void *out, const int64_t G,
+                         const int64_t D) {
+    if (tiles(bf16, D)) /* each height a constant where G is */
+        prefill_rows(w, q, k, v, bf16, table, first, q0, qt, kh, kv_heads, scale, out, G, D,
+                     TILE_ROWS_AMX / G > 0 ? TILE_ROWS_AMX / G : 1);
+    else
+        prefill_rows(w, q, k, v, bf16, table, first, q0, qt, kh, kv_heads, scale, out, G, D,
+                     TILE_ROWS / G > 0 ? TILE_ROWS / G : 1);
 }
 
 typedef void (*tile_fn)(rows_t *, const void *, const void *, const void *, int,
@@ -639,7 +659,7 @@ int paged_prefill_attention(const void *q, const void *k, const void *v, int bf1
     if (block_size != BLOCK || G > MAX_GROUP || G * kv_heads != heads || dim > MAX_DIM ||
         dim % LANES != 0)
         return -1;
-    const int64_t qt = TILE_ROWS / G > 0 ? TILE_ROWS / G : 1;
+    const int64_t qt = tile_queries(bf16, G, dim);
     int64_t count = 0;
     for (int64_t s = 0; s < spans; s++) count += kv_heads * ((qlens[s] + qt - 1) / qt);
     int64_t(*tasks)[3] = malloc((size_t)(count > 0 ? count : 1) * sizeof *tasks);
