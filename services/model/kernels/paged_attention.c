@@ -118,6 +118,7 @@ typedef struct {
     vb l[MAX_ROWS]; /* the sum of the weights, by offset in the block */
     vf acc[MAX_ROWS][MAX_DIM / LANES];
     float tile_s[MAX_ROWS][BLOCK]; /* AMX: a block's scores, as the tile stores them */
+    int moved; /* whether the last fold moved any row's maximum (else every rescale is 1) */
 } __attribute__((aligned(LINE))) rows_t;
 
 /* ---- AMX (bfloat16 only, where the CPU and the kernel allow it; off unless
@@ -183,8 +184,10 @@ INLINE void score_tiles(vb *s, rows_t *w, const uint16_t *k, int64_t at, float s
  * the block's last counted key is 0 and the cache's values are finite: it adds nothing. */
 INLINE void value_tiles(rows_t *w, const uint16_t *v, int64_t at, const int64_t R,
                         const int64_t D) {
-    for (int64_t r = 0; r < R; r++)
-        for (int64_t c = 0; c < D / LANES; c++) w->acc[r][c] = rounded(w->acc[r][c] * w->rescale[r]);
+    if (w->moved) /* else every rescale is exactly 1, which changes nothing */
+        for (int64_t r = 0; r < R; r++)
+            for (int64_t c = 0; c < D / LANES; c++)
+                w->acc[r][c] = rounded(w->acc[r][c] * w->rescale[r]);
     _tile_loadd(3, w->pp, sizeof w->pp[0]);
     for (int64_t c = 0; c < D / 16; c++) {
         _tile_loadd(5, &w->acc[0][c * 16 / LANES], sizeof w->acc[0]);
@@ -383,6 +386,7 @@ INLINE void fold(rows_t *w, const vb *s, const int64_t *last, int bf16, const in
         top[r] = any_above(counted[r], w->m[r] + LAZY) ? hmax(counted[r], w->m[r]) : w->m[r];
         moved |= top[r] != w->m[r];
     }
+    w->moved = moved;
     for (int64_t r0 = 0; r0 < R; r0 += LANES) {
         vf gap = {0}, e = (vf){0} + 1.0f;
         if (moved) {
