@@ -21,16 +21,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "amx.h"
 #include "vectors.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
-#define HAVE_AMX 1
-#include <immintrin.h>
+#if HAVE_AMX
 #include <omp.h>
-#include <sys/syscall.h>
-long syscall(long number, ...); /* unistd.h's, which would need _GNU_SOURCE */
-#else
-#define HAVE_AMX 0
 #endif
 
 #define TR 16            /* rows of a tile */
@@ -55,27 +50,11 @@ void amx_linear_pack(const uint16_t *w, uint16_t *out, int64_t n, int64_t k) {
 }
 
 #if HAVE_AMX
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed)) tile_config;
-
-static int permitted(void) {
-    /* ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA: the kernel must allow AMX's state */
-    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-}
-
 /* This thread's eight tiles, each 16 rows of 64 bytes. */
 static void configure(void) {
-    tile_config c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int t = 0; t < 8; t++) c.rows[t] = TR, c.colsb[t] = 64;
-    /* GCC 12 does not count the instruction as reading c: with eight tiles configured it
-     * dropped the stores above, and the instruction faulted on an invalid configuration */
-    __asm__ volatile("" : : "r"(&c) : "memory");
-    _tile_loadconfig(&c);
+    const int rows[8] = {TR, TR, TR, TR, TR, TR, TR, TR};
+    const int colsb[8] = {64, 64, 64, 64, 64, 64, 64, 64};
+    amx_configure_tiles(8, rows, colsb);
 }
 
 /* Accumulator tile (one of 0-3, stored into acc) as bfloat16 rows [0, rows) of y at (r0, c0). */
@@ -123,7 +102,7 @@ INLINE void block(const uint16_t *x0, const uint16_t *x1, const uint16_t *w0,
  * the machine refuses it). 1 if it ran and summed right. */
 int amx_linear_probe(void) {
 #if HAVE_AMX
-    if (!permitted()) return 0;
+    if (!amx_permitted()) return 0;
     configure();
     uint16_t ones[TR * TK];
     for (int i = 0; i < TR * TK; i++) ones[i] = 0x3F80; /* bfloat16 1.0 */
@@ -143,7 +122,7 @@ int amx_linear_probe(void) {
 /* Allow this process the tile state (once, before amx_linear); 1 if allowed. */
 int amx_linear_permit(void) {
 #if HAVE_AMX
-    return permitted();
+    return amx_permitted();
 #else
     return 0;
 #endif

@@ -47,14 +47,7 @@
 #include <immintrin.h>
 #endif
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#define HAVE_AMX 1
-#include <sys/syscall.h>
-long syscall(long number, ...); /* unistd.h's, which would need _GNU_SOURCE (and its select) */
-#else
-#define HAVE_AMX 0
-#endif
-
+#include "amx.h"
 #include "vectors.h"
 
 #define BLOCK 16
@@ -135,29 +128,11 @@ static int amx_on = 0;
 INLINE int tiles(int bf16, int64_t D) { return bf16 && amx_on && D % 32 == 0; }
 
 #if HAVE_AMX
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed)) tile_config;
-
-static int amx_permitted(void) {
-    /* ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA: the kernel must allow AMX's state */
-    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-}
-
 /* Configure this thread's tiles for R rows of queries (R <= 16). */
 static void amx_configure(int64_t R) {
-    tile_config c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
     const int rows[6] = {(int)R, (int)R, 16, (int)R, BLOCK / 2, (int)R};
     const int colsb[6] = {64, 64, 64, BLOCK * 2, 64, 64};
-    for (int t = 0; t < 6; t++) c.rows[t] = (uint8_t)rows[t], c.colsb[t] = (uint16_t)colsb[t];
-    /* GCC 12 does not count the instruction as reading c: with eight tiles configured it
-     * dropped the stores above, and the instruction faulted on an invalid configuration */
-    __asm__ volatile("" : : "r"(&c) : "memory");
-    _tile_loadconfig(&c);
+    amx_configure_tiles(6, rows, colsb);
 }
 
 /* score_pairs' sums as tile products: rows 0..R-1 (R as configured) against one block's keys
