@@ -15,9 +15,9 @@ the single-row case below did; the test is what says. The dense fallback's BLAS 
 row-invariant: its rows move in the last bits with the batch.
 
 On CPUs whose AMX tiles work, bfloat16 products run on them instead (`AmxLinear`,
-kernels/amx_linear.c): each row summed one way at every row count, as above, at oneDNN's AMX
-speed (on a 2-core Xeon, 1.7-2.1 TFLOP/s for a prompt's products against 0.1-0.3 for oneDNN's
-AVX-512 kernels, which are all oneDNN may use there: see ONEDNN_MAX_CPU_ISA below).
+kernels/amx_linear.c): each row summed one way at every row count, as above, near oneDNN's
+own AMX speed (on a 2-core Xeon, 0.6-1.5x oneDNN's AMX kernels by shape, and 7-9x the AVX-512
+kernels oneDNN may use there from 32 rows up: see ONEDNN_MAX_CPU_ISA below; `bench.linear`).
 """
 
 from __future__ import annotations

@@ -579,11 +579,15 @@ INLINE void prefill_rows(rows_t *w, const void *q, const void *k, const void *v,
         finish_row(w, r, out, (query[r] * heads + kh * G + r % G) * D, bf16, D);
 }
 
-/* Queries a prefill tile computes: as many as fit its rows (at least one). A row's bits do not
- * depend on the rows beside it, so the tile's height is free to follow the path. */
-INLINE int64_t tile_queries(int bf16, const int64_t G, const int64_t D) {
-    const int64_t rows = tiles(bf16, D) ? TILE_ROWS_AMX : TILE_ROWS;
+/* Queries of G heads each that fit `rows` rows (at least one). */
+INLINE int64_t queries_in(const int64_t rows, const int64_t G) {
     return rows / G > 0 ? rows / G : 1;
+}
+
+/* Queries a prefill tile computes: TILE_ROWS' worth, or TILE_ROWS_AMX's on tiles. A row's bits
+ * do not depend on the rows beside it, so the tile's height is free to follow the path. */
+INLINE int64_t tile_queries(int bf16, const int64_t G, const int64_t D) {
+    return queries_in(tiles(bf16, D) ? TILE_ROWS_AMX : TILE_ROWS, G);
 }
 
 INLINE void prefill_tile(rows_t *w, const void *q, const void *k, const void *v, int bf16,
@@ -592,10 +596,10 @@ INLINE void prefill_tile(rows_t *w, const void *q, const void *k, const void *v,
                          const int64_t D) {
     if (tiles(bf16, D)) /* each height a constant where G is */
         prefill_rows(w, q, k, v, bf16, table, first, q0, qt, kh, kv_heads, scale, out, G, D,
-                     TILE_ROWS_AMX / G > 0 ? TILE_ROWS_AMX / G : 1);
+                     queries_in(TILE_ROWS_AMX, G));
     else
         prefill_rows(w, q, k, v, bf16, table, first, q0, qt, kh, kv_heads, scale, out, G, D,
-                     TILE_ROWS / G > 0 ? TILE_ROWS / G : 1);
+                     queries_in(TILE_ROWS, G));
 }
 
 typedef void (*tile_fn)(rows_t *, const void *, const void *, const void *, int,
