@@ -1,28 +1,76 @@
 """The OpenAI request bodies the router accepts, validated at the edge.
 
-Unknown fields are refused (400 naming the field) rather than silently ignored, and types are
-strict as in OpenAI's API: `"stream": "yes"` or `"max_tokens": "5"` is a 400, not coerced
-(an integer is accepted where a number is expected). The fields beyond OpenAI's (top_k,
-min_p, repetition_penalty, ignore_eos, min_tokens, ...) are vLLM's, so clients written for
-vLLM work unchanged.
+Fields the router does not use are ignored, as vLLM and OpenAI ignore them (`service_tier`,
+`metadata`, a message's extra keys: clients and frameworks send them every day); their names
+are logged at debug level. Every field the router does use is strictly typed as in OpenAI's
+API: `"stream": "yes"` or `"max_tokens": "5"` is a 400, not coerced (an integer is accepted
+where a number is expected). The fields beyond OpenAI's (top_k, min_p, repetition_penalty,
+ignore_eos, min_tokens, structured_outputs, ...) are vLLM's, so clients written for vLLM work
+unchanged.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+log = logging.getLogger("pdserve.router")
 
 
 class Strict(BaseModel):
+    """Known fields strictly typed; unknown ones refused (the router's own admin API)."""
+
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
-class StreamOptions(Strict):
+class Tolerant(BaseModel):
+    """Known fields strictly typed; unknown ones ignored, their names logged at debug."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _log_ignored(cls, data: Any) -> Any:
+        if isinstance(data, dict) and log.isEnabledFor(logging.DEBUG):
+            ignored = sorted(str(k) for k in data if k not in cls.model_fields)
+            if ignored:
+                fields = {"in": cls.__name__, "names": ",".join(ignored)}
+                log.debug("ignored fields", extra={"fields": fields})
+        return data
+
+
+class StreamOptions(Tolerant):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage so far in every chunk
 
 
-class SamplingFields(Strict):
+class JsonSchemaFormat(Tolerant):
+    name: str = "response"  # OpenAI requires it; it names the schema and changes nothing here
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(Tolerant):
+    """OpenAI's `response_format`."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(Tolerant):
+    """vLLM's `structured_outputs` (one of them)."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+class SamplingFields(Tolerant):
     """Fields completions and chat share."""
 
     model: str | None = None  # optional, as in vLLM: the one served model
@@ -45,6 +93,13 @@ class SamplingFields(Strict):
     min_tokens: Annotated[int, Field(ge=0)] = 0
     skip_special_tokens: bool = True
     user: str | None = None
+    # structured output (router/structured.py): OpenAI's, vLLM's, and vLLM's older names
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -60,12 +115,12 @@ class CompletionRequest(SamplingFields):
     suffix: None = None  # accepted only as null: insertion is not supported
 
 
-class TextPart(Strict):
+class TextPart(Tolerant):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(Strict):
+class ChatMessage(Tolerant):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -87,14 +142,14 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
 
 
-class TokenizeRequest(Strict):
+class TokenizeRequest(Tolerant):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
 
 
-class DetokenizeRequest(Strict):
+class DetokenizeRequest(Tolerant):
     model: str | None = None
     tokens: list[int]
 

@@ -25,6 +25,7 @@ from router.metrics import Metrics
 from router.openai_format import ChoiceState
 from router.policy import Policy
 from router.protocol import SamplingFields
+from router.structured import grammar_of
 from router.workers import Registry
 from services.engine.params import SamplingParams, ValidationError
 from services.model import hf_config, sources
@@ -126,6 +127,7 @@ class RouterState:
                 stop_token_ids=tuple(req.stop_token_ids or ()),
                 n=req.n,
                 logprobs=logprobs,
+                grammar=grammar_of(req),
             )
             return params.validate(self.model.vocab_size)
         except ValueError as e:  # int() of a logit_bias key, or ValidationError

@@ -34,6 +34,7 @@ from services.engine.request import (
 from services.engine.sampler import Sampler
 from services.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from services.engine.seeds import choice_seed
+from services.engine.structured import Grammars
 from services.model.batch import ForwardBatch, SeqChunk
 from services.model.llama import LlamaModel
 from services.settings import DEFAULTS
@@ -108,7 +109,8 @@ class Engine:
             self.blocks,
             self._admit,
         )
-        self.sampler = Sampler(mc.vocab_size, mc.eos_token_ids)
+        self.grammars = Grammars(tokenizer, mc.vocab_size, mc.eos_token_ids)
+        self.sampler = Sampler(mc.vocab_size, mc.eos_token_ids, self.grammars)
         self.requests: dict[str, _Request] = {}
         self.times = StepTimes()
         self._arrivals = itertools.count()
@@ -139,6 +141,8 @@ class Engine:
                 f"prompt plus max_tokens needs {need} KV blocks; the pool has "
                 f"{self.blocks.num_blocks}",
             )
+        grammar = params.grammar
+        matcher = None if grammar is None else self.grammars.matcher(grammar, output_ids)
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         context = [*prompt_ids, *output_ids]
         seqs = [
@@ -156,6 +160,7 @@ class Engine:
                 block_hashes=list(
                     request.block_hashes[: len(prompt_ids) // self.config.block_size]
                 ),
+                matcher=matcher if i == 0 or matcher is None else matcher.deep_copy(),
             )
             for i in range(params.n)
         ]
@@ -258,6 +263,8 @@ class Engine:
         seq.token_ids.append(token)
         if logprobs is not None:
             seq.logprobs.append(logprobs)
+        if seq.matcher is not None:
+            self.grammars.advance(seq.matcher, token)
         stops = StopChecker(seq, self.sampler.eos_token_ids, self.model.config.max_model_len)
         delta = stops.apply(token, step)
         if seq.finish_reason is not None:

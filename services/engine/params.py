@@ -41,6 +41,9 @@ class SamplingParams:
     seed: int | None = None  # None: the engine draws one
     logprobs: int | None = None  # log-probabilities of the sampled token plus this many top ones
     skip_special_tokens: bool = True
+    # structured output: llguidance's grammar text (services/engine/structured.py), made at
+    # the edge from a JSON schema, regex, choices or Lark grammar; None: unconstrained
+    grammar: str | None = None
 
     @property
     def greedy(self) -> bool:
@@ -82,6 +85,8 @@ class SamplingParams:
                 "logprobs",
                 f"must be in [0, {MAX_LOGPROBS}]",
             )
+        if self.grammar is not None:
+            _check(isinstance(self.grammar, str) and self.grammar != "", "grammar", "empty")
         if self.seed is not None:
             _check(_is_int(self.seed), "seed", "must be an integer")
         for token, bias in self.logit_bias.items():

@@ -14,7 +14,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence as SeqOf
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from services.engine.params import SamplingParams
 from services.tokenizer.detokenize import IncrementalDetokenizer
@@ -91,6 +91,9 @@ class Sequence:
     scheduled_ns: int = 0  # wall clock when it first entered a step (tracing)
     transfer: KVTransfer | None = None  # its request's KV beyond the engine (kv_transfer.py)
     store_tokens: int = 0  # prompt tokens it was given from a store (not the local cache's)
+    # structured output: its grammar's matcher (services/engine/structured.py), advanced over
+    # every output token; None: unconstrained
+    matcher: Any = None
 
     @property
     def num_tokens(self) -> int:

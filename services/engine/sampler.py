@@ -1,7 +1,8 @@
 """Turning a batch of logits into tokens: vectorised over rows, seeded per position.
 
 Order of operations on each row (the usual one: vLLM's, transformers'):
-penalties -> logit_bias -> min_tokens masking -> greedy argmax, or
+penalties -> logit_bias -> min_tokens masking (or, for a sequence with a grammar, the
+grammar's token mask: the grammar decides where the output may end) -> greedy argmax, or
 temperature -> top-k -> top-p -> min-p -> one draw.
 
 Determinism (DESIGN.md): the draw for the token at position t of a sequence seeded s uses a
@@ -19,6 +20,7 @@ import torch
 from services.engine.params import SamplingParams
 from services.engine.request import Sequence, TokenLogprobs
 from services.engine.seeds import uniforms as numpy_uniforms
+from services.engine.structured import Grammars
 
 
 def uniforms(seeds: Seq[int], positions: Seq[int]) -> torch.Tensor:
@@ -33,9 +35,12 @@ class SampleResult:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, eos_token_ids: Seq[int]) -> None:
+    def __init__(
+        self, vocab_size: int, eos_token_ids: Seq[int], grammars: Grammars | None = None
+    ) -> None:
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
+        self.grammars = grammars  # needed only for sequences with a grammar
 
     def __call__(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> SampleResult:
         """logits: [R, vocab] float32, row i for seqs[i]."""
@@ -57,12 +62,18 @@ class Sampler:
     def _process(
         self, logits: torch.Tensor, seqs: Seq[Sequence], params: list[SamplingParams]
     ) -> torch.Tensor:
-        """Penalties, biases and min_tokens masking, on a copy only when something applies."""
+        """Penalties, biases, min_tokens masking and grammars' masks, on a copy only when
+        something applies."""
         x = logits
         penalised = [i for i, p in enumerate(params) if p.uses_penalties]
         biased = [i for i, p in enumerate(params) if p.logit_bias]
-        masked = [i for i, p in enumerate(params) if seqs[i].num_output_tokens < p.min_tokens]
-        if penalised or biased or masked:
+        constrained = [i for i, s in enumerate(seqs) if s.matcher is not None]
+        masked = [
+            i
+            for i, p in enumerate(params)
+            if seqs[i].num_output_tokens < p.min_tokens and seqs[i].matcher is None
+        ]
+        if penalised or biased or masked or constrained:
             x = logits.clone()
         if penalised:
             x[penalised] = apply_penalties(x[penalised], [seqs[i] for i in penalised])
@@ -79,6 +90,9 @@ class Sampler:
             if cells:
                 rows, cols = zip(*cells, strict=True)
                 x[torch.tensor(rows), torch.tensor(cols)] = -float("inf")
+        if constrained:
+            assert self.grammars is not None, "a sequence has a grammar, the sampler none"
+            self.grammars.mask(x, constrained, [seqs[i].matcher for i in constrained])
         return x
 
     def _stops_before_min_tokens(self, p: SamplingParams) -> list[int]:

@@ -59,6 +59,7 @@ def sampling_params(p: pb.SamplingParams, seed: int) -> SamplingParams:
         stop_token_ids=tuple(p.stop_token_ids),
         seed=seed,
         logprobs=p.logprobs if p.HasField("logprobs") else None,
+        grammar=p.grammar if p.HasField("grammar") else None,
     )
 
 
@@ -72,6 +73,8 @@ def to_proto_params(p: SamplingParams) -> pb.SamplingParams:
     )
     if p.logprobs is not None:
         out.logprobs = p.logprobs
+    if p.grammar is not None:
+        out.grammar = p.grammar
     return out
 
 

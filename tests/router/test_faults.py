@@ -9,6 +9,7 @@ import json
 import signal
 
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -52,6 +53,42 @@ def faulty(embedded_dir, tmp_path_factory):
 
 def client_of(router: RouterProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{router.url}/v1", api_key="x", max_retries=0)
+
+
+def test_structured_stream_survives_its_decode_worker_killed(faulty):
+    """The new decode worker rebuilds the grammar's state from the tokens already sent: the
+    output still validates (runs before the test below takes a decode worker away)."""
+    _, _, decode, router = faulty
+    schema = {
+        "type": "object",
+        "properties": {
+            "title": {"type": "string", "maxLength": 30},
+            "chapters": {"type": "array", "minItems": 6, "maxItems": 6,
+                         "items": {"type": "string", "minLength": 10, "maxLength": 40}},
+        },
+        "required": ["title", "chapters"],
+        "additionalProperties": False,
+    }  # fmt: skip
+    stream = client_of(router).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": PROMPT + " Outline it as JSON."}],
+        max_tokens=400, temperature=0.8, seed=11, stream=True,
+        response_format={"type": "json_schema",
+                         "json_schema": {"name": "outline", "schema": schema}},
+    )  # fmt: skip
+    text, killed, finishes = "", None, []
+    for i, chunk in enumerate(stream):
+        for c in chunk.choices:
+            text += c.delta.content or ""
+            finishes += [c.finish_reason] if c.finish_reason else []
+        if i == 10:
+            serving = [w for w in decode if load(w).running == 1]
+            assert len(serving) == 1, "the stream runs on exactly one decode worker"
+            killed = serving[0]
+            killed.process.send_signal(signal.SIGKILL)
+            killed.process.wait()
+    assert killed is not None and finishes == ["stop"], text
+    jsonschema.validate(json.loads(text), schema)
+    killed.start()  # back (same port) for the test below
 
 
 def test_decode_worker_killed_mid_stream(faulty, engine, embedded):
