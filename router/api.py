@@ -5,15 +5,15 @@ from __future__ import annotations
 import asyncio
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from router.errors import APIError, bad_request, unavailable
-from router.generation import Job
+from router.generation import Delta, Job
 from router.openai_format import (
     ChoiceState,
     Envelope,
@@ -48,7 +48,14 @@ async def completions(request: Request) -> Response:
         state.check_prompt(ids, max_tokens, "prompt")
     if req.echo and req.logprobs is not None:
         raise bad_request("echo with logprobs is not supported", "echo")
-    params = state.sampling(req, max_tokens, req.logprobs)
+    best_of = req.best_of or req.n
+    if best_of < req.n:
+        raise bad_request(f"best_of ({best_of}) must be at least n ({req.n})", "best_of")
+    if best_of > req.n and req.stream:
+        raise bad_request("best_of cannot be used with stream", "best_of")
+    ranked = best_of > req.n  # the sampled tokens' logprobs are needed to rank the choices
+    logprobs = max(req.logprobs or 0, 0) if ranked else req.logprobs
+    params = state.sampling(req, max_tokens, logprobs, best_of if ranked else None)
     rid = new_id("cmpl")
     jobs = state.jobs(rid, prompts, params, req.seed, state.salt(request))
     echo = (
@@ -68,6 +75,8 @@ async def completions(request: Request) -> Response:
         return envelope.choice(state_.index, state_.finish_reason, lp, text=text)
 
     def whole(choices: list[ChoiceState], usage_: dict[str, Any]) -> dict[str, Any]:
+        if ranked:
+            choices = best_choices(choices, best_of, req.n)
         return completion_body(envelope, choices, state.tokenizer, req.logprobs is not None,
                                echo, usage_)  # fmt: skip
 
@@ -109,6 +118,27 @@ async def chat(request: Request) -> Response:
         return envelope.choice(index, None, None, delta={"role": "assistant", "content": ""})
 
     return await respond(request, state, req, jobs, Replies(envelope, chunk, whole, role_chunk))
+
+
+def best_choices(choices: list[ChoiceState], best_of: int, n: int) -> list[ChoiceState]:
+    """Of each prompt's `best_of` choices, the n with the highest cumulative logprob, best
+    first, numbered as if only n had been asked for."""
+    out: list[ChoiceState] = []
+    for first in range(0, len(choices), best_of):
+        group = sorted(choices[first : first + best_of], key=lambda c: -cumulative_logprob(c))
+        base = first // best_of * n
+        out += [replace(c, index=base + rank) for rank, c in enumerate(group[:n])]
+    return out
+
+
+def cumulative_logprob(choice: ChoiceState) -> float:
+    return sum(e.logprob for e in choice.logprobs)
+
+
+def found_cached(jobs: Sequence[Job], delta: Delta) -> int:
+    """The delta's cached prompt tokens if it is a prompt's first choice: the others reuse
+    the blocks that choice computed, which were not there when the request arrived."""
+    return delta.cached_tokens if any(delta.index == j.index_base for j in jobs) else 0
 
 
 def prompt_ids(
@@ -153,7 +183,11 @@ async def respond(
     replies: Replies,
 ) -> Response:
     stream = req.stream
-    want_usage = req.stream_options is not None and req.stream_options.include_usage
+    options = req.stream_options
+    if options is not None and not stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+    want_usage = options is not None and options.include_usage
+    continuous = want_usage and options is not None and options.continuous_usage_stats
     for role in state.required_roles:
         if not state.registry.available(role):  # before a stream starts: a plain 503
             raise unavailable(f"no {role} worker is available", retry_after=1)
@@ -165,7 +199,9 @@ async def respond(
     span.start_ns = request.scope.get(RECEIVED, span.start_ns)
     span.event("admitted")
     if stream:
-        body = stream_events(state, jobs, admission, want_usage, replies, prompt_tokens, span)
+        body = stream_events(
+            state, jobs, admission, want_usage, replies, prompt_tokens, span, continuous
+        )
         # a stream the server never starts (the client left first) still gives its place back
         weakref.finalize(body, admission.release)
         return StreamingResponse(body, media_type="text/event-stream")
@@ -175,7 +211,7 @@ async def respond(
         cached = 0
         async for delta, choice in state.run(jobs, admission, span):
             choices[choice.index] = choice
-            cached += delta.cached_tokens
+            cached += found_cached(jobs, delta)
         ordered = [choices[i] for i in sorted(choices)]
         completion = sum(len(c.token_ids) for c in ordered)
         return replies.whole(ordered, usage(prompt_tokens, completion, min(cached, prompt_tokens)))
@@ -203,7 +239,10 @@ async def stream_events(
     replies: Replies,
     prompt_tokens: int,
     span: Span = NO_SPAN,
+    continuous: bool = False,
 ) -> AsyncIterator[bytes]:
+    """The SSE events of a streamed answer; with `continuous` (vLLM's continuous_usage_stats)
+    every chunk carries the usage so far, else only the last one (include_usage)."""
     role_chunk = replies.role_chunk
     started: set[int] = set()
     completion, cached = 0, 0
@@ -217,7 +256,8 @@ async def stream_events(
                 yield sse(event)
             started.add(choice.index)
             completion += len(delta.token_ids)
-            cached += delta.cached_tokens
+            cached += found_cached(jobs, delta)
+            so_far = usage(prompt_tokens, completion, min(cached, prompt_tokens))
             if (
                 delta.text
                 or delta.logprobs
@@ -226,7 +266,7 @@ async def stream_events(
             ):
                 event = replies.chunk(delta.text, choice, delta.logprobs, first)
                 if want_usage:
-                    event["usage"] = None
+                    event["usage"] = so_far if continuous else None
                 yield sse(event)
                 span.event("written", tokens=len(delta.token_ids))
         if want_usage:

@@ -153,21 +153,24 @@ def _small_endpoints(app: FastAPI, state: RouterState) -> None:
     async def version() -> dict[str, str]:
         return {"version": VERSION}
 
+    def model_card() -> dict[str, Any]:
+        return {
+            "id": state.model_id,
+            "object": "model",
+            "created": state.started,
+            "owned_by": "pdserve",
+            "root": state.model_root,
+            "max_model_len": state.model.max_model_len,
+        }
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": state.model_id,
-                    "object": "model",
-                    "created": state.started,
-                    "owned_by": "pdserve",
-                    "root": state.model_root,
-                    "max_model_len": state.model.max_model_len,
-                }
-            ],
-        }
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        state.check_model(model_id)
+        return model_card()
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
@@ -214,5 +217,5 @@ def _small_endpoints(app: FastAPI, state: RouterState) -> None:
             raise APIError(404, f"no {change.role} worker at {change.address}", "address")
         return {"removed": True, "at": time.time()}
 
-    _ = (health, version, models, metrics, tokenize, detokenize, add_worker, remove_worker)
+    _ = (health, version, models, model, metrics, tokenize, detokenize, add_worker, remove_worker)
     _ = state_of

@@ -77,7 +77,9 @@ def completion_logprobs(
         "top_logprobs": [
             {
                 token_text(tokenizer, t): lp
-                for t, lp in zip(e.top_token_ids, e.top_logprobs, strict=True)
+                # logprobs: 0 shows the chosen token alone, as vLLM does
+                for t, lp in list(zip(e.top_token_ids, e.top_logprobs, strict=True))
+                or [(e.token_id, e.logprob)]
             }
             for e in entries
         ],

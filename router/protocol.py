@@ -112,6 +112,7 @@ class CompletionRequest(SamplingFields):
     max_tokens: Annotated[int, Field(ge=1)] | None = 16
     echo: bool = False
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    best_of: Annotated[int, Field(ge=1)] | None = None  # >= n: the n best by cumulative logprob
     suffix: None = None  # accepted only as null: insertion is not supported
 
 

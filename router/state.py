@@ -113,10 +113,17 @@ class RouterState:
         return hashlib.sha256(key.encode()).digest()[:16] if key and self.config.api_keys else b""
 
     def sampling(
-        self, req: SamplingFields, max_tokens: int, logprobs: int | None
+        self,
+        req: SamplingFields,
+        max_tokens: int,
+        logprobs: int | None,
+        best_of: int | None = None,
     ) -> SamplingParams:
-        if req.n > self.config.max_n:
-            raise bad_request(f"n is {req.n}; at most {self.config.max_n}", "n")
+        """The request's parameters; `best_of` choices generated where given (else n)."""
+        n = best_of or req.n
+        if n > self.config.max_n:
+            name = "best_of" if best_of else "n"
+            raise bad_request(f"{name} is {n}; at most {self.config.max_n}", name)
         try:
             given = {f: v for f in USER_FIELDS if (v := getattr(req, f)) is not None}
             params = SamplingParams(
@@ -125,7 +132,7 @@ class RouterState:
                 logit_bias={int(k): v for k, v in (req.logit_bias or {}).items()},
                 stop=req.stop_strings(),
                 stop_token_ids=tuple(req.stop_token_ids or ()),
-                n=req.n,
+                n=n,
                 logprobs=logprobs,
                 grammar=grammar_of(req),
             )
