@@ -12,6 +12,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from router import tools
 from router.errors import APIError, bad_request, unavailable
 from router.generation import Delta, Job
 from router.openai_format import (
@@ -65,14 +66,14 @@ async def completions(request: Request) -> Response:
 
     def chunk(
         delta_text: str, state_: ChoiceState, logprobs: list[Any], first: bool
-    ) -> dict[str, Any]:
+    ) -> list[dict[str, Any]]:
         text = (echo[state_.index] if echo and first else "") + delta_text
         lp = (
             completion_logprobs(state.tokenizer, logprobs, len(state_.text) - len(delta_text))
             if req.logprobs is not None
             else None
         )
-        return envelope.choice(state_.index, state_.finish_reason, lp, text=text)
+        return [envelope.choice(state_.index, state_.finish_reason, lp, text=text)]
 
     def whole(choices: list[ChoiceState], usage_: dict[str, Any]) -> dict[str, Any]:
         if ranked:
@@ -88,9 +89,12 @@ async def chat(request: Request) -> Response:
     state = state_of(request)
     req = await read_model(request, ChatCompletionRequest, state.config.max_body_bytes)
     state.check_model(req.model)
-    messages = [m.as_template_input() for m in req.messages]
+    tool_plan = tools.plan(req)
+    has_tools = state.tokenizer.template_has_tools
+    messages = tools.template_messages(req.messages, tool_plan.tools, has_tools)
+    offered = [t.model_dump(exclude_none=True) for t in tool_plan.tools] if has_tools else None
     try:
-        ids = state.tokenizer.encode_chat(messages, req.add_generation_prompt)
+        ids = state.tokenizer.encode_chat(messages, req.add_generation_prompt, tools=offered)
     except ValueError as e:
         raise bad_request(f"the chat template refused the messages: {e}", "messages") from e
     limit = state.model.max_model_len
@@ -99,25 +103,63 @@ async def chat(request: Request) -> Response:
     top = req.top_logprobs if req.logprobs else None
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-    params = state.sampling(req, max_tokens, (top or 0) if req.logprobs else None)
+    logprobs = (top or 0) if req.logprobs else None
+    params = state.sampling(req, max_tokens, logprobs, grammar=tool_plan.grammar)
     rid = new_id("chatcmpl")
     jobs = state.jobs(rid, [ids], params, req.seed, state.salt(request))
     envelope = Envelope(rid, "chat.completion.chunk", int(time.time()), state.model_id)
+    splitters: dict[int, tools.CallSplitter] = {}
 
     def chunk(
         delta_text: str, state_: ChoiceState, logprobs: list[Any], first: bool
-    ) -> dict[str, Any]:
+    ) -> list[dict[str, Any]]:
         lp = chat_logprobs(state.tokenizer, logprobs, top or 0) if req.logprobs else None
-        delta = {"content": delta_text} if delta_text or not state_.finish_reason else {}
-        return envelope.choice(state_.index, state_.finish_reason, lp, delta=delta)
+        finish = state_.finish_reason
+        if not tool_plan.tools:
+            delta = {"content": delta_text} if delta_text or not finish else {}
+            return [envelope.choice(state_.index, finish, lp, delta=delta)]
+        splitter = splitters.setdefault(state_.index, tools.CallSplitter())
+        start = len(splitter.calls)
+        text, calls = splitter.feed(delta_text, final=finish is not None)
+        events = [envelope.choice(state_.index, None, lp, delta={"content": text})] if text else []
+        for k, call in enumerate(calls, start):
+            events += tool_call_chunks(envelope, state_.index, k, call)
+        if finish is not None:
+            reason = "tool_calls" if splitter.calls and finish == "stop" else finish
+            events.append(envelope.choice(state_.index, reason, None, delta={}))
+        return events
 
     def whole(choices: list[ChoiceState], usage_: dict[str, Any]) -> dict[str, Any]:
-        return chat_body(envelope, choices, state.tokenizer, top if req.logprobs else None, usage_)
+        body = chat_body(envelope, choices, state.tokenizer, top if req.logprobs else None, usage_)
+        if tool_plan.tools:
+            for c, out in zip(choices, body["choices"], strict=True):
+                out["message"]["content"], calls = tools.split_whole(c.text)
+                if calls:
+                    out["message"]["tool_calls"] = calls
+                    out["finish_reason"] = (
+                        "tool_calls" if c.finish_reason == "stop" else (c.finish_reason)
+                    )
+        return body
 
     def role_chunk(index: int) -> dict[str, Any]:
         return envelope.choice(index, None, None, delta={"role": "assistant", "content": ""})
 
     return await respond(request, state, req, jobs, Replies(envelope, chunk, whole, role_chunk))
+
+
+def tool_call_chunks(
+    envelope: Envelope, index: int, k: int, call: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """A tool call streamed as OpenAI streams one: its id, type and name first, then its
+    arguments."""
+    fn = call["function"]
+    head = {"index": k, "id": call["id"], "type": "function",
+            "function": {"name": fn["name"], "arguments": ""}}  # fmt: skip
+    arguments = {"index": k, "function": {"arguments": fn["arguments"]}}
+    return [
+        envelope.choice(index, None, None, delta={"tool_calls": [head]}),
+        envelope.choice(index, None, None, delta={"tool_calls": [arguments]}),
+    ]
 
 
 def best_choices(choices: list[ChoiceState], best_of: int, n: int) -> list[ChoiceState]:
@@ -160,7 +202,7 @@ def prompt_ids(
     return [list(p) for p in prompt]  # type: ignore[arg-type]
 
 
-Chunk = Callable[[str, ChoiceState, list[Any], bool], dict[str, Any]]
+Chunk = Callable[[str, ChoiceState, list[Any], bool], list[dict[str, Any]]]
 Whole = Callable[[list[ChoiceState], dict[str, Any]], dict[str, Any]]
 
 
@@ -264,10 +306,10 @@ async def stream_events(
                 or delta.finish_reason
                 or (first and role_chunk is None)
             ):
-                event = replies.chunk(delta.text, choice, delta.logprobs, first)
-                if want_usage:
-                    event["usage"] = so_far if continuous else None
-                yield sse(event)
+                for event in replies.chunk(delta.text, choice, delta.logprobs, first):
+                    if want_usage:
+                        event["usage"] = so_far if continuous else None
+                    yield sse(event)
                 span.event("written", tokens=len(delta.token_ids))
         if want_usage:
             yield sse(

@@ -121,17 +121,57 @@ class TextPart(Tolerant):
     text: str
 
 
+class FunctionCall(Tolerant):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(Tolerant):
+    """A call an earlier assistant turn made (a history being replayed)."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(Tolerant):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant turns
+    tool_call_id: str | None = None  # tool turns: the call answered
 
-    def as_template_input(self) -> dict[str, Any]:
+    @property
+    def text(self) -> str:
         content = self.content
         if isinstance(content, list):
-            content = "".join(part.text for part in content)
+            return "".join(part.text for part in content)
+        return content or ""
+
+    def as_template_input(self) -> dict[str, Any]:
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content or ""}
+        return {"role": role, "content": self.text}
+
+
+class FunctionDef(Tolerant):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+    description: str | None = None
+    parameters: Any = None  # a JSON schema (checked in router/tools.py); None: no arguments
+    strict: bool | None = None
+
+
+class Tool(Tolerant):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(Tolerant):
+    name: str
+
+
+class NamedToolChoice(Tolerant):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -141,6 +181,10 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     add_generation_prompt: bool = True
+    # tool calling (router/tools.py)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 class TokenizeRequest(Tolerant):

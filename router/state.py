@@ -118,8 +118,10 @@ class RouterState:
         max_tokens: int,
         logprobs: int | None,
         best_of: int | None = None,
+        grammar: str | None = None,
     ) -> SamplingParams:
-        """The request's parameters; `best_of` choices generated where given (else n)."""
+        """The request's parameters; `best_of` choices generated where given (else n); a
+        `grammar` forcing tool calls, which no other structured output may join."""
         n = best_of or req.n
         if n > self.config.max_n:
             name = "best_of" if best_of else "n"
@@ -134,7 +136,7 @@ class RouterState:
                 stop_token_ids=tuple(req.stop_token_ids or ()),
                 n=n,
                 logprobs=logprobs,
-                grammar=grammar_of(req),
+                grammar=forced_or_asked(grammar, req),
             )
             return params.validate(self.model.vocab_size)
         except ValueError as e:  # int() of a logit_bias key, or ValidationError
@@ -269,6 +271,14 @@ class Admission:
             self.released = True
             self.state.pending -= self.seqs
             (self.state.metrics.running if self.streaming else self.state.metrics.waiting).dec()
+
+
+def forced_or_asked(forced: str | None, req: SamplingFields) -> str | None:
+    asked = grammar_of(req)
+    if forced is not None and asked is not None:
+        raise bad_request("a forced tool_choice cannot be combined with response_format or "
+                          "structured outputs", "tool_choice")  # fmt: skip
+    return forced or asked
 
 
 def bearer(request: Request) -> str | None:

@@ -89,18 +89,32 @@ class Tokenizer:
         out = self.backend.token_to_id(token)
         return None if out is None else int(out)
 
+    @property
+    def template_has_tools(self) -> bool:
+        """The chat template renders a `tools` list itself (else the router writes them)."""
+        return self.chat_template is not None and "tools" in self.chat_template.source
+
     def render_chat(
-        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[dict[str, Any]] | None = None,
     ) -> str:
         if self.chat_template is None:
             raise ValueError("this model has no chat template")
-        return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
+        extra = {} if tools is None else {"tools": list(tools)}
+        return self.chat_template.render(
+            messages, add_generation_prompt=add_generation_prompt, **extra
+        )
 
     def encode_chat(
-        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[dict[str, Any]] | None = None,
     ) -> list[int]:
         """Token ids of the rendered conversation; the template supplies any BOS itself."""
-        text = self.render_chat(messages, add_generation_prompt)
+        text = self.render_chat(messages, add_generation_prompt, tools)
         return self.encode(text, add_special_tokens=False)
 
     def detokenizer(
