@@ -99,6 +99,7 @@ class DecodeWorker(Worker, worker_pb2_grpc.DecodeWorkerServicer):
                     text=delta.text,
                     logprobs=[convert.logprobs_proto(lp) for lp in delta.logprobs],
                     finish_reason=convert.FINISH[delta.finish_reason],
+                    prompt_logprobs=[convert.logprobs_proto(lp) for lp in delta.prompt_logprobs],
                 )
                 if delta.finished:
                     finished = True

@@ -50,6 +50,8 @@ class PrefillWorker(Worker, worker_pb2_grpc.PrefillWorkerServicer):
             await refuse(context, e)
         full, partial = self.link.hashes(prompt, request.salt)
         usable = max(0, (len(prompt) - 1) // self.layout.block_size)  # the last token computes
+        if params.prompt_logprobs is not None:
+            usable = 0  # a prompt being scored is computed whole
         kv = await self.link.fetch(rid, full[:usable], None, 0) if usable else None
         span.event("fetched", tokens=kv.num_tokens if kv is not None else 0)
         try:
@@ -89,6 +91,7 @@ class PrefillWorker(Worker, worker_pb2_grpc.PrefillWorkerServicer):
         )
         if delta.logprobs:
             reply.first_logprobs.CopyFrom(convert.logprobs_proto(delta.logprobs[0]))
+        reply.prompt_logprobs.extend(convert.logprobs_proto(lp) for lp in delta.prompt_logprobs)
         return reply
 
 

@@ -18,6 +18,7 @@ from router.generation import Delta, Job
 from router.openai_format import (
     ChoiceState,
     Envelope,
+    PromptScores,
     chat_body,
     chat_logprobs,
     completion_body,
@@ -44,11 +45,13 @@ async def completions(request: Request) -> Response:
     req = await read_model(request, CompletionRequest, state.config.max_body_bytes)
     state.check_model(req.model)
     prompts = prompt_ids(state, req.prompt)
-    max_tokens = req.max_tokens or 16
+    max_tokens = 16 if req.max_tokens is None else req.max_tokens
+    if max_tokens == 0 and not req.echo:
+        raise bad_request("max_tokens 0 scores the prompt: it needs echo", "max_tokens")
+    score_only = max_tokens == 0  # one token is generated, and dropped
     for ids in prompts:
-        state.check_prompt(ids, max_tokens, "prompt")
-    if req.echo and req.logprobs is not None:
-        raise bad_request("echo with logprobs is not supported", "echo")
+        state.check_prompt(ids, max(max_tokens, 1), "prompt")
+    echo_scores = req.echo and req.logprobs is not None
     best_of = req.best_of or req.n
     if best_of < req.n:
         raise bad_request(f"best_of ({best_of}) must be at least n ({req.n})", "best_of")
@@ -56,30 +59,57 @@ async def completions(request: Request) -> Response:
         raise bad_request("best_of cannot be used with stream", "best_of")
     ranked = best_of > req.n  # the sampled tokens' logprobs are needed to rank the choices
     logprobs = max(req.logprobs or 0, 0) if ranked else req.logprobs
-    params = state.sampling(req, max_tokens, logprobs, best_of if ranked else None)
+    wanted = [
+        k for k in (req.prompt_logprobs, req.logprobs if echo_scores else None) if k is not None
+    ]
+    params = state.sampling(req, max(max_tokens, 1), logprobs, best_of if ranked else None,
+                            prompt_logprobs=max(wanted) if wanted else None)  # fmt: skip
     rid = new_id("cmpl")
     jobs = state.jobs(rid, prompts, params, req.seed, state.salt(request))
     echo = (
         [state.tokenizer.decode(ids) for ids in prompts for _ in range(req.n)] if req.echo else []
     )
     envelope = Envelope(rid, "text_completion", int(time.time()), state.model_id)
+    scores = PromptScores(state.tokenizer, prompts, req.logprobs or 0)
 
     def chunk(
         delta_text: str, state_: ChoiceState, logprobs: list[Any], first: bool
     ) -> list[dict[str, Any]]:
+        prompt = state_.index // req.n
+        scores.collect(prompt, state_)
+        if score_only:
+            delta_text, logprobs = "", []
         text = (echo[state_.index] if echo and first else "") + delta_text
-        lp = (
-            completion_logprobs(state.tokenizer, logprobs, len(state_.text) - len(delta_text))
-            if req.logprobs is not None
-            else None
-        )
-        return [envelope.choice(state_.index, state_.finish_reason, lp, text=text)]
+        lp = None
+        if req.logprobs is not None:
+            offset = len(echo[state_.index]) if echo else 0
+            if not first:
+                offset += len(state_.text) - len(delta_text)
+            lp = completion_logprobs(state.tokenizer, logprobs, offset)
+            if echo_scores and first:
+                lp = scores.prepend(prompt, lp)
+        out = envelope.choice(state_.index, state_.finish_reason, lp, text=text)
+        if req.prompt_logprobs is not None and first:
+            out["choices"][0]["prompt_logprobs"] = scores.vllm(prompt, req.prompt_logprobs)
+        return [out]
 
     def whole(choices: list[ChoiceState], usage_: dict[str, Any]) -> dict[str, Any]:
+        for c in choices:
+            scores.collect(c.index // best_of, c)
+        if score_only:
+            choices = [replace(c, text="", token_ids=[], logprobs=[]) for c in choices]
+            cached = usage_["prompt_tokens_details"]["cached_tokens"]
+            usage_ = usage(usage_["prompt_tokens"], 0, cached)
         if ranked:
             choices = best_choices(choices, best_of, req.n)
-        return completion_body(envelope, choices, state.tokenizer, req.logprobs is not None,
+        body = completion_body(envelope, choices, state.tokenizer, req.logprobs is not None,
                                echo, usage_)  # fmt: skip
+        for c, out in zip(choices, body["choices"], strict=True):
+            if echo_scores:
+                out["logprobs"] = scores.prepend(c.index // req.n, out["logprobs"])
+            if req.prompt_logprobs is not None:
+                out["prompt_logprobs"] = scores.vllm(c.index // req.n, req.prompt_logprobs)
+        return body
 
     return await respond(request, state, req, jobs, Replies(envelope, chunk, whole))
 
@@ -104,8 +134,10 @@ async def chat(request: Request) -> Response:
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     logprobs = (top or 0) if req.logprobs else None
-    params = state.sampling(req, max_tokens, logprobs, grammar=tool_plan.grammar)
+    params = state.sampling(req, max_tokens, logprobs, grammar=tool_plan.grammar,
+                            prompt_logprobs=req.prompt_logprobs)  # fmt: skip
     rid = new_id("chatcmpl")
+    scores = PromptScores(state.tokenizer, [ids], 0)
     jobs = state.jobs(rid, [ids], params, req.seed, state.salt(request))
     envelope = Envelope(rid, "chat.completion.chunk", int(time.time()), state.model_id)
     splitters: dict[int, tools.CallSplitter] = {}
@@ -131,6 +163,9 @@ async def chat(request: Request) -> Response:
 
     def whole(choices: list[ChoiceState], usage_: dict[str, Any]) -> dict[str, Any]:
         body = chat_body(envelope, choices, state.tokenizer, top if req.logprobs else None, usage_)
+        if req.prompt_logprobs is not None:
+            scores.collect(0, choices[0])
+            body["prompt_logprobs"] = scores.vllm(0, req.prompt_logprobs)
         if tool_plan.tools:
             for c, out in zip(choices, body["choices"], strict=True):
                 out["message"]["content"], calls = tools.split_whole(c.text)

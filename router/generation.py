@@ -61,6 +61,7 @@ class Delta:
     finish_reason: str | None = None
     cached_tokens: int = 0  # on a choice's first delta: prompt tokens not computed
     store_tokens: int = 0  # ... of which read from the KV store (the rest: a worker's cache)
+    prompt_logprobs: list[pb.TokenLogprobs] = field(default_factory=list)  # tokens 1.., once
 
 
 class Pipeline:
@@ -161,6 +162,7 @@ class Pipeline:
                         finish,
                         reply.cached_tokens,
                         reply.store_tokens,
+                        list(reply.prompt_logprobs),
                     )
                 )
                 if finish is not None:
@@ -309,6 +311,7 @@ class Pipeline:
                         finish,
                         usage.cached_tokens,
                         usage.store_tokens,
+                        list(chunk.prompt_logprobs),
                     )
                     if finish is not None:
                         self.registry.succeeded(worker)

@@ -20,6 +20,7 @@ class ChoiceState:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[pb.TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
+    prompt_logprobs: list[pb.TokenLogprobs] = field(default_factory=list)  # tokens 1.. (scoring)
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,68 @@ def completion_logprobs(
         ],
         "text_offset": offsets,
     }
+
+
+class PromptScores:
+    """The prompts' logprobs (scoring: `echo` with `logprobs`, vLLM's `prompt_logprobs`),
+    taken from each prompt's first choice, which computed them."""
+
+    def __init__(self, tokenizer: Tokenizer, prompts: Sequence[list[int]], top: int) -> None:
+        self.tokenizer = tokenizer
+        self.prompts = prompts
+        self.top = top  # top_logprobs entries per echoed token (the request's logprobs)
+        self.entries: dict[int, list[pb.TokenLogprobs]] = {}
+
+    def collect(self, prompt: int, choice: ChoiceState) -> None:
+        if choice.prompt_logprobs and prompt not in self.entries:
+            self.entries[prompt] = list(choice.prompt_logprobs)
+
+    def _entries(self, prompt: int) -> list[pb.TokenLogprobs | None]:
+        """One per prompt token: None for the first (nothing precedes it)."""
+        found = self.entries.get(prompt, [])
+        return [None, *found] + [None] * (len(self.prompts[prompt]) - 1 - len(found))
+
+    def prepend(self, prompt: int, logprobs: dict[str, Any]) -> dict[str, Any]:
+        """The completions logprobs of an echoed answer: the prompt's tokens, then the rest."""
+        ids = self.prompts[prompt]
+        texts = [token_text(self.tokenizer, t) for t in ids]
+        offsets = [sum(len(t) for t in texts[:i]) for i in range(len(texts))]
+        top: list[dict[str, float] | None] = []
+        for e in self._entries(prompt):
+            if e is None:
+                top.append(None)
+                continue
+            pairs = list(zip(e.top_token_ids, e.top_logprobs, strict=True))[: self.top]
+            pairs = pairs or [(e.token_id, e.logprob)]  # logprobs: 0, the token itself
+            top.append({token_text(self.tokenizer, t): lp for t, lp in pairs})
+        return {
+            "tokens": texts + logprobs["tokens"],
+            "token_logprobs": [e.logprob if e else None for e in self._entries(prompt)]
+            + logprobs["token_logprobs"],
+            "top_logprobs": top + logprobs["top_logprobs"],
+            "text_offset": offsets + logprobs["text_offset"],
+        }
+
+    def _logprob(self, token: int, logprob: float, rank: int) -> dict[str, Any]:
+        return {
+            "logprob": logprob,
+            "rank": rank,
+            "decoded_token": token_text(self.tokenizer, token),
+        }
+
+    def vllm(self, prompt: int, top: int) -> list[dict[str, dict[str, Any]] | None]:
+        """vLLM's `prompt_logprobs`: per prompt token, None or {token id: its logprob, rank and
+        text} for the token itself and the `top` most likely."""
+        out: list[dict[str, dict[str, Any]] | None] = []
+        for e in self._entries(prompt):
+            if e is None:
+                out.append(None)
+                continue
+            ranked = list(zip(e.top_token_ids, e.top_logprobs, strict=True))[:top]
+            scores = {str(t): self._logprob(t, lp, r) for r, (t, lp) in enumerate(ranked, 1)}
+            scores[str(e.token_id)] = self._logprob(e.token_id, e.logprob, e.rank)
+            out.append(scores)
+        return out
 
 
 def chat_logprobs(

@@ -100,6 +100,8 @@ class SamplingFields(Tolerant):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's: the prompt's logprobs (each token after the first) with this many top ones
+    prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -109,7 +111,7 @@ class SamplingFields(Tolerant):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    max_tokens: Annotated[int, Field(ge=0)] | None = 16  # 0: with echo, score the prompt
     echo: bool = False
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     best_of: Annotated[int, Field(ge=1)] | None = None  # >= n: the n best by cumulative logprob

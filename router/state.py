@@ -119,6 +119,7 @@ class RouterState:
         logprobs: int | None,
         best_of: int | None = None,
         grammar: str | None = None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         """The request's parameters; `best_of` choices generated where given (else n); a
         `grammar` forcing tool calls, which no other structured output may join."""
@@ -137,6 +138,7 @@ class RouterState:
                 n=n,
                 logprobs=logprobs,
                 grammar=forced_or_asked(grammar, req),
+                prompt_logprobs=prompt_logprobs,
             )
             return params.validate(self.model.vocab_size)
         except ValueError as e:  # int() of a logit_bias key, or ValidationError
@@ -240,6 +242,7 @@ class RouterState:
                 state.text += delta.text
                 state.token_ids += delta.token_ids
                 state.logprobs += delta.logprobs
+                state.prompt_logprobs += delta.prompt_logprobs
                 state.finish_reason = delta.finish_reason or state.finish_reason
                 yield delta, state
             self.metrics.e2e.observe(time.perf_counter() - start)

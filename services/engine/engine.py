@@ -14,6 +14,8 @@ import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
+import torch
+
 from kvstore.block_hash import BLOCK_SIZE, KVLayout
 from services.engine.block_manager import BlockManager
 from services.engine.outputs import (
@@ -31,7 +33,7 @@ from services.engine.request import (
     Status,
     TokenLogprobs,
 )
-from services.engine.sampler import Sampler
+from services.engine.sampler import Sampler, score_tokens
 from services.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from services.engine.seeds import choice_seed
 from services.engine.structured import Grammars
@@ -187,7 +189,10 @@ class Engine:
 
     def _admit(self, seq: Sequence) -> int:
         """The computed prefix of a sequence entering the batch: what its transfer brings, or
-        the prefix cache's."""
+        the prefix cache's; nothing for a prompt being scored (its logits are needed)."""
+        if scores_prompt(seq):
+            seq.prompt_logprobs.clear()  # preempted before its first token: scored again
+            return 0
         if seq.transfer is not None:
             computed = seq.transfer.admit(self.blocks, self.kv, seq)
             if computed is not None:
@@ -231,6 +236,7 @@ class Engine:
             if chunk.seq.transfer is not None:
                 chunk.seq.transfer.computed(self.blocks, chunk.seq)
         sampling = [c.seq for c in scheduled.chunks if c.want_logits]
+        logits = self._score_prompts(scheduled.chunks, logits)
         result = self.sampler(logits, sampling)
         deltas = [
             self._apply(seq, token, lp, timing)
@@ -242,6 +248,28 @@ class Engine:
         self.times.sample += time.perf_counter() - t2
         return deltas
 
+    def _score_prompts(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> torch.Tensor:
+        """Record the prompt logprobs of chunks that return every row's logits; the rows left
+        for sampling (the last row of each chunk that wants one)."""
+        if not any(scores_prompt(c.seq) for c in chunks):
+            return logits
+        keep, row = [], 0
+        for c in chunks:
+            if not scores_prompt(c.seq):
+                keep += [row] if c.want_logits else []
+                row += int(c.want_logits)
+                continue
+            seq = c.seq
+            # row r holds the logits after position c.start + r: they score the next token
+            scored = min(c.num_tokens, seq.prompt_len - 1 - c.start)
+            if scored > 0:
+                targets = seq.token_ids[c.start + 1 : c.start + 1 + scored]
+                k = seq.params.prompt_logprobs or 0
+                seq.prompt_logprobs += score_tokens(logits[row : row + scored], targets, k)
+            row += c.num_tokens
+            keep += [row - 1] if c.want_logits else []
+        return logits[keep]
+
     def _batch(self, chunks: list[ScheduledChunk]) -> ForwardBatch:
         return ForwardBatch.build(
             [
@@ -250,6 +278,7 @@ class Engine:
                     c.start,
                     c.seq.block_ids,
                     c.want_logits,
+                    all_logits=scores_prompt(c.seq),
                 )
                 for c in chunks
             ],
@@ -308,6 +337,7 @@ class Engine:
                 prompt_ids=tokens,
                 num_cached_tokens=seqs[rid][0].num_cached_tokens,
                 choices=[Choice.of(s) for s in seqs[rid]],
+                prompt_logprobs=list(seqs[rid][0].prompt_logprobs),
             )
             for rid, tokens in zip(ids, token_lists, strict=True)
         ]
@@ -320,3 +350,8 @@ class Engine:
         assert all(s.status is Status.RUNNING for s in holders), "a non-running seq holds blocks"
         held = sum(len(s.block_ids) for s in holders)
         assert held == sum(b.ref_count for b in self.blocks.blocks), "references leak"
+
+
+def scores_prompt(seq: Sequence) -> bool:
+    """The sequence computes its prompt's logprobs: the first choice, before its first token."""
+    return seq.params.prompt_logprobs is not None and seq.index == 0 and seq.num_output_tokens == 0

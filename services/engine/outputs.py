@@ -36,6 +36,7 @@ class SequenceDelta:
     num_store_tokens: int = 0  # ... of which read from a store
     step: StepTiming | None = None
     scheduled_ns: int = 0  # when the sequence first entered a step (left the queue)
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # with the first token
 
     @property
     def finished(self) -> bool:
@@ -72,6 +73,7 @@ class RequestOutput:
     prompt_ids: list[int]
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     choices: list[Choice]
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # tokens 1.. (scoring)
 
     @property
     def num_computed_prompt_tokens(self) -> int:
@@ -129,6 +131,7 @@ class StopChecker:
             seq.store_tokens,
             step,
             seq.scheduled_ns,
+            seq.prompt_logprobs if seq.num_output_tokens == 1 else [],
         )
 
     def _hold_back(self) -> int:

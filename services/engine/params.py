@@ -40,6 +40,9 @@ class SamplingParams:
     n: int = 1
     seed: int | None = None  # None: the engine draws one
     logprobs: int | None = None  # log-probabilities of the sampled token plus this many top ones
+    # log-probabilities of the prompt's tokens (each after the first) plus this many top ones;
+    # the prompt is then computed whole, not taken from a cache
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     # structured output: llguidance's grammar text (services/engine/structured.py), made at
     # the edge from a JSON schema, regex, choices or Lark grammar; None: unconstrained
@@ -83,6 +86,12 @@ class SamplingParams:
             _check(
                 _is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS,
                 "logprobs",
+                f"must be in [0, {MAX_LOGPROBS}]",
+            )
+        if self.prompt_logprobs is not None:
+            _check(
+                _is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+                "prompt_logprobs",
                 f"must be in [0, {MAX_LOGPROBS}]",
             )
         if self.grammar is not None:

@@ -42,6 +42,7 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...]  # the most likely tokens, best first
+    rank: int = 0  # token_id's rank, 1 = the most likely (prompt scoring); 0: not computed
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,7 @@ class Sequence:
     text: str = ""  # output text (stop string removed at the end)
     emitted_chars: int = 0  # how much of `text` has been handed out in deltas
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # of tokens 1.. (scoring)
     times_preempted: int = 0
     scheduled_ns: int = 0  # wall clock when it first entered a step (tracing)
     transfer: KVTransfer | None = None  # its request's KV beyond the engine (kv_transfer.py)

@@ -131,6 +131,22 @@ def _pick_logprobs(
     return out
 
 
+def score_tokens(logits: torch.Tensor, targets: Seq[int], k: int) -> list[TokenLogprobs]:
+    """Each target token's log-probability under its row of logits [R, vocab], with its rank
+    and the k most likely tokens (scoring a prompt)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    t = torch.tensor(list(targets), dtype=torch.int64)
+    chosen = logp[torch.arange(len(t)), t]
+    ranks = ((logp > chosen[:, None]).sum(dim=-1) + 1).tolist()
+    vals, ids = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
+    return [
+        TokenLogprobs(target, lp, tuple(zip(i, v, strict=True)), rank)
+        for target, lp, i, v, rank in zip(
+            targets, chosen.tolist(), ids.tolist(), vals.tolist(), ranks, strict=True
+        )
+    ]
+
+
 def apply_penalties(x: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
     """Presence and frequency penalties (over the output) and the repetition penalty (over
     prompt and output), for rows x[i] of seqs[i]. x: [R, vocab]."""

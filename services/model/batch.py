@@ -24,6 +24,7 @@ class SeqChunk:
     start: int  # position of token_ids[0]: how many tokens are already in the cache
     block_table: Sequence[int]  # physical block of each logical block, covering start + len
     want_logits: bool = True  # logits of the chunk's last token (false mid-prefill)
+    all_logits: bool = False  # logits of every token of the chunk (scoring a prompt)
 
     @property
     def context_len(self) -> int:
@@ -80,7 +81,9 @@ class ForwardBatch:
             slots.extend(c.block_table[p // block_size] * block_size + p % block_size for p in span)
             table = torch.tensor(list(c.block_table[:needed]), dtype=torch.int64, device=device)
             spans.append(SeqSpan(row, n, c.context_len, table))
-            if c.want_logits:
+            if c.all_logits:
+                logits_rows.extend(range(row, row + n))
+            elif c.want_logits:
                 logits_rows.append(row + n - 1)
 
         def t(values: list[int]) -> torch.Tensor:

@@ -60,6 +60,7 @@ def sampling_params(p: pb.SamplingParams, seed: int) -> SamplingParams:
         seed=seed,
         logprobs=p.logprobs if p.HasField("logprobs") else None,
         grammar=p.grammar if p.HasField("grammar") else None,
+        prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
     )
 
 
@@ -75,6 +76,8 @@ def to_proto_params(p: SamplingParams) -> pb.SamplingParams:
         out.logprobs = p.logprobs
     if p.grammar is not None:
         out.grammar = p.grammar
+    if p.prompt_logprobs is not None:
+        out.prompt_logprobs = p.prompt_logprobs
     return out
 
 
@@ -84,4 +87,5 @@ def logprobs_proto(lp: TokenLogprobs) -> pb.TokenLogprobs:
         logprob=lp.logprob,
         top_token_ids=[t for t, _ in lp.top],
         top_logprobs=[v for _, v in lp.top],
+        rank=lp.rank,
     )
