@@ -12,13 +12,17 @@ starts from a matcher advanced over that output, and a preempted sequence keeps 
 
 from __future__ import annotations
 
+import ctypes
+import time
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 from functools import cached_property
 
 import llguidance
 import torch
 
 from services.engine.params import ValidationError
+from services.model import kernels
 from services.tokenizer.tokenizer import Tokenizer
 
 Matcher = llguidance.LLMatcher
@@ -30,6 +34,15 @@ def check_grammar(grammar: str) -> str:
     return messages[0] if is_error else ""
 
 
+@dataclass
+class MaskTimes:
+    """What the masks cost (bench/structured.py reports it per step)."""
+
+    steps: int = 0  # steps that masked at least one row
+    rows: int = 0
+    seconds: float = 0.0  # computing the masks and applying them to the logits
+
+
 class Grammars:
     """Matchers for one engine's vocabulary; the tokenizer is converted on first use (~0.4 s)."""
 
@@ -38,6 +51,7 @@ class Grammars:
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self.executor = llguidance.LLExecutor()
+        self.times = MaskTimes()
 
     @cached_property
     def lltokenizer(self) -> llguidance.LLTokenizer:
@@ -59,22 +73,44 @@ class Grammars:
     def mask(self, x: torch.Tensor, rows: Seq[int], matchers: Seq[Matcher]) -> None:
         """Set x[rows[i], t] to -inf for every token t matchers[i] does not allow, in place.
         x: [R, vocab] float32."""
+        start = time.perf_counter()
         words = (self.vocab_size + 31) // 32
         bits = torch.full((len(rows), words), -1, dtype=torch.int32)
         self.executor.unsafe_compute_mask_ptr(
             [(m, i) for i, m in enumerate(matchers)], bits.data_ptr(), words * 4, len(rows)
         )
-        shifts = torch.arange(32, dtype=torch.int32)
-        allowed = ((bits[:, :, None] >> shifts) & 1).reshape(len(rows), words * 32)
-        index = torch.tensor(list(rows))
-        x[index, : self.vocab_size] = x[index, : self.vocab_size].masked_fill(
-            allowed[:, : self.vocab_size] == 0, -float("inf")
-        )
-        if x.shape[1] > self.vocab_size:  # padded embedding rows no tokenizer token maps to
-            x[index, self.vocab_size :] = -float("inf")
+        apply_mask(x, torch.tensor(list(rows), dtype=torch.int64), bits, self.vocab_size)
+        self.times.steps += 1
+        self.times.rows += len(rows)
+        self.times.seconds += time.perf_counter() - start
 
     @staticmethod
     def advance(m: Matcher, token: int) -> bool:
         """Consume a sampled token; False when the grammar refused it (the mask allowed it,
         so only a token forced past the mask, e.g. by ignore_eos, can be refused)."""
         return bool(m.consume_token(token))
+
+
+def apply_mask(
+    x: torch.Tensor, rows: torch.Tensor, bits: torch.Tensor, vocab: int, use_kernel: bool = True
+) -> None:
+    """x[rows[i], t] = -inf where bits[i] clears token t, and past `vocab` (padded embedding
+    rows no token maps to). x: [R, V >= vocab] float32; bits: [len(rows), words] int32."""
+    if x.shape[1] > vocab:
+        x[rows, vocab:] = -float("inf")
+    library = kernels.load("token_mask") if use_kernel else None
+    if library is None or x.dtype != torch.float32 or x.stride(1) != 1:
+        x[rows, :vocab] = x[rows, :vocab].masked_fill(unpack(bits, vocab) == 0, -float("inf"))
+        return
+    library.apply_token_mask(
+        ctypes.c_void_p(x.data_ptr()), ctypes.c_int64(x.stride(0)),
+        ctypes.c_void_p(rows.data_ptr()), ctypes.c_int64(len(rows)),
+        ctypes.c_void_p(bits.contiguous().data_ptr()), ctypes.c_int64(bits.shape[1]),
+        ctypes.c_int64(vocab),
+    )  # fmt: skip
+
+
+def unpack(bits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[R, words] int32 bitmasks as [R, vocab] 0/1 (the reference for kernels/token_mask.c)."""
+    shifts = torch.arange(32, dtype=torch.int32)
+    return ((bits[:, :, None] >> shifts) & 1).reshape(bits.shape[0], -1)[:, :vocab]

@@ -16,6 +16,7 @@ from router.structured import compile_grammar
 from services.engine.engine import Engine, EngineConfig
 from services.engine.params import SamplingParams, ValidationError
 from services.engine.request import EngineRequest
+from services.engine.structured import apply_mask, unpack
 
 SCHEMA = {
     "type": "object",
@@ -55,6 +56,24 @@ def test_the_mask_allows_exactly_the_grammars_tokens(embedded):
     )
     assert {"yes", "no"} <= set(texts)
     assert torch.isinf(x[1]).sum() == x.shape[1] - len(allowed)
+
+
+def test_the_mask_kernel_equals_its_reference():
+    vocab, words = 1000, 32  # 1,024 bits: the last word's tail is past the vocabulary
+    gen = torch.Generator().manual_seed(0)
+    bits = torch.randint(-(2**31), 2**31 - 1, (3, words), dtype=torch.int32, generator=gen)
+    bits[1, 5:9] = -1  # whole words allowed
+    bits[2] = 0  # nothing allowed
+    x = torch.randn(5, vocab + 8, generator=gen)
+    rows = torch.tensor([4, 0, 2])
+    mine, ref = x.clone(), x.clone()
+    apply_mask(mine, rows, bits, vocab)
+    apply_mask(ref, rows, bits, vocab, use_kernel=False)
+    assert torch.equal(mine, ref)
+    assert torch.equal(mine[[1, 3]], x[[1, 3]])  # other rows untouched
+    assert torch.isinf(mine[2]).all() and torch.isinf(mine[:, vocab:][rows]).all()
+    kept = unpack(bits, vocab).bool()
+    assert torch.equal(mine[rows, :vocab][kept], x[rows, :vocab][kept])
 
 
 def test_outputs_validate_with_n_and_under_preemption(embedded):
