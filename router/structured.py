@@ -17,7 +17,7 @@ from llguidance.gbnf_to_lark import any_to_lark
 
 from router.errors import bad_request
 from router.protocol import SamplingFields
-from services.engine.structured import check_grammar
+from services.engine.grammar_text import check_grammar
 
 Matcher = llguidance.LLMatcher
 ANY_OBJECT = '{"type": "object"}'

@@ -21,17 +21,12 @@ from functools import cached_property
 import llguidance
 import torch
 
+from services.engine.grammar_text import check_grammar
 from services.engine.params import ValidationError
 from services.model import kernels
 from services.tokenizer.tokenizer import Tokenizer
 
 Matcher = llguidance.LLMatcher
-
-
-def check_grammar(grammar: str) -> str:
-    """The grammar text's error, '' when llguidance accepts it (no tokenizer needed)."""
-    is_error, messages = Matcher.validate_grammar_with_warnings(grammar)
-    return messages[0] if is_error else ""
 
 
 @dataclass
