@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from router import tools
 from router.errors import APIError, bad_request, unavailable
-from router.generation import Delta, Job
+from router.generation import Job
 from router.openai_format import (
     ChoiceState,
     Envelope,
@@ -58,7 +58,7 @@ async def completions(request: Request) -> Response:
     if best_of > req.n and req.stream:
         raise bad_request("best_of cannot be used with stream", "best_of")
     ranked = best_of > req.n  # the sampled tokens' logprobs are needed to rank the choices
-    logprobs = max(req.logprobs or 0, 0) if ranked else req.logprobs
+    logprobs = (req.logprobs or 0) if ranked else req.logprobs
     wanted = [
         k for k in (req.prompt_logprobs, req.logprobs if echo_scores else None) if k is not None
     ]
@@ -171,9 +171,8 @@ async def chat(request: Request) -> Response:
                 out["message"]["content"], calls = tools.split_whole(c.text)
                 if calls:
                     out["message"]["tool_calls"] = calls
-                    out["finish_reason"] = (
-                        "tool_calls" if c.finish_reason == "stop" else (c.finish_reason)
-                    )
+                    if c.finish_reason == "stop":
+                        out["finish_reason"] = "tool_calls"
         return body
 
     def role_chunk(index: int) -> dict[str, Any]:
@@ -212,10 +211,10 @@ def cumulative_logprob(choice: ChoiceState) -> float:
     return sum(e.logprob for e in choice.logprobs)
 
 
-def found_cached(jobs: Sequence[Job], delta: Delta) -> int:
-    """The delta's cached prompt tokens if it is a prompt's first choice: the others reuse
-    the blocks that choice computed, which were not there when the request arrived."""
-    return delta.cached_tokens if any(delta.index == j.index_base for j in jobs) else 0
+def first_choices(jobs: Sequence[Job]) -> frozenset[int]:
+    """The response indices of each prompt's first choice: the cached tokens they report are
+    what the request found; the others reuse the blocks that choice computed."""
+    return frozenset(j.index_base for j in jobs)
 
 
 def prompt_ids(
@@ -285,10 +284,10 @@ async def respond(
 
     async def collect() -> dict[str, Any]:
         choices: dict[int, ChoiceState] = {}
-        cached = 0
+        cached, firsts = 0, first_choices(jobs)
         async for delta, choice in state.run(jobs, admission, span):
             choices[choice.index] = choice
-            cached += found_cached(jobs, delta)
+            cached += delta.cached_tokens if delta.index in firsts else 0
         ordered = [choices[i] for i in sorted(choices)]
         completion = sum(len(c.token_ids) for c in ordered)
         return replies.whole(ordered, usage(prompt_tokens, completion, min(cached, prompt_tokens)))
@@ -322,7 +321,7 @@ async def stream_events(
     every chunk carries the usage so far, else only the last one (include_usage)."""
     role_chunk = replies.role_chunk
     started: set[int] = set()
-    completion, cached = 0, 0
+    completion, cached, firsts = 0, 0, first_choices(jobs)
     try:
         async for delta, choice in state.run(jobs, admission, span):
             first = choice.index not in started
@@ -333,8 +332,7 @@ async def stream_events(
                 yield sse(event)
             started.add(choice.index)
             completion += len(delta.token_ids)
-            cached += found_cached(jobs, delta)
-            so_far = usage(prompt_tokens, completion, min(cached, prompt_tokens))
+            cached += delta.cached_tokens if delta.index in firsts else 0
             if (
                 delta.text
                 or delta.logprobs
@@ -342,8 +340,11 @@ async def stream_events(
                 or (first and role_chunk is None)
             ):
                 for event in replies.chunk(delta.text, choice, delta.logprobs, first):
-                    if want_usage:
-                        event["usage"] = so_far if continuous else None
+                    if want_usage:  # so far (vLLM's continuous_usage_stats), or at the end
+                        so_far = min(cached, prompt_tokens)
+                        event["usage"] = (
+                            usage(prompt_tokens, completion, so_far) if continuous else None
+                        )
                     yield sse(event)
                 span.event("written", tokens=len(delta.token_ids))
         if want_usage:

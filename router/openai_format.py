@@ -112,8 +112,9 @@ class PromptScores:
         ids = self.prompts[prompt]
         texts = [token_text(self.tokenizer, t) for t in ids]
         offsets = [sum(len(t) for t in texts[:i]) for i in range(len(texts))]
+        entries = self._entries(prompt)
         top: list[dict[str, float] | None] = []
-        for e in self._entries(prompt):
+        for e in entries:
             if e is None:
                 top.append(None)
                 continue
@@ -122,7 +123,7 @@ class PromptScores:
             top.append({token_text(self.tokenizer, t): lp for t, lp in pairs})
         return {
             "tokens": texts + logprobs["tokens"],
-            "token_logprobs": [e.logprob if e else None for e in self._entries(prompt)]
+            "token_logprobs": [e.logprob if e else None for e in entries]
             + logprobs["token_logprobs"],
             "top_logprobs": top + logprobs["top_logprobs"],
             "text_offset": offsets + logprobs["text_offset"],

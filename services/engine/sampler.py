@@ -108,8 +108,7 @@ class Sampler:
         if not rows:
             return None
         logp = torch.log_softmax(logits[rows], dim=-1)
-        k = max(params[i].logprobs or 0 for i in rows)
-        top_vals, top_ids = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
+        top_vals, top_ids = top_k(logp, max(params[i].logprobs or 0 for i in rows))
         return rows, logp, top_vals, top_ids
 
 
@@ -131,6 +130,11 @@ def _pick_logprobs(
     return out
 
 
+def top_k(logp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest values per row and their token ids (empty [R, 0] for k = 0)."""
+    return logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
+
+
 def score_tokens(logits: torch.Tensor, targets: Seq[int], k: int) -> list[TokenLogprobs]:
     """Each target token's log-probability under its row of logits [R, vocab], with its rank
     and the k most likely tokens (scoring a prompt)."""
@@ -138,7 +142,7 @@ def score_tokens(logits: torch.Tensor, targets: Seq[int], k: int) -> list[TokenL
     t = torch.tensor(list(targets), dtype=torch.int64)
     chosen = logp[torch.arange(len(t)), t]
     ranks = ((logp > chosen[:, None]).sum(dim=-1) + 1).tolist()
-    vals, ids = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
+    vals, ids = top_k(logp, k)
     return [
         TokenLogprobs(target, lp, tuple(zip(i, v, strict=True)), rank)
         for target, lp, i, v, rank in zip(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import signal
+from dataclasses import dataclass
 
 import httpx
 import jsonschema
@@ -75,10 +76,30 @@ def test_structured_stream_survives_its_decode_worker_killed(faulty):
         response_format={"type": "json_schema",
                          "json_schema": {"name": "outline", "schema": schema}},
     )  # fmt: skip
-    text, killed, finishes = "", None, []
+    read = read_killing_its_decode_worker(stream, decode, lambda c: c.delta.content or "")
+    text = read.text
+    assert read.finishes == ["stop"], text
+    jsonschema.validate(json.loads(text), schema)
+    read.killed.start()  # back (same port) for the test below
+
+
+@dataclass
+class Read:
+    text: str
+    finishes: list[str]
+    usage: object
+    killed: WorkerProcess
+
+
+def read_killing_its_decode_worker(stream, decode, piece) -> Read:
+    """A stream read to its end, the decode worker serving it SIGKILLed at the 10th chunk;
+    `piece` is a choice's new text."""
+    text, killed, usage, finishes = "", None, None, []
     for i, chunk in enumerate(stream):
+        if chunk.usage is not None:
+            usage = chunk.usage
         for c in chunk.choices:
-            text += c.delta.content or ""
+            text += piece(c)
             finishes += [c.finish_reason] if c.finish_reason else []
         if i == 10:
             serving = [w for w in decode if load(w).running == 1]
@@ -86,9 +107,8 @@ def test_structured_stream_survives_its_decode_worker_killed(faulty):
             killed = serving[0]
             killed.process.send_signal(signal.SIGKILL)
             killed.process.wait()
-    assert killed is not None and finishes == ["stop"], text
-    jsonschema.validate(json.loads(text), schema)
-    killed.start()  # back (same port) for the test below
+    assert killed is not None and killed.process.returncode == -signal.SIGKILL
+    return Read(text, finishes, usage, killed)
 
 
 def test_decode_worker_killed_mid_stream(faulty, engine, embedded):
@@ -101,25 +121,12 @@ def test_decode_worker_killed_mid_stream(faulty, engine, embedded):
         extra_body={"ignore_eos": True},
         stream_options={"include_usage": True},
     )  # fmt: skip
-    text, killed, usage, finishes = "", None, None, []
-    for i, chunk in enumerate(stream):
-        if chunk.usage is not None:
-            usage = chunk.usage
-        for c in chunk.choices:
-            text += c.text
-            finishes += [c.finish_reason] if c.finish_reason else []
-        if i == 10:
-            serving = [w for w in decode if load(w).running == 1]
-            assert len(serving) == 1, "the stream runs on exactly one decode worker"
-            killed = serving[0]
-            killed.process.send_signal(signal.SIGKILL)
-            killed.process.wait()
-    assert killed is not None and killed.process.returncode == -signal.SIGKILL
-    assert finishes == ["length"]
-    assert text == expected  # no gap, no duplicate
-    assert usage.completion_tokens == 120
-    decode.remove(killed)
-    killed.process = None
+    read = read_killing_its_decode_worker(stream, decode, lambda c: c.text)
+    assert read.finishes == ["length"]
+    assert read.text == expected  # no gap, no duplicate
+    assert read.usage.completion_tokens == 120
+    decode.remove(read.killed)
+    read.killed.process = None
 
 
 def test_prefill_worker_killed(faulty, engine, embedded):

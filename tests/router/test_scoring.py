@@ -12,7 +12,9 @@ import torch
 
 from services.engine.engine import Engine, EngineConfig
 from services.engine.params import SamplingParams
+from services.model.loader import load_model
 from tests.support.cluster import MODEL
+from tests.support.dtypes import COMPUTE_DTYPES
 
 CONTEXT = "The quick brown fox jumps over the lazy dog. " * 3
 
@@ -108,3 +110,24 @@ def test_engine_prompt_logprobs_through_chunks_and_preemption(embedded, referenc
     assert again.prompt_logprobs == outputs[0].prompt_logprobs
     eng.check()
     assert eng.blocks.referenced_blocks() == 0
+
+
+@pytest.mark.parametrize("dtype", COMPUTE_DTYPES)
+def test_prompt_logprobs_do_not_depend_on_chunks_batch_or_cache(embedded_dir, dtype):
+    """In every dtype auto may pick: a prompt scored alone in one chunk, and scored in chunks
+    of 16 beside five others under preemption, then again with its blocks cached, gives the
+    same bits."""
+    loaded = load_model(str(embedded_dir), dtype=dtype, device="cpu")
+    prompts = [loaded.tokenizer.encode(f"{k}: " + CONTEXT * 2) for k in range(6)]
+    params = SamplingParams(max_tokens=8, temperature=0, prompt_logprobs=2, ignore_eos=True)
+    alone = Engine(loaded.model, loaded.tokenizer, EngineConfig(num_blocks=64))
+    expected = [alone.generate([p], params)[0].prompt_logprobs for p in prompts]
+    busy = Engine(
+        loaded.model,
+        loaded.tokenizer,
+        EngineConfig(num_blocks=20, max_num_batched_tokens=64, prefill_chunk_size=16),
+    )
+    outputs = busy.generate(prompts, params)
+    assert busy.scheduler.num_preemptions > 0
+    assert [o.prompt_logprobs for o in outputs] == expected
+    assert alone.generate(prompts[:1], params)[0].prompt_logprobs == expected[0]  # cached now

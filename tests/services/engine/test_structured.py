@@ -17,6 +17,8 @@ from services.engine.engine import Engine, EngineConfig
 from services.engine.params import SamplingParams, ValidationError
 from services.engine.request import EngineRequest
 from services.engine.structured import apply_mask, unpack
+from services.model.loader import load_model
+from tests.support.dtypes import COMPUTE_DTYPES
 
 SCHEMA = {
     "type": "object",
@@ -29,6 +31,15 @@ SCHEMA = {
     "required": ["name", "tags", "n"],
     "additionalProperties": False,
 }  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=COMPUTE_DTYPES)
+def model(request, embedded, embedded_dir):
+    """The embedded model in every dtype `--dtype auto` may pick here: the guarantees below
+    (preemption and the handoff change no token) hold in each."""
+    if request.param == "float32":
+        return embedded
+    return load_model(str(embedded_dir), dtype=request.param, device="cpu")
 
 
 def grammar(kind: str, spec: object) -> str:
@@ -76,11 +87,11 @@ def test_the_mask_kernel_equals_its_reference():
     assert torch.equal(mine[rows, :vocab][kept], x[rows, :vocab][kept])
 
 
-def test_outputs_validate_with_n_and_under_preemption(embedded):
+def test_outputs_validate_with_n_and_under_preemption(model):
     g = grammar("json", SCHEMA)
-    prompts = [chat(embedded, f"Describe item {k} as JSON.") for k in range(12)]
+    prompts = [chat(model, f"Describe item {k} as JSON.") for k in range(12)]
     # 24 blocks: 384 tokens of KV for 12 prompts of ~40 tokens x 3 choices: preemption
-    eng = Engine(embedded.model, embedded.tokenizer, EngineConfig(num_blocks=24))
+    eng = Engine(model.model, model.tokenizer, EngineConfig(num_blocks=24))
     params = SamplingParams(max_tokens=60, temperature=0.9, seed=5, n=3, grammar=g)
     outputs = eng.generate(prompts, params)
     assert eng.scheduler.num_preemptions > 0
@@ -91,22 +102,22 @@ def test_outputs_validate_with_n_and_under_preemption(embedded):
     eng.check()
     assert eng.blocks.referenced_blocks() == 0
     # the same seeds without preemption: the same tokens
-    roomy = Engine(embedded.model, embedded.tokenizer, EngineConfig(num_blocks=400))
+    roomy = Engine(model.model, model.tokenizer, EngineConfig(num_blocks=400))
     again = roomy.generate(prompts, params)
     assert [[c.token_ids for c in o.choices] for o in again] == [
         [c.token_ids for c in o.choices] for o in outputs
     ]
 
 
-def test_a_sequence_arriving_with_output_continues_under_its_grammar(embedded):
+def test_a_sequence_arriving_with_output_continues_under_its_grammar(model):
     """The prefill -> decode handoff and a migration: the matcher is rebuilt over the output."""
     g = grammar("json", SCHEMA)
-    prompt = chat(embedded, "An item as JSON, please.")
+    prompt = chat(model, "An item as JSON, please.")
     params = SamplingParams(max_tokens=60, temperature=0.7, seed=9, grammar=g)
-    whole = Engine(embedded.model, embedded.tokenizer, EngineConfig(num_blocks=64))
+    whole = Engine(model.model, model.tokenizer, EngineConfig(num_blocks=64))
     expected = whole.generate([prompt], params)[0].choices[0].token_ids
     for cut in (1, 7):
-        eng = Engine(embedded.model, embedded.tokenizer, EngineConfig(num_blocks=64))
+        eng = Engine(model.model, model.tokenizer, EngineConfig(num_blocks=64))
         eng.add_request(EngineRequest("moved", prompt, params, output_ids=expected[:cut]))
         seq = eng.requests["moved"].seqs[0]
         while eng.has_unfinished:
