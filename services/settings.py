@@ -77,6 +77,14 @@ class Settings:
     prefill_chunk_size: int | None = setting(None, "a prompt's tokens per engine step, at most "
                                              "(default: min(256, tokens per step))", WORKER,
                                              minimum=1)  # fmt: skip
+    speculative: str = setting("none", "speculative decoding: ngram (prompt lookup), suffix "
+                               "(also over recent outputs) or none", WORKER,
+                               choices=("none", "ngram", "suffix"))  # fmt: skip
+    num_speculative_tokens: int = setting(4, "tokens proposed per step, at most", WORKER,
+                                          minimum=1)  # fmt: skip
+    speculative_max_batch: int = setting(4, "running sequences above which nothing is "
+                                         "proposed (verifying costs more than it saves)",
+                                         WORKER, minimum=0)  # fmt: skip
     grace_period: float = setting(10.0, "seconds in-flight requests get on SIGTERM", WORKER)
     engine_stall_timeout: float = setting(60.0, "seconds without an engine step while requests "
                                           "wait before a worker exits (for a restart)",
@@ -84,7 +92,8 @@ class Settings:
     write_back: bool = setting(True, "decode: write finished generations' blocks to the store",
                                WORKER)  # fmt: skip
     metrics_port: int | None = setting(None, "workers: serve Prometheus /metrics and /health "
-                                       "over HTTP on this port", WORKER)  # fmt: skip
+                                       "over HTTP on this port (up: worker k on this port + "
+                                       "k, prefill workers first)", WORKER)  # fmt: skip
     # router
     served_model_name: str | None = setting(None, "the model id clients send", ROUTER)
     prefill: tuple[str, ...] = setting((), "prefill workers, HOST:PORT (router)", ("router",))

@@ -150,13 +150,17 @@ class Stack:
         shared = sum(count for _, count in roles) > 1
         shared_cores = shared_host_env(base) if shared else {}
         addresses: dict[str, list[str]] = {"prefill": [], "decode": []}
+        workers: list[Child] = []
         for role, count in roles:
             for i in range(count):
                 port = free_port()
                 env = {**base, **child_env(s, role), **secrets_env, **shared_cores}
+                if s.metrics_port is not None:  # one port each: prefill workers', then decode's
+                    env[env_name("metrics_port")] = str(s.metrics_port + len(workers))
                 argv = [PDSERVE, role, "--host", "127.0.0.1", "--port", str(port)]
-                self.children.append(Child(f"{role}-{i}", argv, env))
+                workers.append(Child(f"{role}-{i}", argv, env))
                 addresses[role].append(f"127.0.0.1:{port}")
+        self.children += workers
         env = {**base, **child_env(s, "router")}
         if self.colocated:  # the router sends every prompt to a decode worker
             env[env_name("disagg_threshold")] = str(COLOCATED_THRESHOLD)

@@ -139,6 +139,18 @@ class BlockManager:
         seq.block_ids = []
         seq.num_computed_tokens = 0
 
+    def truncate(self, seq: Sequence) -> None:
+        """Release seq's blocks past its computed tokens (speculated tokens rejected). They
+        were never full and committed, so they hold nothing matchable: reused first."""
+        keep = -(-seq.num_computed_tokens // self.block_size)
+        for block_id in reversed(seq.block_ids[keep:]):
+            block = self.blocks[block_id]
+            assert block.ref_count == 1 and block.hash is None, "a rolled-back block is shared"
+            block.ref_count = 0
+            self.free[block_id] = None
+            self.free.move_to_end(block_id, last=False)
+        del seq.block_ids[keep:]
+
     def _reference(self, block_ids: Seq[int]) -> None:
         for block_id in block_ids:
             block = self.blocks[block_id]

@@ -2,6 +2,9 @@
 
     step = schedule -> run the model on the scheduled chunks -> sample -> apply the tokens
 
+With speculative decoding on, a decoding sequence's chunk carries proposed tokens too, and
+applying its tokens keeps the accepted run (services/engine/speculative.py).
+
 Workers drive `add_request` / `step` / `abort` from their serving loop; `generate` runs the
 same loop to completion for offline use.
 """
@@ -36,6 +39,7 @@ from services.engine.request import (
 from services.engine.sampler import Sampler, score_tokens
 from services.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from services.engine.seeds import choice_seed
+from services.engine.speculative import SpeculativeConfig, Speculator, accepted_run
 from services.engine.structured import Grammars
 from services.model.batch import ForwardBatch, SeqChunk
 from services.model.llama import LlamaModel
@@ -58,6 +62,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     model_id: str = "model"  # fingerprint of the weights, part of every block hash
     namespace: str | None = None  # the block-hash namespace; None: from the model and layout
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
 
 
 @dataclass
@@ -102,6 +107,7 @@ class Engine:
         self.blocks = BlockManager(
             num_blocks, config.block_size, namespace, config.enable_prefix_caching
         )
+        self.speculator = Speculator(config.speculative) if config.speculative else None
         self.scheduler = Scheduler(
             SchedulerConfig(
                 config.max_num_seqs,
@@ -110,6 +116,7 @@ class Engine:
             ),
             self.blocks,
             self._admit,
+            self._propose if self.speculator else None,
         )
         self.grammars = Grammars(tokenizer, mc.vocab_size, mc.eos_token_ids)
         self.sampler = Sampler(mc.vocab_size, mc.eos_token_ids, self.grammars)
@@ -199,6 +206,16 @@ class Engine:
                 return computed
         return self.blocks.admit(seq)
 
+    def _propose(self, seq: Sequence, limit: int) -> tuple[int, ...]:
+        """Tokens to verify after a decoding sequence's last: no more than it may still
+        produce after the next one."""
+        assert self.speculator is not None
+        left = min(
+            seq.params.max_tokens - seq.num_output_tokens,
+            self.model.config.max_model_len - seq.num_tokens,
+        )
+        return self.speculator.propose(seq, min(limit, left - 1), len(self.scheduler.running))
+
     def abort(self, request_id: str) -> list[SequenceDelta]:
         """Stop a request now; its blocks return to the pool before this returns."""
         req = self.requests.pop(request_id, None)
@@ -207,10 +224,15 @@ class Engine:
         deltas = []
         for seq in req.seqs:
             if not seq.is_finished:
-                self.scheduler.finish(seq)
+                self._finish(seq)
                 seq.finish_reason = FinishReason.ABORT
                 deltas.append(SequenceDelta.finished_only(seq))
         return deltas
+
+    def _finish(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
+        if self.speculator is not None:
+            self.speculator.finished(seq)
 
     @property
     def has_unfinished(self) -> bool:
@@ -231,33 +253,69 @@ class Engine:
         timing = StepTiming(start_ns, time.time_ns(), len(scheduled.chunks), scheduled.num_tokens)
         for chunk in scheduled.chunks:
             chunk.seq.scheduled_ns = chunk.seq.scheduled_ns or start_ns
-            chunk.seq.num_computed_tokens += chunk.num_tokens
-            self.blocks.commit(chunk.seq)
-            if chunk.seq.transfer is not None:
-                chunk.seq.transfer.computed(self.blocks, chunk.seq)
-        sampling = [c.seq for c in scheduled.chunks if c.want_logits]
+            if not chunk.draft:  # a draft's KV counts once verified (_verify)
+                self._computed(chunk.seq, chunk.start + chunk.num_tokens)
+        sampling = [c for c in scheduled.chunks if c.want_logits]
+        # one row per sampled token: a chunk's last, or its last and each proposed one's
+        rows = [(c.seq, c.draft[:j]) for c in sampling for j in range(len(c.draft) + 1)]
         logits = self._score_prompts(scheduled.chunks, logits)
-        result = self.sampler(logits, sampling)
-        deltas = [
-            self._apply(seq, token, lp, timing)
-            for seq, token, lp in zip(sampling, result.token_ids, result.logprobs, strict=True)
-        ]
+        result = self.sampler(logits, [s for s, _ in rows], [a for _, a in rows])
+        deltas, r = [], 0
+        for c in sampling:
+            tokens, lps = result.token_ids[r:], result.logprobs[r:]
+            if c.draft:
+                deltas.append(self._verify(c, tokens, lps, timing))
+            else:
+                deltas.append(self._apply(c.seq, tokens[0], lps[0], timing))
+            r += len(c.draft) + 1
         self.times.steps += 1
         self.times.schedule += t1 - t0
         self.times.forward += t2 - t1
         self.times.sample += time.perf_counter() - t2
         return deltas
 
+    def _computed(self, seq: Sequence, num_computed: int) -> None:
+        """seq's KV now holds its first `num_computed` tokens: name its full blocks."""
+        seq.num_computed_tokens = num_computed
+        self.blocks.commit(seq)
+        if seq.transfer is not None:
+            seq.transfer.computed(self.blocks, seq)
+
+    def _verify(
+        self,
+        chunk: ScheduledChunk,
+        targets: list[int],
+        logprobs: list[TokenLogprobs | None],
+        step: StepTiming,
+    ) -> SequenceDelta:
+        """Keep the proposed tokens equal to the target's, then the target's next one; roll
+        back the KV of the rest. One delta for all the tokens the sequence gained."""
+        seq, draft = chunk.seq, chunk.draft
+        accepted = accepted_run(draft, targets)
+        assert self.speculator is not None
+        self.speculator.verified(seq, len(draft), accepted)
+        deltas = []
+        for j in range(accepted + 1):  # stops, EOS and max_tokens cut the run where they fall
+            self._computed(seq, chunk.start + 1 + j)  # the last token and draft[:j]
+            deltas.append(self._apply(seq, targets[j], logprobs[j], step))
+            if seq.finish_reason is not None:
+                break
+        if not seq.is_finished:
+            self.blocks.truncate(seq)
+        return SequenceDelta.merge(deltas)
+
     def _score_prompts(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> torch.Tensor:
         """Record the prompt logprobs of chunks that return every row's logits; the rows left
         for sampling (the last row of each chunk that wants one)."""
         if not any(scores_prompt(c.seq) for c in chunks):
             return logits
-        keep, row = [], 0
+        keep: list[int] = []
+        row = 0
         for c in chunks:
             if not scores_prompt(c.seq):
-                keep += [row] if c.want_logits else []
-                row += int(c.want_logits)
+                sampled = len(c.draft) + 1 if c.want_logits else 0
+                keep += range(row, row + sampled)
+                row += sampled
                 continue
             seq = c.seq
             # row r holds the logits after position c.start + r: they score the next token
@@ -274,11 +332,11 @@ class Engine:
         return ForwardBatch.build(
             [
                 SeqChunk(
-                    c.seq.token_ids[c.start : c.start + c.num_tokens],
+                    [*c.seq.token_ids[c.start : c.start + c.num_tokens - len(c.draft)], *c.draft],
                     c.start,
                     c.seq.block_ids,
                     c.want_logits,
-                    all_logits=scores_prompt(c.seq),
+                    all_logits=scores_prompt(c.seq) or bool(c.draft),
                 )
                 for c in chunks
             ],
@@ -299,7 +357,7 @@ class Engine:
         if seq.finish_reason is not None:
             if seq.transfer is not None:
                 seq.transfer.finished(self.blocks, seq)  # before its blocks are released
-            self.scheduler.finish(seq)
+            self._finish(seq)
         if seq.index == 0 and seq.num_output_tokens == 1:
             self._release_held_back(seq.request_id)
         req = self.requests.get(seq.request_id)

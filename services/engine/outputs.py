@@ -6,6 +6,7 @@ characters are not emitted yet, so text once sent is never taken back.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
@@ -41,6 +42,20 @@ class SequenceDelta:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @classmethod
+    def merge(cls, deltas: Seq[SequenceDelta]) -> SequenceDelta:
+        """One sequence's consecutive deltas of one step as one (speculative decoding)."""
+        if len(deltas) == 1:
+            return deltas[0]
+        first, last = deltas[0], deltas[-1]
+        return dataclasses.replace(
+            last,
+            token_ids=[t for d in deltas for t in d.token_ids],
+            text="".join(d.text for d in deltas),
+            logprobs=[lp for d in deltas for lp in d.logprobs],
+            prompt_logprobs=first.prompt_logprobs,
+        )
 
     @classmethod
     def finished_only(cls, seq: Sequence) -> SequenceDelta:

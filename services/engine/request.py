@@ -96,6 +96,10 @@ class Sequence:
     # structured output: its grammar's matcher (services/engine/structured.py), advanced over
     # every output token; None: unconstrained
     matcher: Any = None
+    # speculative decoding (services/engine/speculative.py): the n-gram index of its own
+    # tokens, and how many tokens it proposes next (0: the configured number)
+    spec_index: Any = None
+    spec_length: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -8,6 +8,10 @@ temperature -> top-k -> top-p -> min-p -> one draw.
 Determinism (DESIGN.md): the draw for the token at position t of a sequence seeded s uses a
 uniform number derived from (s, t) alone, by inverse-CDF sampling, so it does not depend on
 the batch the row sits in, its slot, or the step.
+
+Speculative decoding: a row may stand for a sequence with proposed tokens appended (`ahead`):
+its position, penalties, min_tokens and grammar state are those of the sequence as it would be
+with them, so its token is the one the sequence would draw there.
 """
 
 from __future__ import annotations
@@ -42,41 +46,51 @@ class Sampler:
         self.eos_token_ids = tuple(eos_token_ids)
         self.grammars = grammars  # needed only for sequences with a grammar
 
-    def __call__(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> SampleResult:
-        """logits: [R, vocab] float32, row i for seqs[i]."""
+    def __call__(
+        self, logits: torch.Tensor, seqs: Seq[Sequence], ahead: Seq[Seq[int]] | None = None
+    ) -> SampleResult:
+        """logits: [R, vocab] float32, row i for seqs[i] followed by the tokens ahead[i]
+        (proposed ones, being verified; none by default)."""
+        ahead = ahead or [()] * len(seqs)
         params = [s.params for s in seqs]
         logprobs = self._logprobs(logits, params)
-        x = self._process(logits, seqs, params)
+        x = self._process(logits, seqs, params, ahead)
         tokens = torch.empty(len(seqs), dtype=torch.int64)
         greedy = [i for i, p in enumerate(params) if p.greedy]
         drawn = [i for i, p in enumerate(params) if not p.greedy]
         if greedy:
             tokens[greedy] = x[greedy].argmax(dim=-1)
         if drawn:
-            rows = [seqs[i] for i in drawn]
-            u = uniforms([s.seed for s in rows], [s.num_tokens for s in rows])
+            positions = [seqs[i].num_tokens + len(ahead[i]) for i in drawn]
+            u = uniforms([seqs[i].seed for i in drawn], positions)
             tokens[drawn] = sample_rows(x[drawn], [params[i] for i in drawn], u)
         token_list = tokens.tolist()
         return SampleResult(token_list, _pick_logprobs(logprobs, token_list, params))
 
     def _process(
-        self, logits: torch.Tensor, seqs: Seq[Sequence], params: list[SamplingParams]
+        self,
+        logits: torch.Tensor,
+        seqs: Seq[Sequence],
+        params: list[SamplingParams],
+        ahead: Seq[Seq[int]],
     ) -> torch.Tensor:
         """Penalties, biases, min_tokens masking and grammars' masks, on a copy only when
         something applies."""
         x = logits
         penalised = [i for i, p in enumerate(params) if p.uses_penalties]
         biased = [i for i, p in enumerate(params) if p.logit_bias]
-        constrained = [i for i, s in enumerate(seqs) if s.matcher is not None]
+        constrained = [i for i, s in enumerate(seqs) if s.matcher is not None and not ahead[i]]
         masked = [
             i
             for i, p in enumerate(params)
-            if seqs[i].num_output_tokens < p.min_tokens and seqs[i].matcher is None
+            if seqs[i].num_output_tokens + len(ahead[i]) < p.min_tokens and seqs[i].matcher is None
         ]
         if penalised or biased or masked or constrained:
             x = logits.clone()
         if penalised:
-            x[penalised] = apply_penalties(x[penalised], [seqs[i] for i in penalised])
+            x[penalised] = apply_penalties(
+                x[penalised], [seqs[i] for i in penalised], [ahead[i] for i in penalised]
+            )
         if biased:  # one scatter for every (row, token, bias) of the batch
             pairs = [(i, t, b) for i in biased for t, b in params[i].logit_bias.items()]
             rows, cols, values = zip(*pairs, strict=True)
@@ -90,9 +104,10 @@ class Sampler:
             if cells:
                 rows, cols = zip(*cells, strict=True)
                 x[torch.tensor(rows), torch.tensor(cols)] = -float("inf")
-        if constrained:
+        if constrained:  # a sequence's first row; its rows with tokens ahead follow it
             assert self.grammars is not None, "a sequence has a grammar, the sampler none"
-            self.grammars.mask(x, constrained, [seqs[i].matcher for i in constrained])
+            drafts = [_draft_after(seqs, ahead, i) for i in constrained]
+            self.grammars.mask(x, constrained, [seqs[i].matcher for i in constrained], drafts)
         return x
 
     def _stops_before_min_tokens(self, p: SamplingParams) -> list[int]:
@@ -110,6 +125,15 @@ class Sampler:
         logp = torch.log_softmax(logits[rows], dim=-1)
         top_vals, top_ids = top_k(logp, max(params[i].logprobs or 0 for i in rows))
         return rows, logp, top_vals, top_ids
+
+
+def _draft_after(seqs: Seq[Sequence], ahead: Seq[Seq[int]], i: int) -> Seq[int]:
+    """The tokens ahead of the last of the rows following row i for the same sequence (the
+    whole draft being verified; empty when row i stands alone)."""
+    j = i
+    while j + 1 < len(seqs) and seqs[j + 1] is seqs[i] and len(ahead[j + 1]) == j + 1 - i:
+        j += 1
+    return ahead[j]
 
 
 def _pick_logprobs(
@@ -151,12 +175,15 @@ def score_tokens(logits: torch.Tensor, targets: Seq[int], k: int) -> list[TokenL
     ]
 
 
-def apply_penalties(x: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
+def apply_penalties(
+    x: torch.Tensor, seqs: Seq[Sequence], ahead: Seq[Seq[int]] | None = None
+) -> torch.Tensor:
     """Presence and frequency penalties (over the output) and the repetition penalty (over
-    prompt and output), for rows x[i] of seqs[i]. x: [R, vocab]."""
+    prompt and output), for rows x[i] of seqs[i] followed by ahead[i]. x: [R, vocab]."""
     vocab = x.shape[1]
-    out_counts = _counts([s.output_ids for s in seqs], vocab)
-    seen = _counts([s.token_ids for s in seqs], vocab) > 0
+    ahead = ahead or [()] * len(seqs)
+    out_counts = _counts([[*s.output_ids, *a] for s, a in zip(seqs, ahead, strict=True)], vocab)
+    seen = _counts([[*s.token_ids, *a] for s, a in zip(seqs, ahead, strict=True)], vocab) > 0
     presence = torch.tensor([s.params.presence_penalty for s in seqs])[:, None]
     frequency = torch.tensor([s.params.frequency_penalty for s in seqs])[:, None]
     repetition = torch.tensor([s.params.repetition_penalty for s in seqs])[:, None]

@@ -12,6 +12,10 @@ Where a prompt is cut changes nothing in its results or its KV: the products are
 row-invariant and attention sums each query over the same blocks in the same order whatever
 the chunk (services/model; tests/services/engine/test_determinism.py cuts prompts at 1, 7 and
 16 tokens and compares bits).
+
+Speculative decoding: a decoding sequence's chunk may carry proposed tokens after its last
+sampled one (`draft`, from the engine's `propose`), verified in the same pass. They take
+budget and blocks only where both are free: speculation never preempts anyone.
 """
 
 from __future__ import annotations
@@ -40,12 +44,13 @@ class SchedulerConfig:
 class ScheduledChunk:
     seq: Sequence
     start: int  # first token of the chunk (= tokens already computed)
-    num_tokens: int
+    num_tokens: int  # the draft included
+    draft: tuple[int, ...] = ()  # proposed tokens after the sequence's last (speculation)
 
     @property
     def want_logits(self) -> bool:
         """The chunk reaches the sequence's last token: a new token is sampled."""
-        return self.start + self.num_tokens == self.seq.num_tokens
+        return self.start + self.num_tokens - len(self.draft) == self.seq.num_tokens
 
 
 @dataclass
@@ -64,12 +69,15 @@ class Scheduler:
         config: SchedulerConfig,
         blocks: BlockManager,
         admit: Callable[[Sequence], int] | None = None,
+        propose: Callable[[Sequence, int], tuple[int, ...]] | None = None,
     ) -> None:
         """`admit` gives a sequence that holds no blocks its already-computed prefix (and
-        returns its length); by default the prefix cache's."""
+        returns its length); by default the prefix cache's. `propose(seq, limit)` gives at
+        most `limit` tokens to verify after a decoding sequence's last (none by default)."""
         self.config = config
         self.blocks = blocks
         self.admit = admit or blocks.admit
+        self.propose = propose
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in order of arrival
         self.num_preemptions = 0
@@ -108,10 +116,22 @@ class Scheduler:
             n = self._chunk(seq, budget)
             if not self._make_room(seq, n, out):
                 continue  # seq itself was preempted; running[i] is now the next one
-            self._schedule(seq, n, out)
-            budget -= n
+            draft = self._draft(seq, budget - n, len(self.running) - i - 1)
+            self._schedule(seq, n + len(draft), out, draft)
+            budget -= n + len(draft)
             i += 1
         return budget
+
+    def _draft(self, seq: Sequence, budget: int, after: int) -> tuple[int, ...]:
+        """Proposed tokens for a decoding sequence: within the budget left and the slots its
+        blocks and the free ones hold, keeping a block free for each of the `after` running
+        sequences still to be scheduled."""
+        if self.propose is None or seq.is_prefilling or budget <= 0:
+            return ()
+        bs = self.blocks.block_size
+        spare = max(0, self.blocks.num_free - after)
+        room = (len(seq.block_ids) + spare) * bs - seq.num_computed_tokens - 1
+        return self.propose(seq, min(budget, room)) if room > 0 else ()
 
     def _schedule_waiting(self, budget: int, out: SchedulerOutput) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -130,9 +150,11 @@ class Scheduler:
             self._schedule(seq, n, out)
             budget -= n
 
-    def _schedule(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
+    def _schedule(
+        self, seq: Sequence, n: int, out: SchedulerOutput, draft: tuple[int, ...] = ()
+    ) -> None:
         self.blocks.allocate(seq, n)
-        out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+        out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n, draft))
 
     def _make_room(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
         """Preempt the newest running sequences until seq's chunk fits; False if seq itself

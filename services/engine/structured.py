@@ -13,6 +13,7 @@ starts from a matcher advanced over that output, and a preempted sequence keeps 
 from __future__ import annotations
 
 import ctypes
+import itertools
 import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -65,18 +66,32 @@ class Grammars:
             raise ValidationError("output_token_ids", f"not allowed by the grammar: {why}")
         return m
 
-    def mask(self, x: torch.Tensor, rows: Seq[int], matchers: Seq[Matcher]) -> None:
-        """Set x[rows[i], t] to -inf for every token t matchers[i] does not allow, in place.
-        x: [R, vocab] float32."""
+    def mask(
+        self,
+        x: torch.Tensor,
+        rows: Seq[int],
+        matchers: Seq[Matcher],
+        drafts: Seq[Seq[int]] | None = None,
+    ) -> None:
+        """Set x[rows[i], t] to -inf for every token t matchers[i] does not allow, in place;
+        with drafts[i] (speculative decoding), also x[rows[i] + j + 1] for the state after
+        drafts[i][: j + 1] (the matcher is left as it was). x: [R, vocab] float32."""
         start = time.perf_counter()
         words = (self.vocab_size + 31) // 32
-        bits = torch.full((len(rows), words), -1, dtype=torch.int32)
-        self.executor.unsafe_compute_mask_ptr(
-            [(m, i) for i, m in enumerate(matchers)], bits.data_ptr(), words * 4, len(rows)
-        )
-        apply_mask(x, torch.tensor(list(rows), dtype=torch.int64), bits, self.vocab_size)
+        drafts = drafts or [()] * len(rows)
+        firsts = list(itertools.accumulate((1 + len(d) for d in drafts), initial=0))
+        bits = torch.full((firsts[-1], words), -1, dtype=torch.int32)  # -1: all allowed
+        items = list(zip(matchers, firsts, drafts, strict=False))
+        if plain := [(m, k) for m, k, d in items if not d]:
+            self.executor.unsafe_compute_mask_ptr(plain, bits.data_ptr(), words * 4, firsts[-1])
+        if drafted := [(m, k, list(d)) for m, k, d in items if d]:
+            self.executor.unsafe_compute_mask_ptr_with_draft_token(
+                drafted, bits.data_ptr(), words * 4, firsts[-1]
+            )
+        masked = [r + j for r, d in zip(rows, drafts, strict=True) for j in range(len(d) + 1)]
+        apply_mask(x, torch.tensor(masked, dtype=torch.int64), bits, self.vocab_size)
         self.times.steps += 1
-        self.times.rows += len(rows)
+        self.times.rows += len(masked)
         self.times.seconds += time.perf_counter() - start
 
     @staticmethod

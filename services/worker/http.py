@@ -56,6 +56,15 @@ class WorkerCollector:
                 "Prompt tokens computed because the store missed", w.counters.recomputed_tokens,
             ),
         }  # fmt: skip
+        spec = w.engine.speculator
+        if spec is not None:  # mean accepted per verification = accepted / steps
+            counters |= {
+                "pdserve_spec_proposed_tokens": ("Tokens proposed for verification",
+                                                 spec.stats.proposed),
+                "pdserve_spec_accepted_tokens": ("Proposed tokens accepted", spec.stats.accepted),
+                "pdserve_spec_verify_steps": ("Sequence-steps that verified proposed tokens",
+                                              spec.stats.steps),
+            }  # fmt: skip
         for metric, (text, value) in counters.items():
             counter = CounterMetricFamily(metric, text, labels=["role"])
             counter.add_metric(role, float(value))

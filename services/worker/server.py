@@ -27,6 +27,7 @@ from services.engine.driver import AsyncEngine
 from services.engine.engine import Engine, EngineConfig
 from services.engine.outputs import SequenceDelta
 from services.engine.params import ValidationError
+from services.engine.speculative import SpeculativeConfig
 from services.model import sources
 from services.model.loader import load_model
 from services.model.openmp import release_this_threads_team
@@ -68,6 +69,7 @@ class WorkerConfig:
     # None: a checksum only
     kv_key: bytes | None = field(default=None, repr=False)
     trace_file: str | None = None  # OpenTelemetry spans appended here (services/tracing.py)
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
 
 
 def worker_config(s: Settings, role: str) -> WorkerConfig:
@@ -92,7 +94,14 @@ def worker_config(s: Settings, role: str) -> WorkerConfig:
         prefill_chunk_size=s.prefill_chunk_size,
         grace_period=s.grace_period, write_back=s.write_back, metrics_port=s.metrics_port,
         stall_timeout=s.engine_stall_timeout, kv_key=kv_key, trace_file=s.trace_file,
+        speculative=speculative_config(s),
     )  # fmt: skip
+
+
+def speculative_config(s: Settings) -> SpeculativeConfig | None:
+    if s.speculative == "none":
+        return None
+    return SpeculativeConfig(s.speculative, s.num_speculative_tokens, s.speculative_max_batch)
 
 
 @dataclass
@@ -131,6 +140,7 @@ class Worker:
             prefill_chunk_size=config.prefill_chunk_size,
             model_id=self.layout.model_id,
             namespace=self.namespace,  # block names in the engine = keys in the store
+            speculative=config.speculative,
         )
         self.engine = Engine(loaded.model, loaded.tokenizer, engine_config)
         self.cache_dtype: torch.dtype = cache_dtype

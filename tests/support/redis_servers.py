@@ -113,6 +113,9 @@ class ACLUser:
     rules: tuple[str, ...] = ("~pdserve:*", "+get", "+set", "+exists", "+del")
 
 
+MAX_MEMORY = "1gb"
+
+
 class RedisServer:
     """One redis-server child: nothing persisted, killable and restartable on its port."""
 
@@ -170,8 +173,12 @@ class RedisServer:
 
     def start(self) -> RedisServer:
         """Start; RuntimeError with the server's log if it does not come up."""
+        # capped as a deployment's is (`pdserve up --redis`: 2gb): the session's server takes
+        # every block the suite's workers write, 5.7 GB by half-way uncapped (a CI run was
+        # killed for memory); a test's own --maxmemory comes later and wins
         args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                "--appendonly", "no", "--dir", str(self.workdir), *self.extra]  # fmt: skip
+                "--appendonly", "no", "--dir", str(self.workdir), "--maxmemory", MAX_MEMORY,
+                "--maxmemory-policy", "allkeys-lru", *self.extra]  # fmt: skip
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(args, stdout=log, stderr=log)
         try:

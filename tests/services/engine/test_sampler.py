@@ -106,11 +106,32 @@ def test_penalties():
         prompt=(3,),
         output=(0, 0, 1),
     )
-    processed = sampler._process(logits, [s], [s.params])
+    processed = sampler._process(logits, [s], [s.params], [()])
     # token 0: 2/2 (repetition) - 0.25*2 - 0.5 = 0.0; token 1: -1*2 - 0.25 - 0.5 = -2.75
     # token 2: unseen, 1.0; token 3: in the prompt only, 0.5/2 = 0.25
     assert processed.tolist() == [[0.0, -2.75, 1.0, 0.25]]
     assert sampler(logits, [s]).token_ids == [2]
+
+
+def test_a_row_with_tokens_ahead_is_the_sequence_with_them_appended():
+    """Speculative decoding's rows: position (the seeded draw), penalties and min_tokens are
+    those of the sequence with the proposed tokens appended."""
+    sampler = Sampler(len(LOGITS), eos_token_ids=(0,))
+    params = [
+        SamplingParams(temperature=0.9, seed=4),
+        SamplingParams(temperature=0, presence_penalty=2.0, repetition_penalty=1.5),
+        SamplingParams(temperature=0, min_tokens=3),
+        SamplingParams(temperature=1.0, top_p=0.7, frequency_penalty=0.7, logprobs=2),
+    ]
+    for p in params:
+        for k in range(40):
+            ahead = (k % 3, 1, 0)[: k % 4]
+            base = seq(p, seed=k, output=(2,))
+            grown = seq(p, seed=k, output=(2, *ahead))
+            logits = torch.stack([LOGITS, LOGITS.flip(0)])
+            rows = sampler(logits.clone(), [base, base], [(), ahead])
+            alone = sampler(logits[1:].clone(), [grown])
+            assert rows.token_ids[1:] == alone.token_ids and rows.logprobs[1:] == alone.logprobs
 
 
 def test_logit_bias_and_min_tokens():
