@@ -3,7 +3,8 @@ summarise a given text or code: outputs copy from the prompt), one stream on ran
 prompts, and 32 concurrent grounded streams; each without speculation and with the n-gram and
 suffix proposers, in one run, in the engine and (--serving) through `pdserve up`.
 
-    python -m bench.speculative [--tokens 128] [--prompts 12] [--serving] [--plot FILE]
+    python -m bench.speculative [--tokens 128] [--prompts 12] [--concurrent 32] [--serving]
+                                [--plot FILE]
 
 Greedy decoding, so every configuration generates the same tokens (the engine's guarantee,
 checked here too) and tok/s compare like for like. Prints Markdown tables: tokens/s, the ratio
@@ -150,11 +151,13 @@ def row(workload: str, name: str, r: Run, base: Run) -> list[str]:
             f"{r.tokens / r.steps:.2f}" if r.steps else "-"]  # fmt: skip
 
 
-def engine_table(loaded: LoadedModel, count: int, tokens: int) -> tuple[str, dict[str, float]]:
+def engine_table(
+    loaded: LoadedModel, count: int, tokens: int, concurrent: int = 32
+) -> tuple[str, dict[str, float]]:
     workloads = [
         ("grounded, 1 stream", grounded(loaded, count), False),
         ("random tokens, 1 stream", random_prompts(max(2, count // 3)), False),
-        ("grounded, 32 concurrent", grounded(loaded, 32), True),
+        (f"grounded, {concurrent} concurrent", grounded(loaded, concurrent), True),
     ]
     rows, ratios = [], {}
     for workload, prompts, concurrent in workloads:
@@ -239,12 +242,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=12, help="one-stream prompts")
     parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--concurrent", type=int, default=32, help="streams of the batch load")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--serving", action="store_true", help="also through `pdserve up`")
     parser.add_argument("--plot", help="write the ratios as a PNG bar chart here")
     args = parser.parse_args(argv)
     loaded = load_model("embedded", dtype=args.dtype)
-    table, ratios = engine_table(loaded, args.prompts, args.tokens)
+    table, ratios = engine_table(loaded, args.prompts, args.tokens, args.concurrent)
     print(f"engine, {loaded.model.dtype}\n\n{table}\n")
     if args.plot:
         plot(ratios, args.plot)
