@@ -78,8 +78,9 @@ class Settings:
                                              "(default: min(256, tokens per step))", WORKER,
                                              minimum=1)  # fmt: skip
     speculative: str = setting("none", "speculative decoding: ngram (prompt lookup), suffix "
-                               "(also over recent outputs) or none", WORKER,
-                               choices=("none", "ngram", "suffix"))  # fmt: skip
+                               "(also over recent outputs), draft:MODEL (a smaller model with "
+                               "the same tokenizer: .gguf or Hugging Face directory) or none",
+                               WORKER)  # fmt: skip
     num_speculative_tokens: int = setting(4, "tokens proposed per step, at most", WORKER,
                                           minimum=1)  # fmt: skip
     speculative_max_batch: int = setting(4, "running sequences above which nothing is "

@@ -139,10 +139,13 @@ class BlockManager:
         seq.block_ids = []
         seq.num_computed_tokens = 0
 
-    def truncate(self, seq: Sequence) -> None:
-        """Release seq's blocks past its computed tokens (speculated tokens rejected). They
-        were never full and committed, so they hold nothing matchable: reused first."""
-        keep = -(-seq.num_computed_tokens // self.block_size)
+    def truncate(self, seq: Sequence, num_tokens: int | None = None) -> None:
+        """Release seq's blocks past its first `num_tokens` (default: its computed tokens):
+        speculated tokens rejected, or slots reserved for proposals not made. They were never
+        full and committed, so they hold nothing matchable: reused first."""
+        keep = -(
+            -(seq.num_computed_tokens if num_tokens is None else num_tokens) // self.block_size
+        )
         for block_id in reversed(seq.block_ids[keep:]):
             block = self.blocks[block_id]
             assert block.ref_count == 1 and block.hash is None, "a rolled-back block is shared"

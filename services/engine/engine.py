@@ -15,7 +15,7 @@ import itertools
 import random
 import time
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -39,7 +39,13 @@ from services.engine.request import (
 from services.engine.sampler import Sampler, score_tokens
 from services.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from services.engine.seeds import choice_seed
-from services.engine.speculative import SpeculativeConfig, Speculator, accepted_run
+from services.engine.speculative import (
+    DraftModel,
+    SpeculativeConfig,
+    Speculator,
+    accepted_run,
+    keep_drawn,
+)
 from services.engine.structured import Grammars
 from services.model.batch import ForwardBatch, SeqChunk
 from services.model.llama import LlamaModel
@@ -92,7 +98,9 @@ class Engine:
         model: LlamaModel,
         tokenizer: Tokenizer,
         config: EngineConfig | None = None,
+        draft: LlamaModel | None = None,
     ) -> None:
+        """`draft`: the draft model, for speculative method `draft` (same tokenizer)."""
         self.model = model
         self.tokenizer = tokenizer
         self.config = config = config or EngineConfig()
@@ -107,7 +115,12 @@ class Engine:
         self.blocks = BlockManager(
             num_blocks, config.block_size, namespace, config.enable_prefix_caching
         )
-        self.speculator = Speculator(config.speculative) if config.speculative else None
+        self.speculator = None
+        if config.speculative is not None:
+            drafter = None
+            if draft is not None:
+                drafter = DraftModel(draft, mc.vocab_size, num_blocks, config.block_size)
+            self.speculator = Speculator(config.speculative, mc.max_model_len, drafter)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 config.max_num_seqs,
@@ -116,7 +129,7 @@ class Engine:
             ),
             self.blocks,
             self._admit,
-            self._propose if self.speculator else None,
+            self.speculator,
         )
         self.grammars = Grammars(tokenizer, mc.vocab_size, mc.eos_token_ids)
         self.sampler = Sampler(mc.vocab_size, mc.eos_token_ids, self.grammars)
@@ -206,16 +219,6 @@ class Engine:
                 return computed
         return self.blocks.admit(seq)
 
-    def _propose(self, seq: Sequence, limit: int) -> tuple[int, ...]:
-        """Tokens to verify after a decoding sequence's last: no more than it may still
-        produce after the next one."""
-        assert self.speculator is not None
-        left = min(
-            seq.params.max_tokens - seq.num_output_tokens,
-            self.model.config.max_model_len - seq.num_tokens,
-        )
-        return self.speculator.propose(seq, min(limit, left - 1), len(self.scheduler.running))
-
     def abort(self, request_id: str) -> list[SequenceDelta]:
         """Stop a request now; its blocks return to the pool before this returns."""
         req = self.requests.pop(request_id, None)
@@ -262,12 +265,13 @@ class Engine:
         result = self.sampler(logits, [s for s, _ in rows], [a for _, a in rows])
         deltas, r = [], 0
         for c in sampling:
-            tokens, lps = result.token_ids[r:], result.logprobs[r:]
+            n = len(c.draft) + 1
+            tokens, lps = result.token_ids[r : r + n], result.logprobs[r : r + n]
             if c.draft:
-                deltas.append(self._verify(c, tokens, lps, timing))
+                deltas.append(self._verify(c, logits[r : r + n], tokens, lps, timing))
             else:
                 deltas.append(self._apply(c.seq, tokens[0], lps[0], timing))
-            r += len(c.draft) + 1
+            r += n
         self.times.steps += 1
         self.times.schedule += t1 - t0
         self.times.forward += t2 - t1
@@ -284,20 +288,34 @@ class Engine:
     def _verify(
         self,
         chunk: ScheduledChunk,
+        logits: torch.Tensor,
         targets: list[int],
         logprobs: list[TokenLogprobs | None],
         step: StepTiming,
     ) -> SequenceDelta:
-        """Keep the proposed tokens equal to the target's, then the target's next one; roll
-        back the KV of the rest. One delta for all the tokens the sequence gained."""
+        """Keep the proposed tokens the target accepts, then its next one; roll back the KV
+        of the rest. One delta for all the tokens the sequence gained. logits: the chunk's
+        rows [k + 1, vocab]; targets, logprobs: the target's draws at them."""
         seq, draft = chunk.seq, chunk.draft
-        accepted = accepted_run(draft, targets)
+        if seq.draft_probs is None or seq.params.greedy:  # one-hot: equal to the target's draw
+            kept = targets[: accepted_run(draft, targets) + 1]
+        else:  # drawn from the draft's q: rejection sampling
+            ahead = [draft[:j] for j in range(len(draft) + 1)]
+            p = self.sampler.distributions(logits, [seq] * len(ahead), ahead)
+            kept = keep_drawn(p, seq.draft_probs, draft, seq, targets[len(draft)])
+            if kept[-1] != targets[len(kept) - 1] and seq.params.logprobs is not None:
+                k = seq.params.logprobs
+                logprobs[len(kept) - 1] = replace(
+                    score_tokens(logits[len(kept) - 1 : len(kept)], kept[-1:], k)[0], rank=0
+                )
+        seq.draft_probs = None
+        accepted = len(kept) - 1
         assert self.speculator is not None
         self.speculator.verified(seq, len(draft), accepted)
         deltas = []
         for j in range(accepted + 1):  # stops, EOS and max_tokens cut the run where they fall
             self._computed(seq, chunk.start + 1 + j)  # the last token and draft[:j]
-            deltas.append(self._apply(seq, targets[j], logprobs[j], step))
+            deltas.append(self._apply(seq, kept[j], logprobs[j], step))
             if seq.finish_reason is not None:
                 break
         if not seq.is_finished:

@@ -67,6 +67,13 @@ class Sampler:
         token_list = tokens.tolist()
         return SampleResult(token_list, _pick_logprobs(logprobs, token_list, params))
 
+    def distributions(
+        self, logits: torch.Tensor, seqs: Seq[Sequence], ahead: Seq[Seq[int]]
+    ) -> torch.Tensor:
+        """What each row's token is drawn from, [R, V] float64 (rows of sampled requests)."""
+        params = [s.params for s in seqs]
+        return distributions(self._process(logits, seqs, params, ahead), params)
+
     def _process(
         self,
         logits: torch.Tensor,
@@ -204,6 +211,34 @@ def _counts(rows: Seq[Seq[int]], vocab: int) -> torch.Tensor:
 
 def sample_rows(x: torch.Tensor, params: Seq[SamplingParams], u: torch.Tensor) -> torch.Tensor:
     """One draw per row of x [R, V] (processed logits) with uniforms u [R]."""
+    probs, order = _final_probs(x, params)
+    cdf = probs.cumsum(dim=-1)
+    target = (u.to(cdf.dtype) * cdf[:, -1])[:, None]
+    index = torch.searchsorted(cdf, target, right=True).clamp_(max=x.shape[1] - 1)[:, 0]
+    return index if order is None else order.gather(1, index[:, None])[:, 0]
+
+
+def distributions(x: torch.Tensor, params: Seq[SamplingParams]) -> torch.Tensor:
+    """What sample_rows draws from, per row of x [R, V]: [R, V] float64 summing to 1, in
+    vocabulary order (speculative decoding's rejection sampling)."""
+    probs, order = _final_probs(x, params)
+    if order is not None:
+        probs = torch.zeros_like(probs).scatter_(1, order, probs)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row of probs [R, V] (vocabulary order, any scale) by inverse CDF."""
+    cdf = probs.cumsum(dim=-1)
+    target = (u.to(cdf.dtype) * cdf[:, -1])[:, None]
+    return torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[1] - 1)[:, 0]
+
+
+def _final_probs(
+    x: torch.Tensor, params: Seq[SamplingParams]
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Temperature, top-k, top-p and min-p: float64 weights per row (not normalised), sorted
+    descending when top-p needed it (then with the order: sorted position -> token)."""
     temps = torch.tensor([p.temperature for p in params], dtype=x.dtype)[:, None]
     x = x / temps
     top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
@@ -220,10 +255,7 @@ def sample_rows(x: torch.Tensor, params: Seq[SamplingParams], u: torch.Tensor) -
     if any(min_p):
         threshold = probs.max(dim=-1, keepdim=True).values * torch.tensor(min_p)[:, None]
         probs = probs.masked_fill(probs < threshold, 0.0)
-    cdf = probs.cumsum(dim=-1)
-    target = (u.to(cdf.dtype) * cdf[:, -1])[:, None]
-    index = torch.searchsorted(cdf, target, right=True).clamp_(max=x.shape[1] - 1)[:, 0]
-    return index if order is None else order.gather(1, index[:, None])[:, 0]
+    return probs, order
 
 
 def _top_k(x: torch.Tensor, ks: list[int], is_sorted: bool) -> torch.Tensor:

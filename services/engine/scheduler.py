@@ -14,8 +14,10 @@ the chunk (services/model; tests/services/engine/test_determinism.py cuts prompt
 16 tokens and compares bits).
 
 Speculative decoding: a decoding sequence's chunk may carry proposed tokens after its last
-sampled one (`draft`, from the engine's `propose`), verified in the same pass. They take
-budget and blocks only where both are free: speculation never preempts anyone.
+sampled one (`draft`), verified in the same pass. Scheduling reserves budget and slots for as
+many as the sequence may propose (`Drafts.lookahead`), only where both are free (speculation
+never preempts anyone); then every scheduled sequence's proposals are asked for at once
+(`Drafts.propose`: a draft model runs them as one batch) and what is not used is given back.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import bisect
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from services.engine.block_manager import BlockManager
 from services.engine.request import Sequence, Status
@@ -53,6 +56,18 @@ class ScheduledChunk:
         return self.start + self.num_tokens - len(self.draft) == self.seq.num_tokens
 
 
+class Drafts(Protocol):
+    """Speculative decoding's side of the scheduler (the engine's Speculator)."""
+
+    def lookahead(self, seq: Sequence, num_running: int) -> int:
+        """How many tokens the decoding sequence may propose this step, at most."""
+        ...
+
+    def propose(self, seqs: list[Sequence], limits: list[int]) -> list[tuple[int, ...]]:
+        """The tokens proposed after each sequence's last, at most limits[i] each."""
+        ...
+
+
 @dataclass
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
@@ -69,15 +84,16 @@ class Scheduler:
         config: SchedulerConfig,
         blocks: BlockManager,
         admit: Callable[[Sequence], int] | None = None,
-        propose: Callable[[Sequence, int], tuple[int, ...]] | None = None,
+        drafts: Drafts | None = None,
     ) -> None:
         """`admit` gives a sequence that holds no blocks its already-computed prefix (and
-        returns its length); by default the prefix cache's. `propose(seq, limit)` gives at
-        most `limit` tokens to verify after a decoding sequence's last (none by default)."""
+        returns its length); by default the prefix cache's. `drafts`: speculative decoding
+        (none by default)."""
         self.config = config
         self.blocks = blocks
         self.admit = admit or blocks.admit
-        self.propose = propose
+        self.drafts = drafts
+        self._reserved: list[tuple[int, int]] = []  # (chunk index, draft slots) this step
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in order of arrival
         self.num_preemptions = 0
@@ -102,6 +118,8 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self._schedule_running(self.config.max_num_batched_tokens, out)
         self._schedule_waiting(budget, out)
+        if self._reserved:
+            self._fill_drafts(out)
         return out
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
@@ -116,22 +134,31 @@ class Scheduler:
             n = self._chunk(seq, budget)
             if not self._make_room(seq, n, out):
                 continue  # seq itself was preempted; running[i] is now the next one
-            draft = self._draft(seq, budget - n, len(self.running) - i - 1)
-            self._schedule(seq, n + len(draft), out, draft)
-            budget -= n + len(draft)
+            budget -= self._schedule(seq, n, out, budget - n, len(self.running) - i - 1)
             i += 1
         return budget
 
-    def _draft(self, seq: Sequence, budget: int, after: int) -> tuple[int, ...]:
-        """Proposed tokens for a decoding sequence: within the budget left and the slots its
-        blocks and the free ones hold, keeping a block free for each of the `after` running
-        sequences still to be scheduled."""
-        if self.propose is None or seq.is_prefilling or budget <= 0:
-            return ()
+    def _lookahead(self, seq: Sequence, budget: int, after: int) -> int:
+        """Slots to reserve for a decoding sequence's proposals: within the budget left and
+        the slots its blocks and the free ones hold, keeping a block free for each of the
+        `after` running sequences still to be scheduled."""
+        if self.drafts is None or seq.is_prefilling or budget <= 0:
+            return 0
         bs = self.blocks.block_size
         spare = max(0, self.blocks.num_free - after)
         room = (len(seq.block_ids) + spare) * bs - seq.num_computed_tokens - 1
-        return self.propose(seq, min(budget, room)) if room > 0 else ()
+        return max(0, min(budget, room, self.drafts.lookahead(seq, len(self.running))))
+
+    def _fill_drafts(self, out: SchedulerOutput) -> None:
+        """Ask for every reserved sequence's proposals at once; give back the unused slots."""
+        assert self.drafts is not None
+        reserved, self._reserved = self._reserved, []
+        seqs = [out.chunks[i].seq for i, _ in reserved]
+        drafts = self.drafts.propose(seqs, [slots for _, slots in reserved])
+        for (i, slots), draft in zip(reserved, drafts, strict=True):
+            c = out.chunks[i]
+            out.chunks[i] = ScheduledChunk(c.seq, c.start, c.num_tokens - slots + len(draft), draft)
+            self.blocks.truncate(c.seq, c.start + out.chunks[i].num_tokens)
 
     def _schedule_waiting(self, budget: int, out: SchedulerOutput) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -147,14 +174,21 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = Status.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.arrival)
-            self._schedule(seq, n, out)
-            budget -= n
+            budget -= self._schedule(
+                seq, n, out, budget - n, 0
+            )  # decoding if its prefix was cached
 
     def _schedule(
-        self, seq: Sequence, n: int, out: SchedulerOutput, draft: tuple[int, ...] = ()
-    ) -> None:
-        self.blocks.allocate(seq, n)
-        out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n, draft))
+        self, seq: Sequence, n: int, out: SchedulerOutput, budget: int = 0, after: int = 0
+    ) -> int:
+        """Put seq's next n tokens in the step, with slots reserved for its proposals;
+        returns the budget taken."""
+        slots = self._lookahead(seq, budget, after)
+        self.blocks.allocate(seq, n + slots)
+        out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n + slots))
+        if slots:
+            self._reserved.append((len(out.chunks) - 1, slots))
+        return n + slots
 
     def _make_room(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
         """Preempt the newest running sequences until seq's chunk fits; False if seq itself

@@ -15,11 +15,16 @@ requests give the same tokens with speculation on or off, alone or in any batch.
 Rejected tokens' KV is rolled back by the engine: the sequence's computed length stops after
 its last accepted token and its blocks past that go back to the pool (BlockManager.truncate).
 
-Proposers (no extra model):
+Proposers:
 - `ngram` (prompt lookup): the latest earlier occurrence of the sequence's last n tokens
   (n = max_n down to min_n) in its own prompt and output; propose what followed it.
 - `suffix`: the same, and a bounded index of this engine's recent outputs (agent loops and
   repeated tasks speculate from earlier answers); the longer match wins.
+- `draft`: a smaller model with the same tokenizer drafts the tokens, each drawn from its own
+  distribution q. For a sampled request the target then keeps a drafted token with
+  probability min(1, p/q) and replaces the first it refuses by a draw from max(0, p - q)
+  (standard rejection sampling: the tokens follow the target's distribution exactly, though
+  they are not the tokens of a run without speculation); greedy requests keep the rule above.
 
 Adaptive: a sequence proposes up to its own length k, which shrinks to one past the accepted
 run after a rejection and grows by one after a run accepted whole; nothing is proposed while
@@ -34,19 +39,29 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from services.engine.request import Sequence
+import torch
 
-METHODS = ("ngram", "suffix")
+from services.engine.block_manager import BlockManager, NoFreeBlocks
+from services.engine.request import Sequence
+from services.engine.sampler import distributions, draw, uniforms
+from services.engine.seeds import choice_seed
+from services.model.batch import ForwardBatch, SeqChunk
+from services.model.llama import LlamaModel
+
+METHODS = ("ngram", "suffix", "draft")
+# independent uniform streams of a sequence's seed (choice_seed mixes these in)
+DRAFT_STREAM, ACCEPT_STREAM, RESIDUAL_STREAM = (1 << 40) + 1, (1 << 40) + 2, (1 << 40) + 3
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    method: str = "ngram"  # one of METHODS
+    method: str = "ngram"  # one of METHODS (`draft`: the Engine is given the draft model)
     num_tokens: int = 4  # tokens proposed per step, at most (k)
     max_batch: int = 4  # running sequences above which nothing is proposed
     min_n: int = 2  # shortest n-gram matched
     max_n: int = 4  # longest n-gram matched (the longest match is tried first)
     index_tokens: int = 1 << 16  # suffix: tokens of recent outputs kept in the index
+    draft_model: str | None = None  # draft: where the worker loads the draft model from
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -68,12 +83,22 @@ class SpecStats:
         return self.accepted / self.steps if self.steps else 0.0
 
 
-class Proposer(Protocol):
-    """Guesses what follows a sequence. Contract: `propose` reads the sequence and changes
-    nothing of it; `finished` is told of every sequence that ends (it may keep its tokens)."""
+@dataclass(frozen=True)
+class Proposal:
+    tokens: list[int]
+    # the distribution each token was drawn from, [len(tokens), vocab] float64; None: one-hot
+    # guesses (verified by equality with the target's draw)
+    probs: torch.Tensor | None = None
 
-    def propose(self, seq: Sequence, k: int) -> list[int]:
-        """Up to k tokens that may follow seq.token_ids (fewer or none when it has no guess)."""
+
+class Proposer(Protocol):
+    """Guesses what follows sequences. Contract: `propose` reads the sequences and changes
+    nothing of them; `finished` is told of every sequence that ends (it may keep its tokens,
+    and must free what it holds for it)."""
+
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
+        """Up to ks[i] tokens that may follow seqs[i].token_ids (fewer or none when it has no
+        guess)."""
         ...
 
     def finished(self, seq: Sequence) -> None: ...
@@ -112,8 +137,8 @@ class PromptLookup:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
 
-    def propose(self, seq: Sequence, k: int) -> list[int]:
-        return self.lookup(seq, k)[1]
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
+        return [Proposal(self.lookup(s, k)[1]) for s, k in zip(seqs, ks, strict=True)]
 
     def lookup(self, seq: Sequence, k: int) -> tuple[int, list[int]]:
         """(n, tokens): the match's length and what followed it."""
@@ -195,10 +220,13 @@ class SuffixLookup(PromptLookup):
         super().__init__(config)
         self.index = OutputIndex(config.min_n, config.max_n, config.index_tokens)
 
-    def propose(self, seq: Sequence, k: int) -> list[int]:
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
+        return [self._one(s, k) for s, k in zip(seqs, ks, strict=True)]
+
+    def _one(self, seq: Sequence, k: int) -> Proposal:
         n, own = self.lookup(seq, k)
         m, recent = self.index.match(seq.token_ids, k)
-        return recent if m > n else own
+        return Proposal(recent if m > n else own)
 
     def finished(self, seq: Sequence) -> None:
         super().finished(seq)
@@ -207,7 +235,90 @@ class SuffixLookup(PromptLookup):
             self.index.add(seq.token_ids[max(0, seq.prompt_len - lead) :])
 
 
-def make_proposer(config: SpeculativeConfig) -> Proposer:
+class DraftModel:
+    """The `draft` proposer: a smaller model sharing the target's tokenizer drafts k tokens,
+    one forward pass each, on its own KV pool: each sequence has its own block table here,
+    kept across steps, rolled back to what the target kept, freed when the sequence ends."""
+
+    def __init__(self, model: LlamaModel, vocab_size: int, num_blocks: int, block_size: int):
+        if model.config.vocab_size < vocab_size:
+            raise ValueError("the draft model's vocabulary is smaller than the target's")
+        self.model, self.vocab_size = model, vocab_size
+        self.kv = model.new_kv_cache(num_blocks, block_size)
+        self.blocks = BlockManager(num_blocks, block_size, "draft", enable_caching=False)
+        self.states: dict[tuple[str, int], Sequence] = {}  # (request, choice) -> its draft
+
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
+        """Draft step j runs one forward pass over every sequence still drafting: the tokens
+        the draft has not computed yet (the target's new ones), or its last draft."""
+        states = [self._state(s) for s in seqs]
+        tokens: list[list[int]] = [[] for _ in seqs]
+        probs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        for j in range(max(ks, default=0)):
+            rows = [i for i, k in enumerate(ks) if j < k and len(tokens[i]) == j]
+            rows = [i for i in rows if self._reserve(states[i])]
+            if not rows:
+                break
+            chunks = [
+                SeqChunk(states[i].token_ids[states[i].num_computed_tokens :],
+                         states[i].num_computed_tokens, states[i].block_ids)
+                for i in rows
+            ]  # fmt: skip
+            batch = ForwardBatch.build(chunks, self.blocks.block_size, self.model.device)
+            logits = self.model.forward(batch, self.kv)[:, : self.vocab_size]  # [rows, V]
+            for r, i in enumerate(rows):
+                seq, state = seqs[i], states[i]
+                state.num_computed_tokens = state.num_tokens
+                if seq.params.greedy:
+                    token = int(logits[r].argmax())
+                else:
+                    q = distributions(logits[r : r + 1], [seq.params])
+                    u = uniforms([choice_seed(seq.seed, DRAFT_STREAM)], [seq.num_tokens + j])
+                    token = int(draw(q, u)[0])
+                    probs[i].append(q[0])
+                tokens[i].append(token)
+                state.token_ids.append(token)
+        return [
+            Proposal(t, torch.stack(p) if p else None) for t, p in zip(tokens, probs, strict=True)
+        ]
+
+    def _reserve(self, state: Sequence) -> bool:
+        """Blocks for the state's uncomputed tokens; False (nothing changed) if none free."""
+        try:
+            self.blocks.allocate(state, state.num_uncomputed)
+        except NoFreeBlocks:
+            return False
+        return True
+
+    def _state(self, seq: Sequence) -> Sequence:
+        """seq's draft: its KV rolled back to the tokens it shares with seq now."""
+        key = (seq.request_id, seq.index)
+        state = self.states.get(key)
+        if state is None:
+            state = self.states[key] = Sequence(
+                seq.request_id, seq.index, seq.prompt_len, [], seq.params, seq.seed, 0
+            )
+        common = 0
+        for a, b in zip(state.token_ids, seq.token_ids, strict=False):
+            if a != b:
+                break
+            common += 1
+        state.token_ids = list(seq.token_ids)
+        state.num_computed_tokens = min(state.num_computed_tokens, common)
+        self.blocks.truncate(state)
+        return state
+
+    def finished(self, seq: Sequence) -> None:
+        state = self.states.pop((seq.request_id, seq.index), None)
+        if state is not None:
+            self.blocks.release(state)
+
+
+def make_proposer(config: SpeculativeConfig, draft: DraftModel | None = None) -> Proposer:
+    if config.method == "draft":
+        if draft is None:
+            raise ValueError("speculative method 'draft' needs a draft model")
+        return draft
     return SuffixLookup(config) if config.method == "suffix" else PromptLookup(config)
 
 
@@ -215,21 +326,33 @@ class Speculator:
     """Decides how many tokens each decoding sequence proposes, asks the proposer, and keeps
     the statistics and each sequence's adaptive length."""
 
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(
+        self, config: SpeculativeConfig, max_model_len: int, draft: DraftModel | None = None
+    ) -> None:
         self.config = config
-        self.proposer = make_proposer(config)
+        self.max_model_len = max_model_len
+        self.proposer = make_proposer(config, draft)
         self.stats = SpecStats()
 
-    def propose(self, seq: Sequence, limit: int, num_running: int) -> tuple[int, ...]:
-        """Tokens to verify after seq's last one: at most `limit` (what the sequence may still
-        produce, the step's budget, the blocks free), none past `max_batch` sequences."""
-        if num_running > self.config.max_batch or limit <= 0:
-            return ()
-        k = seq.spec_length or self.config.num_tokens
-        draft = self.proposer.propose(seq, min(k, limit))
-        if draft and seq.matcher is not None:  # the grammar would mask the rest: cut it
-            draft = draft[: seq.matcher.validate_tokens(draft)]
-        return tuple(draft)
+    def lookahead(self, seq: Sequence, num_running: int) -> int:
+        """How many tokens seq may propose: its adaptive length, no more than it may still
+        produce after the next token; none past `max_batch` running sequences."""
+        if num_running > self.config.max_batch:
+            return 0
+        left = min(
+            seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens
+        )
+        return min(seq.spec_length or self.config.num_tokens, left - 1)
+
+    def propose(self, seqs: list[Sequence], limits: list[int]) -> list[tuple[int, ...]]:
+        out = []
+        for seq, proposal in zip(seqs, self.proposer.propose(seqs, limits), strict=True):
+            draft, probs = proposal.tokens, proposal.probs
+            if draft and seq.matcher is not None:  # the grammar would mask the rest: cut it
+                draft = draft[: seq.matcher.validate_tokens(draft)]
+            seq.draft_probs = probs[: len(draft)] if probs is not None and draft else None
+            out.append(tuple(draft))
+        return out
 
     def verified(self, seq: Sequence, proposed: int, accepted: int) -> None:
         """Record a verification; the next length is one past the accepted run after a
@@ -243,6 +366,25 @@ class Speculator:
 
     def finished(self, seq: Sequence) -> None:
         self.proposer.finished(seq)
+
+
+def keep_drawn(
+    p: torch.Tensor, q: torch.Tensor, draft: Seq[int], seq: Sequence, bonus: int
+) -> list[int]:
+    """Rejection sampling of tokens drawn from q: the tokens the sequence gains. p: the
+    target's distributions at the k + 1 rows [k + 1, V]; q: the draft's [k, V]; bonus: the
+    target's own draw at row k (kept when every drafted token is)."""
+    positions = [seq.num_tokens + j for j in range(len(draft))]
+    accept = uniforms([choice_seed(seq.seed, ACCEPT_STREAM)] * len(draft), positions).tolist()
+    for j, token in enumerate(draft):
+        if accept[j] * float(q[j, token]) < float(p[j, token]):  # kept: probability min(1, p/q)
+            continue
+        residual = (p[j] - q[j]).clamp_(min=0.0)
+        if float(residual.sum()) <= 0.0:  # p == q up to rounding: nothing left, draw from p
+            residual = p[j]
+        u = uniforms([choice_seed(seq.seed, RESIDUAL_STREAM)], [positions[j]])
+        return [*draft[:j], int(draw(residual[None], u)[0])]
+    return [*draft, bonus]
 
 
 def accepted_run(draft: Seq[int], targets: Seq[int]) -> int:

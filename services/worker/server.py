@@ -27,7 +27,7 @@ from services.engine.driver import AsyncEngine
 from services.engine.engine import Engine, EngineConfig
 from services.engine.outputs import SequenceDelta
 from services.engine.params import ValidationError
-from services.engine.speculative import SpeculativeConfig
+from services.engine.speculative import METHODS, SpeculativeConfig
 from services.model import sources
 from services.model.loader import load_model
 from services.model.openmp import release_this_threads_team
@@ -99,9 +99,17 @@ def worker_config(s: Settings, role: str) -> WorkerConfig:
 
 
 def speculative_config(s: Settings) -> SpeculativeConfig | None:
+    """The speculative settings, or SettingsError naming what is wrong."""
     if s.speculative == "none":
         return None
-    return SpeculativeConfig(s.speculative, s.num_speculative_tokens, s.speculative_max_batch)
+    method, _, draft = s.speculative.partition(":")
+    if method not in METHODS or (method == "draft") != bool(draft):
+        raise SettingsError(
+            f"speculative: {s.speculative!r} is not none, ngram, suffix or draft:MODEL"
+        )
+    return SpeculativeConfig(
+        method, s.num_speculative_tokens, s.speculative_max_batch, draft_model=draft or None
+    )
 
 
 @dataclass
@@ -142,7 +150,10 @@ class Worker:
             namespace=self.namespace,  # block names in the engine = keys in the store
             speculative=config.speculative,
         )
-        self.engine = Engine(loaded.model, loaded.tokenizer, engine_config)
+        draft = None
+        if config.speculative is not None and config.speculative.draft_model is not None:
+            draft = load_model(config.speculative.draft_model, config.dtype, config.device).model
+        self.engine = Engine(loaded.model, loaded.tokenizer, engine_config, draft)
         self.cache_dtype: torch.dtype = cache_dtype
         release_this_threads_team()  # the engine thread computes from here on (openmp.py)
         self.driver = AsyncEngine(self.engine)

@@ -1,19 +1,25 @@
 """Speculative decoding through the whole path: `pdserve up --speculative suffix` (prefill and
 decode processes, float32) answers 64 greedy prompts and seeded n=2 streams with exactly the
 engine's tokens without speculation, the usage unchanged; a decode worker's /metrics counts
-what it proposed and accepted."""
+what it proposed and accepted; a decode worker with a draft model; bad settings refused."""
 
 from __future__ import annotations
 
+import asyncio
 import re
+import subprocess
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import httpx
 import openai
 import pytest
 
 from services.engine.params import SamplingParams
-from services.launcher import free_port
+from services.launcher import PDSERVE, WorkerProcess, free_port
+from services.rpc import worker_pb2 as pb
+from services.rpc import worker_pb2_grpc as pbg
+from services.worker.convert import to_proto_params
 from tests.services.engine.test_speculative import TEXTS, random_prompts
 from tests.support.up import Up
 
@@ -79,3 +85,47 @@ def test_seeded_streams_with_n_equal_the_engine(speculating, engine):
         for c in chunk.choices:
             texts[c.index] += c.delta.content or ""
     assert texts == expected
+
+
+def test_a_decode_worker_speculating_with_a_draft_model(embedded_dir, tmp_path, engine):
+    """`--speculative draft:MODEL` (the draft here: the target itself, so every proposed
+    token is accepted): a locally prefilled greedy stream equals the engine's, and the
+    worker's counters say every proposal was kept."""
+    metrics = free_port()
+    worker = WorkerProcess(
+        "decode", str(embedded_dir), "memory://", tmp_path, "--num-blocks", "128",
+        "--speculative", f"draft:{embedded_dir}", "--metrics-port", str(metrics),
+        dtype="float32",
+    ).start()  # fmt: skip
+    prompt = engine.tokenizer.encode_chat([{"role": "user", "content": ASK.format(TEXTS[2])}])
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+    async def decode() -> list[int]:
+        async with grpc.aio.insecure_channel(worker.address) as channel:
+            stub = pbg.DecodeWorkerStub(channel)
+            request = pb.DecodeRequest(
+                request_id="d", prompt_token_ids=prompt, params=to_proto_params(params),
+                local_prefill=True,
+            )  # fmt: skip
+            return [t async for chunk in stub.Decode(request) for t in chunk.token_ids]
+
+    try:
+        tokens = asyncio.run(decode())
+        scraped = httpx.get(f"http://127.0.0.1:{metrics}/metrics").text
+    finally:
+        worker.stop()
+    assert tokens == engine.generate([prompt], params)[0].choices[0].token_ids
+    pattern = r'^(pdserve_spec_\w+)_total\{role="decode"\} (\S+)$'
+    counts = {name: float(value) for name, value in re.findall(pattern, scraped, re.M)}
+    assert counts["pdserve_spec_proposed_tokens"] > 10
+    assert counts["pdserve_spec_accepted_tokens"] == counts["pdserve_spec_proposed_tokens"]
+
+
+@pytest.mark.parametrize("value", ["eagle", "draft", "draft:", "ngram:x"])
+def test_a_bad_speculative_setting_is_refused_before_the_model_loads(value, tmp_path):
+    result = subprocess.run(
+        [PDSERVE, "decode", "--speculative", value, "--kv-store", "memory://"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert f"speculative: {value!r} is not none, ngram, suffix or draft:MODEL" in result.stderr

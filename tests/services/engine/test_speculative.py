@@ -22,6 +22,7 @@ from services.engine.request import EngineRequest, Sequence
 from services.engine.speculative import (
     NgramIndex,
     OutputIndex,
+    Proposal,
     SpeculativeConfig,
     SuffixLookup,
     accepted_run,
@@ -88,7 +89,7 @@ def idle(eng: Engine) -> None:
 
 def test_greedy_64_prompts_are_token_identical_with_speculation(model):
     prompts = grounded(model, 32) + random_prompts(32, seed=1)
-    params = SamplingParams(max_tokens=24, temperature=0, logprobs=1)
+    params = SamplingParams(max_tokens=16, temperature=0, logprobs=1)
     expected = choices(engine(model, None).generate(prompts, params))
     for spec in (NGRAM, SUFFIX):
         eng = engine(model, spec)
@@ -99,14 +100,14 @@ def test_greedy_64_prompts_are_token_identical_with_speculation(model):
 
 def test_seeded_sampling_is_the_same_alone_and_among_31_others(model):
     prompts = grounded(model, 16)
-    params = [SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=100 + i)
+    params = [SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=100 + i)
               for i in range(16)]  # fmt: skip
     expected = choices(engine(model, None).generate(prompts, params))
     eng = engine(model, NGRAM)
     alone = [choices(eng.generate([p], [sp]))[0] for p, sp in zip(prompts, params, strict=True)]
     assert alone == expected
     others = random_prompts(16, seed=2)
-    other_params = [SamplingParams(max_tokens=24, temperature=0.8, seed=i) for i in range(16)]
+    other_params = [SamplingParams(max_tokens=16, temperature=0.8, seed=i) for i in range(16)]
     batch = choices(eng.generate(prompts + others, params + other_params))
     assert batch[:16] == expected
     assert eng.speculator is not None and eng.speculator.stats.accepted > 0
@@ -154,8 +155,8 @@ def test_every_sampling_feature_gives_the_same_output(model, name):
 
 
 def test_preemption_and_heavy_rejection_change_nothing_and_leak_nothing(model):
-    prompts = grounded(model, 12) + random_prompts(12, seed=3)
-    params = SamplingParams(max_tokens=40, temperature=0.8, seed=11, n=2)
+    prompts = grounded(model, 8) + random_prompts(8, seed=3)
+    params = SamplingParams(max_tokens=32, temperature=0.8, seed=11, n=2)
     expected = choices(engine(model, None).generate(prompts, params))
 
     class Wrong:
@@ -164,19 +165,19 @@ def test_preemption_and_heavy_rejection_change_nothing_and_leak_nothing(model):
         def __init__(self) -> None:
             self.rng = random.Random(0)
 
-        def propose(self, seq: Sequence, k: int) -> list[int]:
-            return [self.rng.randrange(30000, 49000) for _ in range(k)]
+        def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
+            return [Proposal([self.rng.randrange(30000, 49000) for _ in range(k)]) for k in ks]
 
         def finished(self, seq: Sequence) -> None:
             pass
 
-    # 40 blocks: 640 tokens of KV for 48 sequences of up to ~110 tokens: preemption
-    eng = engine(model, NGRAM, num_blocks=40)
+    # 30 blocks: 480 tokens of KV for 32 sequences of up to ~100 tokens: preemption
+    eng = engine(model, NGRAM, num_blocks=30)
     assert eng.speculator is not None
     eng.speculator.proposer = Wrong()
     assert choices(eng.generate(prompts, params)) == expected
     stats = eng.speculator.stats
-    assert stats.proposed > 200 and stats.accepted < stats.proposed // 20
+    assert stats.proposed > 150 and stats.accepted < stats.proposed // 20
     assert eng.scheduler.num_preemptions > 0
     idle(eng)
 
@@ -254,9 +255,9 @@ def test_suffix_lookup_prefers_the_longer_match():
     done = Sequence("a", 0, 2, [50, 51, 1, 2, 3, 40, 41], SamplingParams(), seed=0, arrival=0)
     lookup.finished(done)  # the output [1, 2, 3, 40, 41] and one prompt token before it
     seq = Sequence("b", 0, 3, [2, 3, 7, 9, 1, 2, 3], SamplingParams(), seed=0, arrival=1)
-    assert lookup.propose(seq, 2) == [40, 41]  # [1, 2, 3] in the index beats its own [2, 3]
+    assert lookup.propose([seq], [2])[0].tokens == [40, 41]  # [1, 2, 3] indexed: longer
     seq.token_ids.append(7)
-    assert lookup.propose(seq, 2) == [9, 1]  # only its own [3, 7]
+    assert lookup.propose([seq], [2])[0].tokens == [9, 1]  # only its own [3, 7]
 
 
 def test_accepted_run():
@@ -291,7 +292,7 @@ def test_adaptive_length_follows_acceptance(embedded):
 
 
 def test_bad_configs_are_refused():
-    with pytest.raises(ValueError, match="ngram, suffix"):
+    with pytest.raises(ValueError, match="ngram, suffix, draft"):
         SpeculativeConfig("eagle")
     with pytest.raises(ValueError):
         SpeculativeConfig("ngram", num_tokens=0)
