@@ -5,6 +5,7 @@ suffix proposers, in one run, in the engine and (--serving) through `pdserve up`
 
     python -m bench.speculative [--tokens 128] [--prompts 12] [--concurrent 32] [--serving]
                                 [--plot FILE]
+    python -m bench.speculative --sweep 1,2,4,8,16   (where speculation stops paying)
 
 Greedy decoding, so every configuration generates the same tokens (the engine's guarantee,
 checked here too) and tok/s compare like for like. Prints Markdown tables: tokens/s, the ratio
@@ -173,6 +174,20 @@ def engine_table(
     return markdown(head, rows), ratios
 
 
+def sweep_table(loaded: LoadedModel, batches: list[int], tokens: int) -> str:
+    """Speculation at every batch size (no batch gate): where it stops paying, which is what
+    --speculative-max-batch should be."""
+    rows = []
+    for b in batches:
+        prompts = grounded(loaded, b)
+        off = run(loaded, None, prompts, tokens, True)
+        on = run(loaded, SpeculativeConfig("ngram", max_batch=1 << 20), prompts, tokens, True)
+        assert on.outputs == off.outputs
+        rows.append([str(b), f"{off.speed:.1f}", f"{on.speed:.1f}", f"{on.speed / off.speed:.2f}x",
+                     f"{on.accepted / on.proposed:.0%}" if on.proposed else "-"])  # fmt: skip
+    return markdown(["sequences", "off tok/s", "ngram tok/s", "ngram / off", "accepted"], rows)
+
+
 async def one_stream(base: str, prompts: list[str], tokens: int) -> int:
     import openai
 
@@ -246,8 +261,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--serving", action="store_true", help="also through `pdserve up`")
     parser.add_argument("--plot", help="write the ratios as a PNG bar chart here")
+    parser.add_argument("--sweep", help="batch sizes to run with and without speculation, "
+                        "no batch gate (e.g. 1,2,4,8,16)")  # fmt: skip
     args = parser.parse_args(argv)
     loaded = load_model("embedded", dtype=args.dtype)
+    if args.sweep:
+        batches = [int(b) for b in args.sweep.split(",")]
+        print(f"engine, {loaded.model.dtype}\n\n{sweep_table(loaded, batches, args.tokens)}\n")
+        return 0
     table, ratios = engine_table(loaded, args.prompts, args.tokens, args.concurrent)
     print(f"engine, {loaded.model.dtype}\n\n{table}\n")
     if args.plot:

@@ -100,6 +100,7 @@ class Sequence:
     # tokens, and how many tokens it proposes next (0: the configured number)
     spec_index: Any = None
     spec_length: int = 0
+    spec_pause: int = 0  # steps left without proposals (they kept failing)
     draft_probs: Any = None  # a draft model's distributions for this step's draft [k, V]
 
     @property

@@ -49,6 +49,7 @@ from services.model.batch import ForwardBatch, SeqChunk
 from services.model.llama import LlamaModel
 
 METHODS = ("ngram", "suffix", "draft")
+PAUSE = 4  # steps without proposals after a lone proposed token was refused
 # independent uniform streams of a sequence's seed (choice_seed mixes these in)
 DRAFT_STREAM, ACCEPT_STREAM, RESIDUAL_STREAM = (1 << 40) + 1, (1 << 40) + 2, (1 << 40) + 3
 
@@ -339,6 +340,9 @@ class Speculator:
         produce after the next token; none past `max_batch` running sequences."""
         if num_running > self.config.max_batch:
             return 0
+        if seq.spec_pause > 0:  # its proposals keep failing: rest a few steps
+            seq.spec_pause -= 1
+            return 0
         left = min(
             seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens
         )
@@ -356,13 +360,16 @@ class Speculator:
 
     def verified(self, seq: Sequence, proposed: int, accepted: int) -> None:
         """Record a verification; the next length is one past the accepted run after a
-        rejection, one more after a run accepted whole."""
+        rejection, one more after a run accepted whole; a single token refused pauses the
+        sequence's proposals for PAUSE steps (each costs a row and wins nothing)."""
         self.stats.steps += 1
         self.stats.proposed += proposed
         self.stats.accepted += accepted
         k = seq.spec_length or self.config.num_tokens
         grown = min(k + 1, self.config.num_tokens)
         seq.spec_length = grown if accepted == proposed else max(1, accepted + 1)
+        if proposed == 1 and accepted == 0:
+            seq.spec_pause = PAUSE
 
     def finished(self, seq: Sequence) -> None:
         self.proposer.finished(seq)
