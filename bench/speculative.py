@@ -1,7 +1,8 @@
 """Speculative decoding's gain: one stream on input-grounded prompts (repeat, edit or
-summarise a given text or code: outputs copy from the prompt), one stream on random-token
-prompts, and 32 concurrent grounded streams; each without speculation and with the n-gram and
-suffix proposers, in one run, in the engine and (--serving) through `pdserve up`.
+summarise a given text or code: outputs copy from the prompt), one stream on open questions
+(short stories: little to copy) and one on random-token prompts, and 32 concurrent grounded
+streams; each without speculation and with the n-gram and suffix proposers, in one run, in
+the engine and (--serving) through `pdserve up`.
 
     python -m bench.speculative [--tokens 128] [--prompts 12] [--concurrent 32] [--serving]
                                 [--plot FILE]
@@ -82,6 +83,10 @@ ASKS = [
     "Rewrite the following with the same content, keeping every line:\n\n{}",
     "Summarise the following, quoting its key lines:\n\n{}",
 ]
+# open questions: little in the prompt to copy (where speculation cannot help much)
+TOPICS = ["a dragon", "the ocean", "a robot learning to paint", "winter in a small town",
+          "a lost key", "the first day of school", "a chess match", "a storm at sea",
+          "an old lighthouse", "a market in Marrakesh", "a time traveller", "a garden"]  # fmt: skip
 CONFIGS: list[tuple[str, SpeculativeConfig | None]] = [
     ("off", None),
     ("ngram", SpeculativeConfig("ngram")),
@@ -93,6 +98,14 @@ def grounded(loaded: LoadedModel, count: int) -> list[list[int]]:
     return [
         loaded.tokenizer.encode_chat([{"role": "user", "content": ASKS[i % len(ASKS)].format(
             TEXTS[i % len(TEXTS)])}])
+        for i in range(count)
+    ]  # fmt: skip
+
+
+def open_questions(loaded: LoadedModel, count: int) -> list[list[int]]:
+    return [
+        loaded.tokenizer.encode_chat([{"role": "user", "content": f"Write a short story about "
+                                       f"{TOPICS[i % len(TOPICS)]}."}])
         for i in range(count)
     ]  # fmt: skip
 
@@ -157,6 +170,7 @@ def engine_table(
 ) -> tuple[str, dict[str, float]]:
     workloads = [
         ("grounded, 1 stream", grounded(loaded, count), False),
+        ("open questions, 1 stream", open_questions(loaded, max(2, count // 2)), False),
         ("random tokens, 1 stream", random_prompts(max(2, count // 3)), False),
         (f"grounded, {concurrent} concurrent", grounded(loaded, concurrent), True),
     ]

@@ -67,8 +67,8 @@ def workers(redis_server, embedded_dir, tmp_path_factory):
 
 
 # -- a disaggregated cluster of processes: 2 prefill + 2 decode workers (float32, on the
-# session's redis-server) and a kv_aware router in front of them, and the in-process engine
-# whose answers the cluster's must equal
+# session's redis-server; the decode workers speculate) and a kv_aware router in front of
+# them, and the in-process engine whose answers the cluster's must equal
 
 
 @pytest.fixture(scope="session")
@@ -76,9 +76,12 @@ def pool(redis_server, embedded_dir, tmp_path_factory):
     from tests.support.cluster import start_workers
 
     logs = tmp_path_factory.mktemp("pool-logs")
+    # the decode workers speculate (suffix: prompt lookup and recent outputs): every answer
+    # of the router tests, faults included, equals the engine's without speculation
     prefill, decode = start_workers(
-        str(embedded_dir), redis_server.url, logs, 2, 2, "--num-blocks", "400"
-    )
+        str(embedded_dir), redis_server.url, logs, 2, 2, "--num-blocks", "400",
+        "--speculative", "suffix",
+    )  # fmt: skip
     yield prefill, decode
     for w in (*prefill, *decode):
         w.stop()

@@ -15,7 +15,12 @@ def test_speculative_benchmark_smoke(capsys, tmp_path):
     runs = [r for r in rows if r and r[1] in ("off", "ngram", "suffix")]
     assert [(r[0], r[1]) for r in runs] == [
         (w, s)
-        for w in ("grounded, 1 stream", "random tokens, 1 stream", "grounded, 2 concurrent")
+        for w in (
+            "grounded, 1 stream",
+            "open questions, 1 stream",
+            "random tokens, 1 stream",
+            "grounded, 2 concurrent",
+        )
         for s in ("off", "ngram", "suffix")
     ]
     assert len({r[2] for r in runs[:3]}) == 1  # the same number of tokens each way
