@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import signal
 import subprocess
 import time
@@ -29,6 +30,8 @@ import torch
 from services.engine.engine import Engine, EngineConfig
 from services.engine.params import SamplingParams
 from services.engine.speculative import SpeculativeConfig
+from services.model import hf_config, hf_dir
+from services.model.llama import LlamaModel
 from services.model.loader import LoadedModel, load_model
 
 TEXTS = [
@@ -130,15 +133,29 @@ class Run:
         return self.tokens / self.seconds
 
 
+def layer_skip_draft(loaded: LoadedModel, layers: int) -> LlamaModel:
+    """A draft made of the target's own first `layers` layers, its final norm and head (no
+    other small model shares SmolLM2-135M's tokenizer here)."""
+    config = hf_config.read_config(loaded.path)
+    weights = hf_dir.read_weights(loaded.path, config)
+    kept = {
+        name: w for name, w in weights.items()
+        if not name.startswith("model.layers.") or int(name.split(".")[2]) < layers
+    }  # fmt: skip
+    small = dataclasses.replace(config, num_layers=layers)
+    return LlamaModel(small, kept, loaded.model.dtype, loaded.model.device)
+
+
 def run(
     loaded: LoadedModel,
     spec: SpeculativeConfig | None,
     prompts: Sequence[list[int]],
     tokens: int,
     concurrent: bool,
+    draft: LlamaModel | None = None,
 ) -> Run:
     engine = Engine(loaded.model, loaded.tokenizer,
-                    EngineConfig(num_blocks=2048, speculative=spec))  # fmt: skip
+                    EngineConfig(num_blocks=2048, speculative=spec), draft)  # fmt: skip
     params = SamplingParams(max_tokens=tokens, temperature=0)
     engine.generate([prompts[0][:8]], SamplingParams(max_tokens=2))  # warm
     engine.times.steps = 0
@@ -166,8 +183,12 @@ def row(workload: str, name: str, r: Run, base: Run) -> list[str]:
 
 
 def engine_table(
-    loaded: LoadedModel, count: int, tokens: int, concurrent: int = 32
+    loaded: LoadedModel, count: int, tokens: int, concurrent: int = 32, draft_layers: int = 0
 ) -> tuple[str, dict[str, float]]:
+    configs = list(CONFIGS)
+    draft = layer_skip_draft(loaded, draft_layers) if draft_layers else None
+    if draft is not None:
+        configs.append((f"draft ({draft_layers} layers)", SpeculativeConfig("draft")))
     workloads = [
         ("grounded, 1 stream", grounded(loaded, count), False),
         ("open questions, 1 stream", open_questions(loaded, max(2, count // 2)), False),
@@ -177,8 +198,8 @@ def engine_table(
     rows, ratios = [], {}
     for workload, prompts, concurrent in workloads:
         base = None
-        for name, spec in CONFIGS:
-            r = run(loaded, spec, prompts, tokens, concurrent)
+        for name, spec in configs:
+            r = run(loaded, spec, prompts, tokens, concurrent, draft)
             base = base or r
             assert r.outputs == base.outputs, f"{name}: other tokens than without speculation"
             rows.append(row(workload, name, r, base))
@@ -275,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--serving", action="store_true", help="also through `pdserve up`")
     parser.add_argument("--plot", help="write the ratios as a PNG bar chart here")
+    parser.add_argument("--draft-layers", type=int, default=0, help="also speculate with a "
+                        "draft made of the model's first N layers")  # fmt: skip
     parser.add_argument("--sweep", help="batch sizes to run with and without speculation, "
                         "no batch gate (e.g. 1,2,4,8,16)")  # fmt: skip
     args = parser.parse_args(argv)
@@ -283,7 +306,9 @@ def main(argv: list[str] | None = None) -> int:
         batches = [int(b) for b in args.sweep.split(",")]
         print(f"engine, {loaded.model.dtype}\n\n{sweep_table(loaded, batches, args.tokens)}\n")
         return 0
-    table, ratios = engine_table(loaded, args.prompts, args.tokens, args.concurrent)
+    table, ratios = engine_table(
+        loaded, args.prompts, args.tokens, args.concurrent, args.draft_layers
+    )
     print(f"engine, {loaded.model.dtype}\n\n{table}\n")
     if args.plot:
         plot(ratios, args.plot)

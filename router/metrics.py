@@ -27,7 +27,8 @@ class Metrics:
         )
         self.itl = Histogram(
             "pdserve_inter_token_latency_seconds",
-            "Between consecutive tokens of a choice",
+            "Between consecutive tokens of a choice (tokens arriving together, as speculative "
+            "decoding sends them, share the gap)",
             buckets=ITL_BUCKETS,
             registry=r,
         )

@@ -217,6 +217,13 @@ class RouterState:
                 {"Retry-After": str(max(1, math.ceil(wait - slo)))},
             )
 
+    def _inter_token(self, n: int, now: float, last: float | None) -> None:
+        """One gap per token after a choice's first: n tokens arriving together (speculative
+        decoding) share the gap since the last ones; a first delta's extra tokens, 0 each."""
+        gaps = [(now - last) / n] * n if last is not None else [0.0] * (n - 1)
+        for gap in gaps:
+            self.metrics.itl.observe(gap)
+
     async def run(
         self, jobs: Sequence[Job], admission: Admission, span: Span = NO_SPAN
     ) -> AsyncIterator[tuple[Delta, ChoiceState]]:
@@ -232,9 +239,8 @@ class RouterState:
                 if not admission.streaming:
                     admission.start_streaming()
                     self.metrics.ttft.observe(now - start)
-                if delta.index in last and delta.token_ids:
-                    self.metrics.itl.observe(now - last[delta.index])
                 if delta.token_ids:
+                    self._inter_token(len(delta.token_ids), now, last.get(delta.index))
                     last[delta.index] = now
                 cached += delta.cached_tokens
                 stored += delta.store_tokens
