@@ -15,7 +15,7 @@ import itertools
 import random
 import time
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,6 +29,8 @@ from services.engine.outputs import (
     StopChecker,
 )
 from services.engine.params import SamplingParams, ValidationError, validate_prompt
+from services.engine.prompt_scores import score_prompts, scores_prompt
+from services.engine.proposers import DraftModel
 from services.engine.request import (
     EngineRequest,
     FinishReason,
@@ -36,16 +38,10 @@ from services.engine.request import (
     Status,
     TokenLogprobs,
 )
-from services.engine.sampler import Sampler, score_tokens
+from services.engine.sampler import Sampler
 from services.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from services.engine.seeds import choice_seed
-from services.engine.speculative import (
-    DraftModel,
-    SpeculativeConfig,
-    Speculator,
-    accepted_run,
-    keep_drawn,
-)
+from services.engine.speculative import SpeculativeConfig, Speculator
 from services.engine.structured import Grammars
 from services.model.batch import ForwardBatch, SeqChunk
 from services.model.llama import LlamaModel
@@ -261,7 +257,7 @@ class Engine:
         sampling = [c for c in scheduled.chunks if c.want_logits]
         # one row per sampled token: a chunk's last, or its last and each proposed one's
         rows = [(c.seq, c.draft[:j]) for c in sampling for j in range(len(c.draft) + 1)]
-        logits = self._score_prompts(scheduled.chunks, logits)
+        logits = score_prompts(scheduled.chunks, logits)
         result = self.sampler(logits, [s for s, _ in rows], [a for _, a in rows])
         deltas, r = [], 0
         for c in sampling:
@@ -296,22 +292,10 @@ class Engine:
         """Keep the proposed tokens the target accepts, then its next one; roll back the KV
         of the rest. One delta for all the tokens the sequence gained. logits: the chunk's
         rows [k + 1, vocab]; targets, logprobs: the target's draws at them."""
-        seq, draft = chunk.seq, chunk.draft
-        if seq.draft_probs is None or seq.params.greedy:  # one-hot: equal to the target's draw
-            kept = targets[: accepted_run(draft, targets) + 1]
-        else:  # drawn from the draft's q: rejection sampling
-            ahead = [draft[:j] for j in range(len(draft) + 1)]
-            p = self.sampler.distributions(logits, [seq] * len(ahead), ahead)
-            kept = keep_drawn(p, seq.draft_probs, draft, seq, targets[len(draft)])
-            if kept[-1] != targets[len(kept) - 1] and seq.params.logprobs is not None:
-                k = seq.params.logprobs
-                logprobs[len(kept) - 1] = replace(
-                    score_tokens(logits[len(kept) - 1 : len(kept)], kept[-1:], k)[0], rank=0
-                )
-        seq.draft_probs = None
-        accepted = len(kept) - 1
+        seq = chunk.seq
         assert self.speculator is not None
-        self.speculator.verified(seq, len(draft), accepted)
+        kept = self.speculator.keep(seq, chunk.draft, logits, targets, logprobs, self.sampler)
+        accepted = len(kept) - 1
         deltas = []
         for j in range(accepted + 1):  # stops, EOS and max_tokens cut the run where they fall
             self._computed(seq, chunk.start + 1 + j)  # the last token and draft[:j]
@@ -321,30 +305,6 @@ class Engine:
         if not seq.is_finished:
             self.blocks.truncate(seq)
         return SequenceDelta.merge(deltas)
-
-    def _score_prompts(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> torch.Tensor:
-        """Record the prompt logprobs of chunks that return every row's logits; the rows left
-        for sampling (the last row of each chunk that wants one)."""
-        if not any(scores_prompt(c.seq) for c in chunks):
-            return logits
-        keep: list[int] = []
-        row = 0
-        for c in chunks:
-            if not scores_prompt(c.seq):
-                sampled = len(c.draft) + 1 if c.want_logits else 0
-                keep += range(row, row + sampled)
-                row += sampled
-                continue
-            seq = c.seq
-            # row r holds the logits after position c.start + r: they score the next token
-            scored = min(c.num_tokens, seq.prompt_len - 1 - c.start)
-            if scored > 0:
-                targets = seq.token_ids[c.start + 1 : c.start + 1 + scored]
-                k = seq.params.prompt_logprobs or 0
-                seq.prompt_logprobs += score_tokens(logits[row : row + scored], targets, k)
-            row += c.num_tokens
-            keep += [row - 1] if c.want_logits else []
-        return logits[keep]
 
     def _batch(self, chunks: list[ScheduledChunk]) -> ForwardBatch:
         return ForwardBatch.build(
@@ -426,8 +386,3 @@ class Engine:
         assert all(s.status is Status.RUNNING for s in holders), "a non-running seq holds blocks"
         held = sum(len(s.block_ids) for s in holders)
         assert held == sum(b.ref_count for b in self.blocks.blocks), "references leak"
-
-
-def scores_prompt(seq: Sequence) -> bool:
-    """The sequence computes its prompt's logprobs: the first choice, before its first token."""
-    return seq.params.prompt_logprobs is not None and seq.index == 0 and seq.num_output_tokens == 0

@@ -18,15 +18,9 @@ from services.engine.block_manager import BlockManager
 from services.engine.engine import Engine, EngineConfig
 from services.engine.outputs import RequestOutput
 from services.engine.params import SamplingParams
+from services.engine.proposers import NgramIndex, OutputIndex, Proposal, SuffixLookup
 from services.engine.request import EngineRequest, Sequence
-from services.engine.speculative import (
-    NgramIndex,
-    OutputIndex,
-    Proposal,
-    SpeculativeConfig,
-    SuffixLookup,
-    accepted_run,
-)
+from services.engine.speculative import SpeculativeConfig, accepted_run
 from services.model.loader import LoadedModel, load_model
 from tests.support.dtypes import COMPUTE_DTYPES
 
@@ -250,8 +244,7 @@ def test_output_index_matches_recent_outputs_and_forgets_the_oldest():
 
 
 def test_suffix_lookup_prefers_the_longer_match():
-    spec = SpeculativeConfig("suffix", max_n=3)
-    lookup = SuffixLookup(spec)
+    lookup = SuffixLookup(min_n=2, max_n=3, index_tokens=100)
     done = Sequence("a", 0, 2, [50, 51, 1, 2, 3, 40, 41], SamplingParams(), seed=0, arrival=0)
     lookup.finished(done)  # the output [1, 2, 3, 40, 41] and one prompt token before it
     seq = Sequence("b", 0, 3, [2, 3, 7, 9, 1, 2, 3], SamplingParams(), seed=0, arrival=1)

@@ -16,8 +16,9 @@ from scipy.stats import chisquare
 
 from services.engine.engine import Engine, EngineConfig
 from services.engine.params import SamplingParams
+from services.engine.proposers import DraftModel
 from services.engine.request import EngineRequest
-from services.engine.speculative import DraftModel, SpeculativeConfig
+from services.engine.speculative import SpeculativeConfig
 from services.model.loader import LoadedModel, load_model
 
 VOCAB = 64
