@@ -51,13 +51,21 @@ def send(base_url: str, input_len: int, output_len: int, trace_id: str, seed: in
 
 
 def spans_of(path: Path, trace_id: str, timeout: float = 10.0) -> list[Span]:
-    """The trace's spans once the router's (it ends last) is in the file."""
+    """The trace's spans once they are all in the file: the router's and, for each call the
+    router made to a worker, the worker's (each process appends its own when the span ends,
+    so a worker's may land after the router's)."""
     deadline = time.monotonic() + timeout
     while True:
         spans = [s for s in read(str(path)) if s["trace_id"] == trace_id] if path.exists() else []
-        if any(is_root(s) for s in spans) or time.monotonic() > deadline:
+        if complete(spans) or time.monotonic() > deadline:
             return spans
-        time.sleep(0.2)
+        time.sleep(0.1)
+
+
+def complete(spans: list[Span]) -> bool:
+    parents = {s["parent_id"] for s in spans if s["service"] != "pdserve-router"}
+    calls = [s for s in spans if s["service"] == "pdserve-router" and not is_root(s)]
+    return any(is_root(s) for s in spans) and all(c["span_id"] in parents for c in calls)
 
 
 def is_root(span: Span) -> bool:

@@ -49,3 +49,17 @@ def test_one_request_is_one_trace_across_the_processes(tmp_path):
     assert result["tokens"]["tokens"] == 7
     assert result["phases"][-1][0] == "first token written (TTFT at the router)"
     assert 0 < result["phases"][-1][1] < result["total_ms"]
+
+
+def test_waits_for_the_workers_spans_that_land_after_the_routers():
+    def span(service: str, name: str, span_id: str, parent_id: str = "") -> dict:
+        return {"service": service, "name": name, "span_id": span_id, "parent_id": parent_id}
+
+    router = [span("pdserve-router", "POST /v1/completions", "r"),
+              span("pdserve-router", "Prefill", "rp", "r"),
+              span("pdserve-router", "Decode", "rd", "r")]  # fmt: skip
+    prefill = span("pdserve-prefill", "Prefill", "p", "rp")
+    decode = span("pdserve-decode", "Decode", "d", "rd")
+    assert not timeline.complete([*router[1:], prefill, decode])  # no root yet
+    assert not timeline.complete([*router, prefill])  # the decode worker's still to come
+    assert timeline.complete([*router, prefill, decode])
