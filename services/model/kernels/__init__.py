@@ -26,15 +26,17 @@ log = logging.getLogger("pdserve.kernels")
 
 HERE = Path(__file__).parent
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
-# Attention may fuse a multiply and an add into one instruction and assume finite numbers, but
-# not reorder a sum (-ffast-math would: GCC then reassociated the decode and the prefill
-# kernel's sums differently, and a token's attention took other bits computed one way or the
-# other; linked with it, the library also switched on flush-to-zero for the whole process).
-# Its shared per-block functions compile the same wherever they are inlined. The layer ops
-# keep IEEE rounding (-std=c11 contracts nothing) to match torch's.
+# Attention may assume finite numbers, but neither reorder a sum (-ffast-math would: GCC then
+# reassociated the decode and the prefill kernel's sums differently, and a token's attention
+# took other bits computed one way or the other; linked with it, the library also switched on
+# flush-to-zero for the whole process) nor fuse a multiply and an add where it sees fit
+# (-ffp-contract=fast fused other products in the two kernels on an AVX2 CPU): its products
+# are fused where the source says so (vectors.h fmadd), so its shared per-block functions
+# compile the same wherever they are inlined. The layer ops keep IEEE rounding (-std=c11
+# contracts nothing) to match torch's.
 EXTRA_FLAGS = {
     "paged_attention": [
-        "-ffp-contract=fast", "-fno-math-errno", "-fno-trapping-math", "-ffinite-math-only",
+        "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-ffinite-math-only",
         "-fno-signed-zeros",
     ]
 }  # fmt: skip

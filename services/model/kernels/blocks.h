@@ -31,7 +31,7 @@ INLINE vb zero_block(void) {
 
 /* s += a * x */
 INLINE void fma_block(vb *s, float a, vb x) {
-    for (int i = 0; i < PER_BLOCK; i++) s->v[i] += a * x.v[i];
+    for (int i = 0; i < PER_BLOCK; i++) s->v[i] = fmadd((vf){0} + a, x.v[i], s->v[i]);
 }
 
 /* a + b - c */

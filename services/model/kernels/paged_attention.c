@@ -82,8 +82,8 @@ INLINE vf dot_pairs(vf acc, vu a, uint32_t b) {
     float odd, even;
     memcpy(&odd, &b_odd, sizeof odd);
     memcpy(&even, &b_even, sizeof even);
-    acc += (vf)(a & high) * odd;
-    return acc + (vf)(a << 16) * even;
+    acc = fmadd((vf)(a & high), (vf){0} + odd, acc);
+    return fmadd((vf)(a << 16), (vf){0} + even, acc);
 #endif
 }
 
@@ -308,7 +308,7 @@ INLINE vf vexp2(vf x, const int degree) {
     const vi n = (vi)t - (vi)magic;
     const vf r = x - (t - magic);
     vf p = (vf){0} + c[degree];
-    for (int k = degree - 1; k >= 0; k--) p = p * r + c[k];
+    for (int k = degree - 1; k >= 0; k--) p = fmadd(p, r, (vf){0} + c[k]);
     return (vf)((vi)p + (n << 23));
 }
 
@@ -399,7 +399,7 @@ INLINE void add_values(rows_t *w, const float *v, int64_t at, int64_t n, const i
         for (int64_t r = 0; r < R; r++) a[r] = rounded(w->acc[r][c] * w->rescale[r]);
         for (int64_t t = 0; t < n; t++) {
             const vf row = load(v, at + t * D + c * LANES, 0);
-            for (int64_t r = 0; r < R; r++) a[r] += w->p[r][t] * row;
+            for (int64_t r = 0; r < R; r++) a[r] = fmadd((vf){0} + w->p[r][t], row, a[r]);
         }
         for (int64_t r = 0; r < R; r++) w->acc[r][c] = a[r];
     }

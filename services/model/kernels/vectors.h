@@ -9,6 +9,10 @@
 #include <stdint.h>
 #include <string.h>
 
+#if defined(__AVX512F__) || defined(__FMA__)
+#include <immintrin.h>
+#endif
+
 #ifdef __AVX512F__
 #define LANES 16 /* floats in a vector register */
 #else
@@ -61,6 +65,21 @@ INLINE void store(void *base, int64_t at, vf x, int bf16) {
     } else {
         memcpy((float *)base + at, &x, sizeof x);
     }
+}
+
+/* a * b + c, rounded once where the CPU has fused multiply-adds (else twice). Kernels built
+ * without contraction (-ffp-contract=off) fuse only here, so a sum rounds alike in every
+ * function it is inlined into (with contraction left to GCC, the decode and the prefill
+ * attention kernels once fused different products on an AVX2 CPU, and a token's attention
+ * took other bits decoded than prefilled). */
+INLINE vf fmadd(vf a, vf b, vf c) {
+#if defined(__AVX512F__)
+    return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__)
+    return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+    return a * b + c;
+#endif
 }
 
 /* where mask (all ones or zeros per lane), b; elsewhere a */
