@@ -97,6 +97,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         choices=["none", "int8"],
         help="int8: the decoder layers' main products in int8 (services/model/quantize.py)",
     )
+    p.add_argument(
+        "--kernels",
+        default="auto",
+        choices=["auto", "c", "torch", "triton"],
+        help="attention and layer kernels: auto (Triton on CUDA, C on CPUs), c, torch, triton",
+    )
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -145,7 +151,7 @@ def _generate(args: argparse.Namespace) -> int:
     from services.engine.params import SamplingParams, ValidationError
     from services.model.loader import load_model
 
-    loaded = load_model(args.model, args.dtype, args.device, args.quantization)
+    loaded = load_model(args.model, args.dtype, args.device, args.quantization, args.kernels)
     tok = loaded.tokenizer
     if args.chat:
         prompt = tok.encode_chat([{"role": "user", "content": args.prompt}])

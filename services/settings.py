@@ -55,6 +55,12 @@ class Settings:
     dtype: str = setting("auto", "compute dtype; auto = bfloat16 where the CPU has bf16 units",
                          WORKER, choices=("auto", "float32", "bfloat16", "float16"))  # fmt: skip
     device: str = setting("auto", "auto, cpu or cuda[:N]", WORKER)
+    kernels: str = setting("auto", "attention and layer kernels: auto (Triton on CUDA, C on "
+                           "CPUs), c, torch, or triton (on a CPU: Triton's interpreter, for "
+                           "tests)", WORKER, choices=("auto", "c", "torch", "triton"))  # fmt: skip
+    cuda_graph_max_batch: int = setting(256, "decode steps of up to this many sequences "
+                                        "replay CUDA graphs captured per batch-size bucket "
+                                        "(CUDA only; 0: off)", WORKER)  # fmt: skip
     quantization: str = setting("none", "int8: the decoder layers' q/k/v, o and gate/up "
                                 "products in int8, weights and activations (CPUs; fast with "
                                 "VNNI or AMX; perplexity +0.3%, docs/benchmarks.md)", WORKER,
@@ -80,7 +86,7 @@ class Settings:
     speculative: str = setting("none", "speculative decoding: ngram (prompt lookup), suffix "
                                "(also over recent outputs), draft:MODEL (a smaller model with "
                                "the same tokenizer: .gguf or Hugging Face directory) or none",
-                               WORKER)  # fmt: skip
+                                        WORKER)  # fmt: skip
     num_speculative_tokens: int = setting(4, "tokens proposed per step, at most", WORKER,
                                           minimum=1)  # fmt: skip
     speculative_max_batch: int = setting(4, "running sequences above which nothing is "
@@ -91,7 +97,7 @@ class Settings:
                                           "wait before a worker exits (for a restart)",
                                           WORKER)  # fmt: skip
     write_back: bool = setting(True, "decode: write finished generations' blocks to the store",
-                               WORKER)  # fmt: skip
+                                        WORKER)  # fmt: skip
     metrics_port: int | None = setting(None, "workers: serve Prometheus /metrics and /health "
                                        "over HTTP on this port (up: worker k on this port + "
                                        "k, prefill workers first)", WORKER)  # fmt: skip

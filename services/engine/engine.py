@@ -44,6 +44,7 @@ from services.engine.seeds import choice_seed
 from services.engine.speculative import SpeculativeConfig, Speculator
 from services.engine.structured import Grammars
 from services.model.batch import ForwardBatch, SeqChunk
+from services.model.gpu.graphs import DecodeGraphs
 from services.model.llama import LlamaModel
 from services.settings import DEFAULTS
 from services.tokenizer.detokenize import IncrementalDetokenizer
@@ -65,6 +66,9 @@ class EngineConfig:
     model_id: str = "model"  # fingerprint of the weights, part of every block hash
     namespace: str | None = None  # the block-hash namespace; None: from the model and layout
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
+    # decode steps of up to this many sequences replay CUDA graphs (Triton kernels on a CUDA
+    # device only, services/model/gpu/graphs.py); 0: never
+    cuda_graph_max_batch: int = DEFAULTS.cuda_graph_max_batch
 
 
 @dataclass
@@ -107,6 +111,10 @@ class Engine:
         )  # fmt: skip
         num_blocks = config.num_blocks or self._blocks_for(config.kv_cache_bytes)
         self.kv = model.new_kv_cache(num_blocks, config.block_size)
+        self.graphs: DecodeGraphs | None = None
+        on_gpu = model.kernels == "triton" and model.device.type == "cuda"
+        if on_gpu and config.cuda_graph_max_batch > 0:
+            self.graphs = DecodeGraphs(model, self.kv, config.cuda_graph_max_batch)
         namespace = config.namespace or self.layout.namespace()
         self.blocks = BlockManager(
             num_blocks, config.block_size, namespace, config.enable_prefix_caching
@@ -247,7 +255,10 @@ class Engine:
             return []
         batch = self._batch(scheduled.chunks)
         t1 = time.perf_counter()
-        logits = self.model.forward(batch, self.kv)
+        if self.graphs is not None and self.graphs.fits(batch):
+            logits = self.graphs.forward(batch)
+        else:
+            logits = self.model.forward(batch, self.kv)
         t2 = time.perf_counter()
         timing = StepTiming(start_ns, time.time_ns(), len(scheduled.chunks), scheduled.num_tokens)
         for chunk in scheduled.chunks:

@@ -27,9 +27,13 @@ from services.engine.seeds import uniforms as numpy_uniforms
 from services.engine.structured import Grammars
 
 
-def uniforms(seeds: Seq[int], positions: Seq[int]) -> torch.Tensor:
-    """One number in [0, 1) per (seed, position), float64 [R] (services/engine/seeds.py)."""
-    return torch.from_numpy(numpy_uniforms(seeds, positions))
+def uniforms(
+    seeds: Seq[int], positions: Seq[int], device: torch.device | None = None
+) -> torch.Tensor:
+    """One number in [0, 1) per (seed, position), float64 [R] (services/engine/seeds.py),
+    computed on the host (the same numbers on every device), on `device`."""
+    u = torch.from_numpy(numpy_uniforms(seeds, positions))
+    return u if device is None else u.to(device)
 
 
 @dataclass(frozen=True)
@@ -54,18 +58,31 @@ class Sampler:
         ahead = ahead or [()] * len(seqs)
         params = [s.params for s in seqs]
         logprobs = self._logprobs(logits, params)
+        token_list = self.choose(logits, seqs, ahead).tolist()  # the step's one wait on a GPU
+        return SampleResult(token_list, _pick_logprobs(logprobs, token_list, params))
+
+    def choose(
+        self, logits: torch.Tensor, seqs: Seq[Sequence], ahead: Seq[Seq[int]]
+    ) -> torch.Tensor:
+        """The rows' tokens, [R] int64 on the logits' device: every tensor on it (the
+        penalties, biases, masks, temperatures and uniforms are moved there first)."""
+        params = [s.params for s in seqs]
         x = self._process(logits, seqs, params, ahead)
-        tokens = torch.empty(len(seqs), dtype=torch.int64)
+        device = x.device
+        tokens = torch.empty(len(seqs), dtype=torch.int64, device=device)
         greedy = [i for i, p in enumerate(params) if p.greedy]
         drawn = [i for i, p in enumerate(params) if not p.greedy]
+        if len(greedy) == len(seqs):
+            return x.argmax(dim=-1)
         if greedy:
-            tokens[greedy] = x[greedy].argmax(dim=-1)
+            g = _index(greedy, device)
+            tokens[g] = x[g].argmax(dim=-1)
         if drawn:
             positions = [seqs[i].num_tokens + len(ahead[i]) for i in drawn]
-            u = uniforms([seqs[i].seed for i in drawn], positions)
-            tokens[drawn] = sample_rows(x[drawn], [params[i] for i in drawn], u)
-        token_list = tokens.tolist()
-        return SampleResult(token_list, _pick_logprobs(logprobs, token_list, params))
+            u = uniforms([seqs[i].seed for i in drawn], positions, device)
+            d = _index(drawn, device)
+            tokens[d] = sample_rows(x[d], [params[i] for i in drawn], u)
+        return tokens
 
     def distributions(
         self, logits: torch.Tensor, seqs: Seq[Sequence], ahead: Seq[Seq[int]]
@@ -95,22 +112,23 @@ class Sampler:
         if penalised or biased or masked or constrained:
             x = logits.clone()
         if penalised:
-            x[penalised] = apply_penalties(
-                x[penalised], [seqs[i] for i in penalised], [ahead[i] for i in penalised]
+            chosen = _index(penalised, x.device)
+            x[chosen] = apply_penalties(
+                x[chosen], [seqs[i] for i in penalised], [ahead[i] for i in penalised]
             )
         if biased:  # one scatter for every (row, token, bias) of the batch
             pairs = [(i, t, b) for i in biased for t, b in params[i].logit_bias.items()]
             rows, cols, values = zip(*pairs, strict=True)
             x.index_put_(
-                (torch.tensor(rows), torch.tensor(cols)),
-                torch.tensor(values, dtype=x.dtype),
+                (_index(rows, x.device), _index(cols, x.device)),
+                torch.tensor(values, dtype=x.dtype, device=x.device),
                 accumulate=True,
             )
         if masked:
             cells = [(i, t) for i in masked for t in self._stops_before_min_tokens(params[i])]
             if cells:
                 rows, cols = zip(*cells, strict=True)
-                x[torch.tensor(rows), torch.tensor(cols)] = -float("inf")
+                x[_index(rows, x.device), _index(cols, x.device)] = -float("inf")
         if constrained:  # a sequence's first row; its rows with tokens ahead follow it
             assert self.grammars is not None, "a sequence has a grammar, the sampler none"
             drafts = [_draft_after(seqs, ahead, i) for i in constrained]
@@ -134,6 +152,10 @@ class Sampler:
         return rows, logp, top_vals, top_ids
 
 
+def _index(values: Seq[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64, device=device)
+
+
 def _draft_after(seqs: Seq[Sequence], ahead: Seq[Seq[int]], i: int) -> Seq[int]:
     """The tokens ahead of the last of the rows following row i for the same sequence (the
     whole draft being verified; empty when row i stands alone)."""
@@ -152,7 +174,8 @@ def _pick_logprobs(
     if lp is None:
         return out
     rows, logp, top_vals, top_ids = lp
-    chosen = logp[torch.arange(len(rows)), torch.tensor([tokens[i] for i in rows])].tolist()
+    picked = _index([tokens[i] for i in rows], logp.device)
+    chosen = logp[torch.arange(len(rows), device=logp.device), picked].tolist()
     vals, ids = top_vals.tolist(), top_ids.tolist()
     for j, i in enumerate(rows):
         k = params[i].logprobs or 0
@@ -170,8 +193,8 @@ def score_tokens(logits: torch.Tensor, targets: Seq[int], k: int) -> list[TokenL
     """Each target token's log-probability under its row of logits [R, vocab], with its rank
     and the k most likely tokens (scoring a prompt)."""
     logp = torch.log_softmax(logits.float(), dim=-1)
-    t = torch.tensor(list(targets), dtype=torch.int64)
-    chosen = logp[torch.arange(len(t)), t]
+    t = _index(list(targets), logp.device)
+    chosen = logp[torch.arange(len(t), device=logp.device), t]
     ranks = ((logp > chosen[:, None]).sum(dim=-1) + 1).tolist()
     vals, ids = top_k(logp, k)
     return [
@@ -189,22 +212,27 @@ def apply_penalties(
     prompt and output), for rows x[i] of seqs[i] followed by ahead[i]. x: [R, vocab]."""
     vocab = x.shape[1]
     ahead = ahead or [()] * len(seqs)
-    out_counts = _counts([[*s.output_ids, *a] for s, a in zip(seqs, ahead, strict=True)], vocab)
-    seen = _counts([[*s.token_ids, *a] for s, a in zip(seqs, ahead, strict=True)], vocab) > 0
-    presence = torch.tensor([s.params.presence_penalty for s in seqs])[:, None]
-    frequency = torch.tensor([s.params.frequency_penalty for s in seqs])[:, None]
-    repetition = torch.tensor([s.params.repetition_penalty for s in seqs])[:, None]
+    outputs = [[*s.output_ids, *a] for s, a in zip(seqs, ahead, strict=True)]
+    out_counts = _counts(outputs, vocab, x.device)
+    seen = _counts([[*s.token_ids, *a] for s, a in zip(seqs, ahead, strict=True)], vocab, x.device)
+    seen = seen > 0
+
+    def column(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, device=x.device)[:, None]
+
+    presence = column([s.params.presence_penalty for s in seqs])
+    frequency = column([s.params.frequency_penalty for s in seqs])
+    repetition = column([s.params.repetition_penalty for s in seqs])
     x = torch.where(seen, torch.where(x > 0, x / repetition, x * repetition), x)
     return x - frequency * out_counts - presence * (out_counts > 0)
 
 
-def _counts(rows: Seq[Seq[int]], vocab: int) -> torch.Tensor:
-    """[R, vocab] occurrence counts of each row's token ids."""
+def _counts(rows: Seq[Seq[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """[R, vocab] occurrence counts of each row's token ids (built on the host, one copy)."""
     width = max((len(r) for r in rows), default=0)
-    ids = torch.full((len(rows), max(width, 1)), vocab, dtype=torch.int64)  # vocab = padding
-    for i, r in enumerate(rows):
-        ids[i, : len(r)] = torch.tensor(r, dtype=torch.int64)
-    counts = torch.zeros(len(rows), vocab + 1)
+    padded = [[*r, *[vocab] * (max(width, 1) - len(r))] for r in rows]  # vocab = padding
+    ids = torch.tensor(padded, dtype=torch.int64).to(device)
+    counts = torch.zeros(len(rows), vocab + 1, device=device)
     counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=counts.dtype))
     return counts[:, :vocab]
 
@@ -239,7 +267,7 @@ def _final_probs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Temperature, top-k, top-p and min-p: float64 weights per row (not normalised), sorted
     descending when top-p needed it (then with the order: sorted position -> token)."""
-    temps = torch.tensor([p.temperature for p in params], dtype=x.dtype)[:, None]
+    temps = torch.tensor([p.temperature for p in params], dtype=x.dtype, device=x.device)[:, None]
     x = x / temps
     top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
     top_p = [p.top_p for p in params]
@@ -253,7 +281,8 @@ def _final_probs(
     if order is not None:
         probs = _top_p(probs, top_p)
     if any(min_p):
-        threshold = probs.max(dim=-1, keepdim=True).values * torch.tensor(min_p)[:, None]
+        floor = torch.tensor(min_p, dtype=probs.dtype, device=probs.device)[:, None]
+        threshold = probs.max(dim=-1, keepdim=True).values * floor
         probs = probs.masked_fill(probs < threshold, 0.0)
     return probs, order
 
@@ -261,14 +290,14 @@ def _final_probs(
 def _top_k(x: torch.Tensor, ks: list[int], is_sorted: bool) -> torch.Tensor:
     kmax = max(ks)
     kth = x[:, :kmax] if is_sorted else x.topk(kmax, dim=-1).values  # [R, kmax], descending
-    index = torch.tensor([(k or kmax) - 1 for k in ks])[:, None]
+    index = torch.tensor([(k or kmax) - 1 for k in ks], device=x.device)[:, None]
     cutoff = kth.gather(1, index)
-    keep_all = torch.tensor([k == 0 for k in ks])[:, None]
+    keep_all = torch.tensor([k == 0 for k in ks], device=x.device)[:, None]
     return x.masked_fill(~keep_all & (x < cutoff), -float("inf"))
 
 
 def _top_p(sorted_probs: torch.Tensor, ps: list[float]) -> torch.Tensor:
     """Keep the smallest prefix (of probabilities sorted descending) holding mass >= p."""
     before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of the tokens ranked above
-    p = torch.tensor(ps, dtype=sorted_probs.dtype)[:, None]
+    p = torch.tensor(ps, dtype=sorted_probs.dtype, device=sorted_probs.device)[:, None]
     return sorted_probs.masked_fill(before >= p, 0.0)

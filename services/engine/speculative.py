@@ -179,7 +179,7 @@ def keep_drawn(
         residual = (p[j] - q[j]).clamp_(min=0.0)
         if float(residual.sum()) <= 0.0:  # p == q up to rounding: nothing left, draw from p
             residual = p[j]
-        u = uniforms([choice_seed(seq.seed, RESIDUAL_STREAM)], [positions[j]])
+        u = uniforms([choice_seed(seq.seed, RESIDUAL_STREAM)], [positions[j]], p.device)
         return [*draft[:j], int(draw(residual[None], u)[0])]
     return [*draft, bonus]
 

@@ -107,9 +107,11 @@ def apply_mask(
     """x[rows[i], t] = -inf where bits[i] clears token t, and past `vocab` (padded embedding
     rows no token maps to). x: [R, V >= vocab] float32; bits: [len(rows), words] int32."""
     if x.shape[1] > vocab:
-        x[rows, vocab:] = -float("inf")
-    library = kernels.load("token_mask") if use_kernel else None
+        x[rows.to(x.device), vocab:] = -float("inf")
+    on_cpu = x.device.type == "cpu"
+    library = kernels.load("token_mask") if use_kernel and on_cpu else None
     if library is None or x.dtype != torch.float32 or x.stride(1) != 1:
+        rows, bits = rows.to(x.device), bits.to(x.device)  # the masks are made on the host
         x[rows, :vocab] = x[rows, :vocab].masked_fill(unpack(bits, vocab) == 0, -float("inf"))
         return
     library.apply_token_mask(
@@ -122,5 +124,5 @@ def apply_mask(
 
 def unpack(bits: torch.Tensor, vocab: int) -> torch.Tensor:
     """[R, words] int32 bitmasks as [R, vocab] 0/1 (the reference for kernels/token_mask.c)."""
-    shifts = torch.arange(32, dtype=torch.int32)
+    shifts = torch.arange(32, dtype=torch.int32, device=bits.device)
     return ((bits[:, :, None] >> shifts) & 1).reshape(bits.shape[0], -1)[:, :vocab]

@@ -29,7 +29,8 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from services.model import kernels, kv_cache
+from services.model import kernels as libraries
+from services.model import kv_cache
 from services.model.batch import ForwardBatch, SeqSpan
 
 
@@ -128,7 +129,7 @@ class CpuAttention:
 
     def __init__(self, library: ctypes.CDLL) -> None:
         # bfloat16 products on AMX tiles where they run (both kernels alike: same bits)
-        usable = kernels.amx_usable(library._name, "paged_attention_amx")
+        usable = libraries.amx_usable(library._name, "paged_attention_amx")
         self.amx = bool(library.paged_attention_use_amx(int(usable)))
         self.kernel = _bind(library.paged_decode_attention, arrays=4)
         self.prefill_kernel = _bind(library.paged_prefill_attention, arrays=5)
@@ -269,23 +270,51 @@ KERNEL_MAX_DIM = 256  # head dims it takes: multiples of its vector width, up to
 KERNEL_MAX_GROUP = 16  # query heads sharing one KV head
 
 
+KERNELS = ("auto", "c", "torch", "triton")
+
+
+def resolve_kernels(name: str, device: torch.device) -> str:
+    """Which kernels `--kernels NAME` means on `device`: auto is Triton on CUDA devices, the
+    C kernels on CPUs (each falling back to torch for shapes it does not take), torch
+    elsewhere (e.g. the `meta` device)."""
+    if name not in KERNELS:
+        raise ValueError(f"unknown kernels {name!r} (choose {', '.join(KERNELS)})")
+    if name == "auto":
+        return {"cuda": "triton", "cpu": "c"}.get(device.type, "torch")
+    if name == "c" and device.type != "cpu":
+        raise ValueError(f"--kernels c runs on CPUs, not {device}")
+    if name == "triton":
+        from services.model import gpu
+
+        if not gpu.available():
+            raise ValueError("--kernels triton: triton is not installed here (pip install triton)")
+    return name
+
+
 def default_attention(
     device: torch.device,
     dtype: torch.dtype,
     head_dim: int,
     group: int,
     block_size: int = KERNEL_BLOCK_SIZE,
+    kernels: str = "auto",
 ) -> Attention:
-    """The C kernels on CPUs where they build, for float32 and bfloat16 caches and the
-    shapes they take (`group`: query heads per KV head); the torch path otherwise."""
+    """`kernels` (resolve_kernels): Triton's, torch's, or the C kernels on CPUs where they
+    build, for float32 and bfloat16 caches and the shapes they take (`group`: query heads per
+    KV head), else torch's."""
+    chosen = resolve_kernels(kernels, device)
+    if chosen == "triton":
+        from services.model.gpu.attention import TritonAttention
+
+        return TritonAttention()
     supported = (
         dtype in (torch.float32, torch.bfloat16)
         and block_size == KERNEL_BLOCK_SIZE
         and head_dim <= KERNEL_MAX_DIM
         and group <= KERNEL_MAX_GROUP
     )
-    if device.type == "cpu" and supported:
-        library = kernels.load("paged_attention")
+    if chosen == "c" and supported:
+        library = libraries.load("paged_attention")
         if library is not None and head_dim % library.paged_attention_lanes() == 0:
             return CpuAttention(library)
     return TorchAttention()

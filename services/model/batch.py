@@ -53,6 +53,13 @@ class ForwardBatch:
     seqs: tuple[SeqSpan, ...]
     logits_rows: torch.Tensor  # [L] int64: rows whose logits the pass returns, in order
     block_size: int
+    # the same spans as tensors, one row per sequence, for kernels that take them whole
+    block_tables: torch.Tensor  # [S, max blocks] int64, padded with block 0
+    seq_rows: torch.Tensor  # [S] int64: first row of each sequence
+    query_lens: torch.Tensor  # [S] int64
+    context_lens: torch.Tensor  # [S] int64
+    max_query_len: int
+    max_context_len: int
 
     @property
     def num_tokens(self) -> int:
@@ -65,8 +72,9 @@ class ForwardBatch:
         tokens: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        spans: list[SeqSpan] = []
+        tables: list[list[int]] = []
         logits_rows: list[int] = []
+        rows: list[int] = []
         for c in chunks:
             n = len(c.token_ids)
             if n == 0:
@@ -75,18 +83,36 @@ class ForwardBatch:
             if len(c.block_table) < needed:
                 raise ValueError(f"block table of {len(c.block_table)} blocks, need {needed}")
             row = len(tokens)
+            rows.append(row)
             tokens.extend(c.token_ids)
             span = range(c.start, c.context_len)
             positions.extend(span)
             slots.extend(c.block_table[p // block_size] * block_size + p % block_size for p in span)
-            table = torch.tensor(list(c.block_table[:needed]), dtype=torch.int64, device=device)
-            spans.append(SeqSpan(row, n, c.context_len, table))
+            tables.append(list(c.block_table[:needed]))
             if c.all_logits:
                 logits_rows.extend(range(row, row + n))
             elif c.want_logits:
                 logits_rows.append(row + n - 1)
-
-        def t(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=device)
-
-        return cls(t(tokens), t(positions), t(slots), tuple(spans), t(logits_rows), block_size)
+        width = max((len(t) for t in tables), default=0)
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        qlens = [len(c.token_ids) for c in chunks]
+        lens = [c.context_len for c in chunks]
+        # one host buffer, one copy to the device (pinned, asynchronous, on a GPU)
+        flat = [*tokens, *positions, *slots, *logits_rows, *rows, *qlens, *lens]
+        staged = torch.tensor(flat + [x for t in padded for x in t], dtype=torch.int64)
+        if device is not None and torch.device(device).type == "cuda":
+            staged = staged.pin_memory().to(device, non_blocking=True)
+        elif device is not None:
+            staged = staged.to(device)
+        parts = staged.split([len(tokens), len(positions), len(slots), len(logits_rows),
+                              len(rows), len(qlens), len(lens), len(padded) * width])  # fmt: skip
+        token_t, position_t, slot_t, logits_t, row_t, qlen_t, len_t, table_t = parts
+        table_t = table_t.view(len(padded), width)
+        spans = tuple(
+            SeqSpan(row, n, length, table_t[i, : len(t)])
+            for i, (row, n, length, t) in enumerate(zip(rows, qlens, lens, tables, strict=True))
+        )
+        return cls(
+            token_t, position_t, slot_t, spans, logits_t, block_size, table_t, row_t, qlen_t,
+            len_t, max(qlens, default=0), max(lens, default=0),
+        )  # fmt: skip

@@ -142,22 +142,34 @@ def _contiguous(x: torch.Tensor) -> torch.Tensor:
 
 
 def default_layer_ops(
-    config: ModelConfig, rotary: Rotary, device: torch.device, dtype: torch.dtype
+    config: ModelConfig,
+    rotary: Rotary,
+    device: torch.device,
+    dtype: torch.dtype,
+    kernels: str = "auto",
 ) -> LayerOps:
-    """The C kernels on CPUs where they build, for the rows they take, in float32, and in
-    bfloat16 where the CPU has AVX-512 (without it, packing floats back into bfloat16 takes
-    GCC several instructions a vector: the kernels ran at 0.6x torch's speed); the torch
-    reference otherwise."""
+    """`kernels` (attention.resolve_kernels): Triton's, torch's (the reference), or the C
+    kernels on CPUs where they build, for the rows they take, in float32, and in bfloat16 where
+    the CPU has AVX-512 (without it, packing floats back into bfloat16 takes GCC several
+    instructions a vector: the kernels ran at 0.6x torch's speed); the torch reference
+    otherwise."""
+    from services.model.attention import resolve_kernels
+
+    chosen = resolve_kernels(kernels, device)
+    if chosen == "triton":
+        from services.model.gpu.layer_ops import TritonLayerOps
+
+        return TritonLayerOps(config, rotary)
     supported = (
         dtype in (torch.float32, torch.bfloat16)
         and config.hidden_size % KERNEL_LANES == 0
         and config.intermediate_size % KERNEL_LANES == 0
         and config.head_dim % (2 * KERNEL_LANES) == 0
     )
-    if device.type == "cpu" and supported:
-        from services.model import kernels
+    if chosen == "c" and supported:
+        from services.model import kernels as libraries
 
-        library = kernels.load("layer_ops")
+        library = libraries.load("layer_ops")
         wide = library is not None and library.layer_ops_lanes() >= KERNEL_LANES
         if library is not None and (dtype == torch.float32 or wide):
             return CpuLayerOps(config, rotary, library)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from kvstore.block_hash import BLOCK_SIZE
-from services.model.attention import Attention, default_attention
+from services.model.attention import Attention, default_attention, resolve_kernels
 from services.model.batch import ForwardBatch
 from services.model.config import ModelConfig
 from services.model.kv_cache import KVCache
@@ -55,16 +55,23 @@ class LlamaModel:
         attention: Attention | None = None,
         packed: bool | None = None,
         ops: LayerOps | None = None,
+        kernels: str = "auto",
     ) -> None:
         """`packed`: prepacked weights (default: wherever they work, i.e. CPUs: on AMX tiles for
         bfloat16 where they run, else oneDNN's);
-        `attention`, `ops`: the kernels (default: the fastest the device has)."""
+        `attention`, `ops`: the kernels (default: those `kernels` names, attention.KERNELS:
+        auto is the fastest the device has)."""
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
+        self.kernels = resolve_kernels(kernels, self.device)
         self.quantization = "none"  # quantize.quantize_int8 sets "int8"
         self.attention: Attention = attention or default_attention(
-            self.device, dtype, config.head_dim, config.num_heads // config.num_kv_heads
+            self.device,
+            dtype,
+            config.head_dim,
+            config.num_heads // config.num_kv_heads,
+            kernels=self.kernels,
         )
         if packed is None:
             packed = packed_linear_available(self.device, dtype)
@@ -103,7 +110,7 @@ class LlamaModel:
                 )
             )
         self.ops: LayerOps = ops or default_layer_ops(
-            config, Rotary(config, dtype, self.device), self.device, dtype
+            config, Rotary(config, dtype, self.device), self.device, dtype, self.kernels
         )
 
     def new_kv_cache(self, num_blocks: int, block_size: int = BLOCK_SIZE) -> KVCache:

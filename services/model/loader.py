@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from services.model import hf_config, hf_dir, quantize, sources
+from services.model.attention import resolve_kernels
 from services.model.config import ModelConfig
 from services.model.errors import ModelLoadError
 from services.model.llama import LlamaModel
@@ -60,19 +61,22 @@ def load_model(
     dtype: str = "auto",
     device: str = "auto",
     quantization: str = "none",
+    kernels: str = "auto",
 ) -> LoadedModel:
+    """`kernels`: auto, c, torch or triton (services/model/attention.py resolve_kernels)."""
     if quantization not in quantize.QUANTIZATIONS:  # refused before anything loads
         raise ValueError(
             f"unknown quantization {quantization!r} (choose {', '.join(quantize.QUANTIZATIONS)})"
         )
     dev = resolve_device(device)
+    resolve_kernels(kernels, dev)  # refused before anything loads
     path = sources.resolve(spec)
     if quantization == "int8" and dev.type != "cpu":
         raise ModelLoadError(path, f"--quantization int8 runs on CPUs, not {dev}")
     config = hf_config.read_config(path)
     tokenizer = Tokenizer.from_dir(path)
     weights = hf_dir.read_weights(path, config)
-    model = LlamaModel(config, weights, resolve_dtype(dtype, dev), dev)
+    model = LlamaModel(config, weights, resolve_dtype(dtype, dev), dev, kernels=kernels)
     if quantization == "int8":
         calibration = tokenizer.encode(quantize.calibration_text(), add_special_tokens=False)
         quantize.quantize_int8(model, weights, calibration)

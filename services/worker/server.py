@@ -52,6 +52,8 @@ class WorkerConfig:
     dtype: str = DEFAULTS.dtype
     device: str = DEFAULTS.device
     quantization: str = DEFAULTS.quantization
+    kernels: str = DEFAULTS.kernels
+    cuda_graph_max_batch: int = DEFAULTS.cuda_graph_max_batch
     kv_store: str = DEFAULTS.kv_store
     kv_store_dtype: str = DEFAULTS.kv_store_dtype
     kv_store_max_bytes: int | None = None  # cap of a local:// or memory:// store (LRU)
@@ -86,7 +88,8 @@ def worker_config(s: Settings, role: str) -> WorkerConfig:
         raise SettingsError(str(e)) from e
     return WorkerConfig(
         role=role, host=s.host, port=s.port_for(role), model=s.model, dtype=s.dtype,
-        device=s.device, quantization=s.quantization, kv_store=s.kv_store,
+        device=s.device, quantization=s.quantization, kernels=s.kernels,
+        cuda_graph_max_batch=s.cuda_graph_max_batch, kv_store=s.kv_store,
         kv_store_dtype=s.kv_store_dtype,
         kv_store_max_bytes=int(s.kv_store_max_gb * (1 << 30)), store_timeout=s.store_timeout,
         num_blocks=s.num_blocks, kv_cache_bytes=int(s.kv_cache_gb * (1 << 30)),
@@ -122,7 +125,9 @@ class Worker:
 
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
-        loaded = load_model(config.model, config.dtype, config.device, config.quantization)
+        loaded = load_model(
+            config.model, config.dtype, config.device, config.quantization, config.kernels
+        )
         self.model_name = loaded.config.name
         cache_dtype = loaded.model.dtype
         storage = (
@@ -149,10 +154,13 @@ class Worker:
             model_id=self.layout.model_id,
             namespace=self.namespace,  # block names in the engine = keys in the store
             speculative=config.speculative,
+            cuda_graph_max_batch=config.cuda_graph_max_batch,
         )
         draft = None
         if config.speculative is not None and config.speculative.draft_model is not None:
-            draft = load_model(config.speculative.draft_model, config.dtype, config.device).model
+            draft = load_model(
+                config.speculative.draft_model, config.dtype, config.device, kernels=config.kernels
+            ).model
         self.engine = Engine(loaded.model, loaded.tokenizer, engine_config, draft)
         self.cache_dtype: torch.dtype = cache_dtype
         release_this_threads_team()  # the engine thread computes from here on (openmp.py)

@@ -1,0 +1,68 @@
+"""The whole engine with `--kernels triton` (Triton's attention and layer ops; on this CPU in
+Triton's interpreter) on a small random Llama made here: the same greedy tokens as the
+default kernels, and the same seeded sampled tokens, in every dtype `--dtype auto` may pick
+on this CPU; the pool is empty afterwards."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import transformers
+
+from services.engine.engine import Engine, EngineConfig
+from services.engine.params import SamplingParams
+from services.model.gpu.attention import TritonAttention
+from services.model.gpu.layer_ops import TritonLayerOps
+from services.model.loader import load_model
+from tests.support.dtypes import COMPUTE_DTYPES
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, embedded_dir):
+    """2 layers, GQA (6 query heads on 2 KV heads, head dim 32), a 64-token vocabulary
+    (the embedded tokenizer's first 64 ids), its head scaled so distributions are peaked."""
+    torch.manual_seed(1)
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=192, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=512,
+        tie_word_embeddings=False, eos_token_id=2, architectures=["LlamaForCausalLM"],
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(10)
+    path = tmp_path_factory.mktemp("tiny")
+    model.save_pretrained(path)
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(embedded_dir / f, path / f)
+    return path
+
+
+# prompts across block edges (16 tokens a block), one sharing another's first block
+PROMPTS = [[5 + (i * 7 + j * 3) % 50 for j in range(9 + 5 * i)] for i in range(4)]
+PROMPTS.append([*PROMPTS[3][:16], 40, 41])
+
+
+@pytest.mark.parametrize("dtype", COMPUTE_DTYPES)
+def test_triton_kernels_give_the_default_kernels_tokens(model_dir, dtype):
+    outputs = {}
+    for kernels in ("auto", "triton"):
+        loaded = load_model(str(model_dir), dtype=dtype, device="cpu", kernels=kernels)
+        if kernels == "triton":
+            assert isinstance(loaded.model.attention, TritonAttention)
+            assert isinstance(loaded.model.ops, TritonLayerOps)
+        # a small budget: prompts are chunked, decodes batched with chunks
+        config = EngineConfig(num_blocks=40, max_num_batched_tokens=24, prefill_chunk_size=16)
+        engine = Engine(loaded.model, loaded.tokenizer, config)
+        greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+        seeded = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=7, n=2,
+                                ignore_eos=True)  # fmt: skip
+        outputs[kernels] = [
+            [c.token_ids for c in out.choices]
+            for out in engine.generate([*PROMPTS, *PROMPTS[:2]], [greedy] * 5 + [seeded] * 2)
+        ]
+        engine.check()
+        assert engine.blocks.referenced_blocks() == 0
+    assert outputs["triton"] == outputs["auto"]
+    assert len({tuple(c) for out in outputs["auto"] for c in out}) > 4  # not one repeated token
