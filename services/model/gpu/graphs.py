@@ -67,34 +67,13 @@ class DecodeGraphs:
         n = len(batch.seqs)
         size = next(s for s in self.sizes if s >= n)
         g = self.graphs.get(size) or self._capture(size)
-        s = g.batch
-        s.token_ids[:n].copy_(batch.token_ids)
-        s.positions[:n].copy_(batch.positions)
-        s.slot_mapping[:n].copy_(batch.slot_mapping)
-        s.slot_mapping[n:].fill_(-1)
-        s.context_lens[:n].copy_(batch.context_lens)
-        s.context_lens[n:].zero_()
-        s.block_tables[:n, : batch.block_tables.shape[1]].copy_(batch.block_tables)
+        fill(g.batch, batch)
         g.graph.replay()
         self.replays += 1
         return g.logits[:n]
 
     def _capture(self, size: int) -> _Graph:
-        device = self.model.device
-
-        def zeros(*shape: int) -> torch.Tensor:
-            return torch.zeros(*shape, dtype=torch.int64, device=device)
-
-        rows = torch.arange(size, dtype=torch.int64, device=device)
-        static = ForwardBatch(
-            token_ids=zeros(size), positions=zeros(size),
-            slot_mapping=torch.full((size,), -1, dtype=torch.int64, device=device),
-            seqs=(), logits_rows=rows, block_size=self.kv.block_size,
-            block_tables=zeros(size, self.max_blocks), seq_rows=rows,
-            query_lens=torch.ones(size, dtype=torch.int64, device=device),
-            context_lens=zeros(size), max_query_len=1,
-            max_context_len=self.max_blocks * self.kv.block_size,
-        )  # fmt: skip
+        static = static_batch(size, self.max_blocks, self.kv.block_size, self.model.device)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # compiles the kernels, warms the allocator
@@ -106,3 +85,33 @@ class DecodeGraphs:
             logits = self.model.forward(static, self.kv)
         self.graphs[size] = _Graph(graph, static, logits)
         return self.graphs[size]
+
+
+def static_batch(size: int, max_blocks: int, block_size: int, device: torch.device) -> ForwardBatch:
+    """A graph's inputs: `size` decode rows, all padding (slot -1, context 0) until filled;
+    the decode kernel's splits cover `max_blocks` blocks."""
+
+    def zeros(*shape: int) -> torch.Tensor:
+        return torch.zeros(*shape, dtype=torch.int64, device=device)
+
+    rows = torch.arange(size, dtype=torch.int64, device=device)
+    return ForwardBatch(
+        token_ids=zeros(size), positions=zeros(size),
+        slot_mapping=torch.full((size,), -1, dtype=torch.int64, device=device),
+        seqs=(), logits_rows=rows, block_size=block_size,
+        block_tables=zeros(size, max_blocks), seq_rows=rows,
+        query_lens=torch.ones(size, dtype=torch.int64, device=device),
+        context_lens=zeros(size), max_query_len=1, max_context_len=max_blocks * block_size,
+    )  # fmt: skip
+
+
+def fill(static: ForwardBatch, batch: ForwardBatch) -> None:
+    """Copy a decode-only batch into the first rows of a static one; the rest is padding."""
+    n = len(batch.seqs)
+    static.token_ids[:n].copy_(batch.token_ids)
+    static.positions[:n].copy_(batch.positions)
+    static.slot_mapping[:n].copy_(batch.slot_mapping)
+    static.slot_mapping[n:].fill_(-1)
+    static.context_lens[:n].copy_(batch.context_lens)
+    static.context_lens[n:].zero_()
+    static.block_tables[:n, : batch.block_tables.shape[1]].copy_(batch.block_tables)

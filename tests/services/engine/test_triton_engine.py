@@ -13,7 +13,9 @@ import transformers
 
 from services.engine.engine import Engine, EngineConfig
 from services.engine.params import SamplingParams
+from services.model.batch import ForwardBatch, SeqChunk
 from services.model.gpu.attention import TritonAttention
+from services.model.gpu.graphs import fill, static_batch
 from services.model.gpu.layer_ops import TritonLayerOps
 from services.model.loader import load_model
 from tests.support.dtypes import COMPUTE_DTYPES
@@ -66,3 +68,27 @@ def test_triton_kernels_give_the_default_kernels_tokens(model_dir, dtype):
         assert engine.blocks.referenced_blocks() == 0
     assert outputs["triton"] == outputs["auto"]
     assert len({tuple(c) for out in outputs["auto"] for c in out}) > 4  # not one repeated token
+
+
+def test_a_cuda_graphs_padded_inputs_give_the_eager_steps_logits(model_dir):
+    """What a CUDA graph replays (graphs.py), run eagerly here: a decode step copied into the
+    first rows of a larger static batch (padding: slot -1, context 0) gives the step's own
+    logits, and its padding writes no KV."""
+    loaded = load_model(str(model_dir), dtype="float32", device="cpu", kernels="triton")
+    model = loaded.model
+    kv = model.new_kv_cache(12)
+    prompts = [SeqChunk(PROMPTS[1], 0, [3, 7]), SeqChunk(PROMPTS[2], 0, [1, 9])]
+    model.forward(ForwardBatch.build(prompts, 16), kv)
+    step = ForwardBatch.build([SeqChunk([9], len(PROMPTS[1]), [3, 7]),
+                               SeqChunk([4], len(PROMPTS[2]), [1, 9])], 16)  # fmt: skip
+    before = kv.k.clone(), kv.v.clone()
+    eager = model.forward(step, kv)
+    after = kv.k.clone(), kv.v.clone()
+    kv.k.copy_(before[0])
+    kv.v.copy_(before[1])
+    static = static_batch(4, max_blocks=4, block_size=16, device=torch.device("cpu"))
+    fill(static, step)
+    replayed = model.forward(static, kv)
+    assert replayed.shape == (4, 64)
+    assert (replayed[:2] - eager).abs().max().item() < 1e-5
+    assert torch.equal(kv.k, after[0]) and torch.equal(kv.v, after[1])
