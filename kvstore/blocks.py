@@ -97,13 +97,36 @@ class PagedKV(Protocol):
 
 @dataclass(frozen=True)
 class StoredBlocks:
-    """Checked store values as a KVSource: decoded straight into cache blocks, no staging."""
+    """Checked store values as a KVSource: decoded straight into a CPU pool's blocks, no
+    staging; for a GPU pool, staged in one host buffer and copied once (write_staged)."""
 
     codec: BlockCodec
     values: list[bytes]
 
     def write(self, cache: PagedKV, items: list[tuple[int, int]]) -> None:
+        if cache.k_plain.device.type != "cpu":  # a GPU's pool: one copy for all the blocks
+            self.write_staged(cache, items)
+            return
         for i, block_id in items:
             self.codec.decode_into(
                 self.values[i], cache.k_plain[:, block_id], cache.v_plain[:, block_id]
             )
+
+    def write_staged(self, cache: PagedKV, items: list[tuple[int, int]]) -> None:
+        """The same, decoded into one host buffer (pinned for a CUDA pool), then copied to the
+        pool's device once for K and once for V and scattered there into the blocks."""
+        if not items:
+            return
+        k_pool, v_pool = cache.k_plain, cache.v_plain
+        pinned = k_pool.device.type == "cuda"
+
+        def staging(pool: torch.Tensor) -> torch.Tensor:
+            shape = (len(items), *pool[:, 0].shape)  # [n, layers, ...one block]
+            return torch.empty(shape, dtype=pool.dtype, pin_memory=pinned)
+
+        k, v = staging(k_pool), staging(v_pool)
+        for j, (i, _) in enumerate(items):
+            self.codec.decode_into(self.values[i], k[j], v[j])
+        index = torch.tensor([b for _, b in items], dtype=torch.int64).to(k_pool.device)
+        k_pool.index_copy_(1, index, k.to(k_pool.device, non_blocking=pinned).transpose(0, 1))
+        v_pool.index_copy_(1, index, v.to(v_pool.device, non_blocking=pinned).transpose(0, 1))

@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvstore.block_hash import KVLayout
+from kvstore.blocks import StoredBlocks
 from kvstore.codec import (
     FLAG_MAC,
     FORMAT,
@@ -19,6 +20,8 @@ from kvstore.codec import (
     StorageDtype,
     mac,
 )
+from services.model.config import ModelConfig
+from services.model.kv_cache import KVCache
 
 LAYOUT = KVLayout("model-a", "bfloat16", 16, 4, 3, 64)  # small: 4 layers
 N = 5
@@ -273,3 +276,24 @@ def test_fuzzed_keyed_values_only_ever_raise_codec_error(cut, flips, fix_checksu
     except CodecError:
         return
     assert bytes(value) == KEYED_VALUE  # anything accepted is the original value
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])
+def test_stored_blocks_staged_for_a_device_write_the_bytes_written_block_by_block(cache_dtype):
+    """A GPU pool takes imported blocks through one host buffer and one copy (write_staged);
+    run here on CPU pools: the same bytes as decoding each block in place, both layouts."""
+    config = ModelConfig(
+        architecture="LlamaForCausalLM", vocab_size=100, hidden_size=192, intermediate_size=160,
+        num_layers=4, num_heads=3, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5,
+        rope_theta=10000.0, max_position_embeddings=4096, tie_word_embeddings=True,
+        attention_bias=False,
+    )  # fmt: skip
+    codec = BlockCodec(LAYOUT, StorageDtype.BFLOAT16)
+    k, v = blocks(torch.bfloat16)
+    source = StoredBlocks(codec, [bytes(x) for x in codec.encode_many(k, v, HASHES, [16] * N)])
+    items = [(0, 6), (3, 1), (4, 9), (1, 2)]
+    caches = [KVCache(config, 10, 16, cache_dtype) for _ in range(2)]
+    source.write(caches[0], items)
+    source.write_staged(caches[1], items)
+    assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
+    assert caches[1].k[:, 6].abs().sum() > 0 and caches[1].k[:, 0].abs().sum() == 0
