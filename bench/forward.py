@@ -128,8 +128,12 @@ def bench_dtype(dtype: str, args: argparse.Namespace) -> list[Row]:
     for b in args.batches:
         ids = prompts(b, args.context, seed=b)
         ours_s = min(ours_decode_seconds(loaded.model, ids, args.steps) for _ in range(2))
-        first = best_of(1, hf_generate(hf, ids, 1))
-        full = best_of(1, hf_generate(hf, ids, args.steps + 1))
+        first, full = 0.0, 0.0
+        for _ in range(5):  # on a noisy machine a few steps can time under the prefill alone
+            first = best_of(1, hf_generate(hf, ids, 1))
+            full = best_of(1, hf_generate(hf, ids, args.steps + 1))
+            if full > first:
+                break
         rows.append(
             Row(dtype, f"decode b={b}", b * args.steps / ours_s, b * args.steps / (full - first))
         )

@@ -189,7 +189,8 @@ def add_arguments(parser: argparse.ArgumentParser, role: str | None) -> None:
     for f in _fields():
         if role is not None and role not in f.metadata["roles"]:
             continue
-        kind, help = _kind(f.name), f"{f.metadata['help']} [{env_name(f.name)}]"
+        text = f.metadata["help"].replace("%", "%%")  # argparse formats help with %
+        kind, help = _kind(f.name), f"{text} [{env_name(f.name)}]"
         common: dict[str, Any] = {"default": argparse.SUPPRESS, "help": help, "dest": f.name}
         if kind is bool:
             parser.add_argument(flag_name(f.name), action=argparse.BooleanOptionalAction, **common)

@@ -95,3 +95,13 @@ def test_generate_refuses_a_prompt_past_the_context_window():
         "pdserve: error: prompt (1 tokens) plus max_tokens (9000) exceeds the context window "
         "of 8192 tokens"
     )
+
+
+def test_every_role_answers_help():
+    """Each role's flags print (a setting's help with a % once broke argparse's formatting)."""
+    for role in ("up", "router", "prefill", "decode"):
+        done = _run(role, "--help")
+        assert done.returncode == 0, done.stderr
+        assert "--model" in done.stdout
+    up = _run("up", "--help").stdout
+    assert "perplexity +0.3%" in up and "--kernels" in up and "--cuda-graph-max-batch" in up

@@ -85,6 +85,11 @@ def test_a_row_does_not_depend_on_the_other_rows(out_f, in_f, dtype, kind):
         assert torch.equal(linear(x[:m]), every[:m]), f"{m} rows"
 
 
+@pytest.mark.skipif(
+    not packed_linear_available(torch.device("cpu"), torch.bfloat16),
+    reason="oneDNN packs no bfloat16 weights on this CPU (it needs avx512bw/vl/dq or "
+    "avx_ne_convert): bfloat16 products stay plain matmuls here",
+)
 def test_amx_products_are_chosen_per_weight_where_the_tiles_run(monkeypatch):
     """bfloat16 weights that fit the tiles take them where a probe ran one (and PDSERVE_AMX is
     not 0); float32, and shapes off the tiles' grid, stay on oneDNN; a plain matmul when not

@@ -1,0 +1,38 @@
+"""The prepared GPU check runs end to end on the CPU in its dry mode (tiny shapes), so that it
+cannot rot before a GPU machine runs it: every section recorded, float32 greedy tokens equal
+to transformers', the disaggregated stack's text equal to the engine's, its prompt's KV read
+by the decode worker from the local:// store."""
+
+from __future__ import annotations
+
+import json
+
+from bench import gpu_check
+from services.model.loader import cpu_has_bf16_units
+
+
+def test_dry_run_on_the_cpu(tmp_path):
+    assert gpu_check.main(["--out", str(tmp_path), "--device", "cpu", "--dry"]) == 0
+    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    sections = result["sections"]
+    assert set(sections) == set(gpu_check.SECTIONS)
+    assert all(s["status"] in ("pass", "skip") for s in sections.values()), sections
+    kernels = sections["kernel_tests"]["numbers"]
+    assert sections["kernel_tests"]["status"] == "pass" and kernels["passed"] == 2
+    assert sections["parity"]["status"] == "pass"
+    parity = sections["parity"]["numbers"]
+    assert parity["float32"]["identical"] == parity["float32"]["prompts"] == 2
+    if not cpu_has_bf16_units():
+        assert parity["bfloat16"] == {"skip": "no bf16 units"}
+    else:
+        assert parity["bfloat16"]["judged"] is False
+    served = sections["disaggregated"]["numbers"]
+    assert sections["disaggregated"]["status"] == "pass"
+    assert served["served_text"] == served["streamed_text"] == served["engine_text"]
+    assert served["decode_worker"]["block_hits"] > 0
+    assert served["decode_worker"]["recomputed_tokens"] == 0
+    assert served["left_running"] == []
+    assert not list(tmp_path.glob("kv-*"))  # the store's directory removed
+    decode = sections["throughput"]["numbers"]["decode"]
+    assert {r["batch"] for r in decode if r["system"] == "pdserve"} == {1, 4}
+    assert all(r["graph_replays"] is None for r in decode if r["system"] == "pdserve")
