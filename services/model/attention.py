@@ -299,14 +299,10 @@ def default_attention(
     block_size: int = KERNEL_BLOCK_SIZE,
     kernels: str = "auto",
 ) -> Attention:
-    """`kernels` (resolve_kernels): Triton's, torch's, or the C kernels on CPUs where they
-    build, for float32 and bfloat16 caches and the shapes they take (`group`: query heads per
-    KV head), else torch's."""
+    """`kernels` (resolve_kernels): the C kernels on CPUs where they build, for float32 and
+    bfloat16 caches and the shapes they take (`group`: query heads per KV head), else torch's.
+    (Triton's are in services/model/gpu/; LlamaModel takes them for `--kernels triton`.)"""
     chosen = resolve_kernels(kernels, device)
-    if chosen == "triton":
-        from services.model.gpu.attention import TritonAttention
-
-        return TritonAttention()
     supported = (
         dtype in (torch.float32, torch.bfloat16)
         and block_size == KERNEL_BLOCK_SIZE

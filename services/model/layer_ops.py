@@ -148,18 +148,14 @@ def default_layer_ops(
     dtype: torch.dtype,
     kernels: str = "auto",
 ) -> LayerOps:
-    """`kernels` (attention.resolve_kernels): Triton's, torch's (the reference), or the C
-    kernels on CPUs where they build, for the rows they take, in float32, and in bfloat16 where
-    the CPU has AVX-512 (without it, packing floats back into bfloat16 takes GCC several
+    """`kernels` (attention.resolve_kernels): torch's (the reference), or the C kernels on
+    CPUs where they build, for the rows they take, in float32, and in bfloat16 where the CPU
+    has AVX-512 (without it, packing floats back into bfloat16 takes GCC several
     instructions a vector: the kernels ran at 0.6x torch's speed); the torch reference
     otherwise."""
     from services.model.attention import resolve_kernels
 
-    chosen = resolve_kernels(kernels, device)
-    if chosen == "triton":
-        from services.model.gpu.layer_ops import TritonLayerOps
-
-        return TritonLayerOps(config, rotary)
+    chosen = resolve_kernels(kernels, device)  # "triton": LlamaModel takes services/model/gpu's
     supported = (
         dtype in (torch.float32, torch.bfloat16)
         and config.hidden_size % KERNEL_LANES == 0

@@ -66,12 +66,11 @@ class LlamaModel:
         self.device = torch.device(device)
         self.kernels = resolve_kernels(kernels, self.device)
         self.quantization = "none"  # quantize.quantize_int8 sets "int8"
-        self.attention: Attention = attention or default_attention(
-            self.device,
-            dtype,
-            config.head_dim,
-            config.num_heads // config.num_kv_heads,
-            kernels=self.kernels,
+        group = config.num_heads // config.num_kv_heads
+        self.attention: Attention = attention or (
+            _triton_attention()
+            if self.kernels == "triton"
+            else default_attention(self.device, dtype, config.head_dim, group, kernels=self.kernels)
         )
         if packed is None:
             packed = packed_linear_available(self.device, dtype)
@@ -109,8 +108,11 @@ class LlamaModel:
                     down=linear(p + "mlp.down_proj"),
                 )
             )
-        self.ops: LayerOps = ops or default_layer_ops(
-            config, Rotary(config, dtype, self.device), self.device, dtype, self.kernels
+        rotary = Rotary(config, dtype, self.device)
+        self.ops: LayerOps = ops or (
+            _triton_layer_ops(config, rotary)
+            if self.kernels == "triton"
+            else default_layer_ops(config, rotary, self.device, dtype, self.kernels)
         )
 
     def new_kv_cache(self, num_blocks: int, block_size: int = BLOCK_SIZE) -> KVCache:
@@ -149,3 +151,15 @@ class LlamaModel:
         q, k, v = self.ops.rotary(layer.qkv(x), at)
         out = self.attention.forward(q, k, v, k_cache, v_cache, plan)  # [T, heads, D]
         return layer.o(out.reshape(-1, self.config.q_size))
+
+
+def _triton_attention() -> Attention:
+    from services.model.gpu.attention import TritonAttention  # imports triton: only if asked
+
+    return TritonAttention()
+
+
+def _triton_layer_ops(config: ModelConfig, rotary: Rotary) -> LayerOps:
+    from services.model.gpu.layer_ops import TritonLayerOps
+
+    return TritonLayerOps(config, rotary)
