@@ -22,7 +22,8 @@ from services.engine.params import SamplingParams
 from services.launcher import RouterProcess
 from tests.support.cluster import MODEL, addresses, load, metrics, reference, wait_idle
 
-FLAP_SECONDS = float(os.environ.get("PDSERVE_FLAP_TEST_SECONDS", "120"))
+FLAP_SECONDS = float(os.environ.get("PDSERVE_FLAP_TEST_SECONDS", "40"))
+FLAP_HEALTH_INTERVAL = 0.25  # 4 health checks of each worker a second: 160 in 40 s
 
 
 @pytest.fixture
@@ -34,10 +35,10 @@ def fresh_router(pool, tmp_path):
     router.stop()
 
 
-def unhealthy_marks(router: RouterProcess) -> dict[str, float]:
+def unhealthy_marks(router_url: str) -> dict[str, float]:
     return {
         dict(labels)["worker"]: value
-        for (name, labels), value in metrics(router.url).items()
+        for (name, labels), value in metrics(router_url).items()
         if name == "pdserve_worker_unhealthy_total"
     }
 
@@ -82,7 +83,7 @@ def test_200_streams_cancelled_after_their_first_chunk_leave_nothing_behind(
         gauges = metrics(fresh_router.url)
         assert gauges[("pdserve_requests_running", ())] == 0
         assert gauges[("pdserve_requests_waiting", ())] == 0
-    assert not any(unhealthy_marks(fresh_router).values())
+    assert not any(unhealthy_marks(fresh_router.url).values())
 
 
 BAD = [  # (field, value): one out-of-range sampling parameter each
@@ -120,7 +121,7 @@ def test_bad_parameters_are_refused_alone_and_good_requests_answer_exactly(
         else:
             assert status == 200, text
             assert json.loads(text)["choices"][0]["text"] == expected[kind]
-    assert not any(unhealthy_marks(fresh_router).values())
+    assert not any(unhealthy_marks(fresh_router.url).values())
     healthy = {
         dict(labels)["worker"]: value
         for (name, labels), value in metrics(fresh_router.url).items()
@@ -163,11 +164,26 @@ def test_a_client_leaving_mid_prefill_is_gone_from_the_worker_within_2s(pool, fr
     wait_idle([*prefill, *decode], timeout=5)
 
 
-def test_no_unhealthy_flap_under_steady_load(pool, fresh_router):
+def test_no_unhealthy_flap_under_steady_load(pool, tmp_path):
     """Two clients send prefill-heavy requests back to back for PDSERVE_FLAP_TEST_SECONDS
-    (120 by default: some 120 health checks of each worker, under load from the first
-    second); no worker may be marked unhealthy, and every request succeeds."""
-    url = f"{fresh_router.url}/v1/completions"
+    (40 by default) to a router checking each worker's health 4 times a second (some 160
+    checks of each, under load from the first second); no worker may be marked unhealthy,
+    and every request succeeds."""
+    prefill, decode = pool
+    interval = ("--health-interval", str(FLAP_HEALTH_INTERVAL))
+    router = RouterProcess(tmp_path, addresses(prefill), addresses(decode), *interval).start()
+    try:
+        outcomes, marks = steady_load(router.url)
+    finally:
+        router.stop()
+    print(f"{len(outcomes)} requests in {FLAP_SECONDS:.0f}s; unhealthy marks: {marks}")
+    assert len(outcomes) > 4 and [o for o in outcomes if o != "ok"] == []
+    assert not any(marks.values()), marks
+
+
+def steady_load(router_url: str) -> tuple[list[str], dict[str, float]]:
+    """Two clients' requests for FLAP_SECONDS: each one's outcome, then the unhealthy marks."""
+    url = f"{router_url}/v1/completions"
     stop = time.monotonic() + FLAP_SECONDS
     outcomes: list[str] = []  # "ok", or what went wrong
 
@@ -190,7 +206,4 @@ def test_no_unhealthy_flap_under_steady_load(pool, fresh_router):
         t.start()
     for t in threads:
         t.join()
-    marks = unhealthy_marks(fresh_router)
-    print(f"{len(outcomes)} requests in {FLAP_SECONDS:.0f}s; unhealthy marks: {marks}")
-    assert outcomes and [o for o in outcomes if o != "ok"] == []
-    assert not any(marks.values()), marks
+    return outcomes, unhealthy_marks(router_url)

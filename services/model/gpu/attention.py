@@ -153,27 +153,31 @@ def decode(
     _, heads, dim = q.shape
     kv_heads, bs = k_cache.shape[1], v_cache.shape[2]
     group = heads // kv_heads
-    partial = torch.empty(batch, heads, splits, dim, dtype=torch.float32, device=q.device)
-    lse = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
+    direct = splits == 1  # every context in one split: normalised and written to out at once
+    partial = lse = out
+    if not direct:
+        partial = torch.empty(batch, heads, splits, dim, dtype=torch.float32, device=q.device)
+        lse = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
     _decode_split[(batch, kv_heads, splits)](
-        q, k_cache, v_cache, rows, tables, tables.stride(0), lens, partial, lse,
+        q, k_cache, v_cache, rows, tables, tables.stride(0), lens, partial, lse, out,
         *_strides(k_cache, v_cache), dim**-0.5, heads, dim, splits,
         G=group, BLOCK_G=max(triton.next_power_of_2(group), 2), BS=bs,
-        BLOCK_D=triton.next_power_of_2(dim), SPLIT=SPLIT_BLOCKS,
+        BLOCK_D=triton.next_power_of_2(dim), SPLIT=SPLIT_BLOCKS, DIRECT=direct,
     )  # fmt: skip
-    _combine[(batch, heads)](
-        partial, lse, rows, out, heads, dim, splits,
-        BLOCK_S=max(triton.next_power_of_2(splits), 2), BLOCK_D=triton.next_power_of_2(dim),
-    )  # fmt: skip
+    if not direct:
+        _combine[(batch, heads)](
+            partial, lse, rows, out, heads, dim, splits,
+            BLOCK_S=max(triton.next_power_of_2(splits), 2), BLOCK_D=triton.next_power_of_2(dim),
+        )  # fmt: skip
 
 
 @triton.jit
 def _decode_split(
-    q, k_cache, v_cache, rows, tables, table_row, lens, partial, lse,
+    q, k_cache, v_cache, rows, tables, table_row, lens, partial, lse, out,
     kb, kh, kdp, kdl, kt, vb, vh, vtp, vtl, vd,
     scale, H, D, S,
     G: tl.constexpr, BLOCK_G: tl.constexpr, BS: tl.constexpr, BLOCK_D: tl.constexpr,
-    SPLIT: tl.constexpr,
+    SPLIT: tl.constexpr, DIRECT: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     kv = tl.program_id(1)
@@ -194,31 +198,35 @@ def _decode_split(
     k_dim = (d // 2) * kdp + (d % 2) * kdl  # [D]
     v_tok = (t // 2) * vtp + (t % 2) * vtl  # [BS]
     first = split * SPLIT
-    for j in range(0, SPLIT):
-        block_index = first + j
-        if block_index * BS < length:
-            block = tl.load(tables + b * table_row + block_index)
-            pos = block_index * BS + t
-            seen = pos < length
-            base_k = k_cache + block * kb + kv * kh
-            inside = seen[:, None] & d_in[None, :]
-            keys = tl.load(base_k + k_dim[None, :] + t[:, None] * kt, mask=inside, other=0.0)
-            keys = keys.to(tl.float32)
-            scores = tl.sum(qx[:, None, :] * keys[None, :, :], axis=2) * scale  # [G, BS]
-            scores = tl.where(seen[None, :], scores, float("-inf"))
-            top = tl.maximum(m, tl.max(scores, axis=1))
-            weights = tl.exp(scores - top[:, None])
-            rescale = tl.exp(m - top)
-            base_v = v_cache + block * vb + kv * vh
-            values = tl.load(base_v + v_tok[:, None] + d[None, :] * vd, mask=inside, other=0.0)
-            values = values.to(tl.float32)
-            acc = acc * rescale[:, None] + tl.sum(weights[:, :, None] * values[None, :, :], axis=1)
-            total = total * rescale + tl.sum(weights, axis=1)
-            m = top
-    at = (b * H + heads) * S + split
-    out = acc / tl.maximum(total, 1e-30)[:, None]
-    tl.store(partial + at[:, None] * D + d[None, :], out, mask=g_in[:, None] & d_in[None, :])
-    tl.store(lse + at, m + tl.log(tl.maximum(total, 1e-30)), mask=g_in)
+    last = tl.minimum(first + SPLIT, tl.cdiv(length, BS))  # this split's blocks that hold tokens
+    for block_index in range(first, last):
+        block = tl.load(tables + b * table_row + block_index)
+        pos = block_index * BS + t
+        seen = pos < length
+        base_k = k_cache + block * kb + kv * kh
+        inside = seen[:, None] & d_in[None, :]
+        keys = tl.load(base_k + k_dim[None, :] + t[:, None] * kt, mask=inside, other=0.0)
+        keys = keys.to(tl.float32)
+        scores = tl.sum(qx[:, None, :] * keys[None, :, :], axis=2) * scale  # [G, BS]
+        scores = tl.where(seen[None, :], scores, float("-inf"))
+        top = tl.maximum(m, tl.max(scores, axis=1))
+        weights = tl.exp(scores - top[:, None])
+        rescale = tl.exp(m - top)
+        base_v = v_cache + block * vb + kv * vh
+        values = tl.load(base_v + v_tok[:, None] + d[None, :] * vd, mask=inside, other=0.0)
+        values = values.to(tl.float32)
+        acc = acc * rescale[:, None] + tl.sum(weights[:, :, None] * values[None, :, :], axis=1)
+        total = total * rescale + tl.sum(weights, axis=1)
+        m = top
+    result = acc / tl.maximum(total, 1e-30)[:, None]
+    inside = g_in[:, None] & d_in[None, :]
+    if DIRECT:  # one split (S == 1): what _combine would write, bit for bit
+        at = (row * H + heads)[:, None] * D + d[None, :]
+        tl.store(out + at, round_to(result, out.dtype.element_ty), mask=inside)
+    else:
+        at = (b * H + heads) * S + split
+        tl.store(partial + at[:, None] * D + d[None, :], result, mask=inside)
+        tl.store(lse + at, m + tl.log(tl.maximum(total, 1e-30)), mask=g_in)
 
 
 @triton.jit

@@ -94,16 +94,25 @@ def test_decode_rows_alone_and_padding(dtype):
     q, k, v = (_rows(2, h, dim, dtype, s) for h, s in ((heads, 10), (kv_heads, 11), (kv_heads, 12)))
     got, want = _both(steps, q, k, v, caches, reference)
     assert (got.float() - want.float()).abs().max().item() <= TOLERANCE[dtype]
+    # one split is normalised and written by the decode kernel itself; two (the second
+    # empty) go through _combine: the same bits
+    plan = TritonAttention().plan(ForwardBatch.build(steps, BLOCK, DEVICE))
+    assert plan.splits == 1 and plan.decode is not None
+    outs = [torch.full_like(q, 7.0).to(dtype) for _ in range(2)]
+    for splits, out in zip((1, 2), outs, strict=True):
+        decode(q.to(dtype).contiguous(), *caches, *plan.decode, splits, out)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], got)
 
     before = tuple(c.clone() for c in caches)
     pad = torch.tensor([-1], device=DEVICE)
     write_kv(k[:1], v[:1], *caches, pad)
     assert torch.equal(before[0], caches[0]) and torch.equal(before[1], caches[1])
-    out = torch.full_like(q[:1].to(dtype), 7.0)
     rows, lens = torch.tensor([0], device=DEVICE), torch.tensor([0], device=DEVICE)
     tables = torch.zeros(1, 4, dtype=torch.int64, device=DEVICE)
-    decode(q[:1].to(dtype).contiguous(), *caches, rows, tables, lens, 2, out)
-    assert torch.equal(out, torch.zeros_like(out))
+    for splits in (1, 2):
+        out = torch.full_like(q[:1].to(dtype), 7.0)
+        decode(q[:1].to(dtype).contiguous(), *caches, rows, tables, lens, splits, out)
+        assert torch.equal(out, torch.zeros_like(out)), splits
 
 
 def test_the_write_lays_out_both_cache_layouts_as_kv_cache_write():
