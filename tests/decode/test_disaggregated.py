@@ -41,13 +41,13 @@ def test_16_concurrent_requests_match_the_single_process_engine(workers, embedde
     cases = []
     for i in range(16):
         params = (
-            SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+            SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
             if i % 2 == 0
             else SamplingParams(
-                max_tokens=20, temperature=0.8, top_p=0.9, top_k=50, ignore_eos=True
+                max_tokens=16, temperature=0.8, top_p=0.9, top_k=50, ignore_eos=True
             )
         )
-        cases.append((f"c{i}", prompt(30 + 37 * i, seed=i), params, 1000 + i))
+        cases.append((f"c{i}", prompt(20 + 21 * i, seed=i), params, 1000 + i))
 
     async def run():
         prefill, decode, channels = stubs(workers)
