@@ -46,17 +46,17 @@ def test_64_greedy_prompts_equal_the_engine_without_speculation(speculating, eng
     token_prompts = random_prompts(32, seed=5)
     tok = engine.tokenizer
     chats = [tok.encode_chat([{"role": "user", "content": q}]) for q in questions]
-    params = SamplingParams(max_tokens=32, temperature=0)
+    params = SamplingParams(max_tokens=24, temperature=0)
     expected = [o.choices[0] for o in engine.generate(chats + token_prompts, params)]
 
     def chat(q: str) -> tuple[str, int]:
         r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": q}],
-                                           max_tokens=32, temperature=0)  # fmt: skip
+                                           max_tokens=24, temperature=0)  # fmt: skip
         assert r.usage is not None
         return r.choices[0].message.content or "", r.usage.completion_tokens
 
     def complete(p: list[int]) -> tuple[str, int]:
-        r = client.completions.create(model=MODEL, prompt=p, max_tokens=32, temperature=0)
+        r = client.completions.create(model=MODEL, prompt=p, max_tokens=24, temperature=0)
         assert r.usage is not None
         return r.choices[0].text, r.usage.completion_tokens
 
