@@ -9,7 +9,7 @@ from bench import speculative
 
 def test_speculative_benchmark_smoke(capsys, tmp_path):
     plot = tmp_path / "spec.png"
-    args = ["--prompts", "2", "--tokens", "12", "--concurrent", "2", "--plot", str(plot),
+    args = ["--prompts", "2", "--tokens", "8", "--concurrent", "2", "--plot", str(plot),
             "--draft-layers", "2"]  # fmt: skip
     assert speculative.main(args) == 0
     out = capsys.readouterr().out
