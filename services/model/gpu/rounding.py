@@ -5,10 +5,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from services.model.gpu import interpreted
 
-
-def _round_to(x, dtype: tl.constexpr):
+@triton.jit
+def round_to(x, dtype: tl.constexpr):
     """float32 x rounded to dtype, to nearest even. For bfloat16 the rounding is done here
     because Triton's interpreter truncates (its cast drops the low bits); on a GPU the cast
     rounds to nearest even itself and this is the same result."""
@@ -17,9 +16,3 @@ def _round_to(x, dtype: tl.constexpr):
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
         x = bits.to(tl.float32, bitcast=True)
     return x.to(dtype)
-
-
-# Compiled: a device function, inlined into each kernel. Interpreted: called as plain Python
-# (the same tl operations on the interpreter's tensors), because the interpreter re-patches
-# triton.language at every device-function call, some 3 ms each, once per program instance.
-round_to = _round_to if interpreted() else triton.jit(_round_to)
