@@ -46,6 +46,7 @@ import torch
 import xxhash
 
 from kvstore.block_hash import HASH_BYTES, KVLayout
+from kvstore.keyfile import MIN_KEY_BYTES
 
 MAGIC = b"PDKV"
 CODEC_VERSION = 1
@@ -56,7 +57,6 @@ FORMAT = struct.Struct("<4sHBBHHHHH6s16s32sQQ")
 RESERVED = bytes(6)
 FLAG_MAC = 0x01  # the value ends with a MAC_BYTES MAC (keyed codec)
 MAC_BYTES = 32  # HMAC-SHA256
-MIN_KEY_BYTES = 16
 FP8_MAX = 448.0  # largest finite float8 e4m3fn
 
 

@@ -185,3 +185,40 @@ def test_a_worker_with_another_block_size_or_namespace_is_refused_and_logged(cap
     other.stub = AnsweringStub(good)  # restarted with the others' layout
     asyncio.run(registry.check_all())
     assert other.healthy and other.refused is None
+
+
+class CountingStub(AnsweringStub):
+    def __init__(self, health: pb.HealthReply) -> None:
+        super().__init__(health)
+        self.asked = 0
+
+    async def Health(self, request: pb.HealthRequest, timeout: float) -> pb.HealthReply:
+        self.asked += 1
+        return self.health
+
+
+def test_a_worker_not_yet_ready_is_asked_often_and_used_as_soon_as_it_is():
+    """With a 60 s interval, a starting worker is still taken into use within a recheck
+    (0.25 s) of answering ready; a healthy one is not asked again before its interval."""
+    registry = Registry(health_interval=60, breaker_failures=3, breaker_cooldown=1)
+    ready = pb.HealthReply(role="decode", ready=True, namespace="ns", block_size=16)
+    starting, steady = CountingStub(pb.HealthReply(role="decode")), CountingStub(ready)
+    for address, stub in (("starting", starting), ("steady", steady)):
+        state = WorkerState("decode", address, channel=None, stub=stub)  # type: ignore[arg-type]
+        registry.workers[("decode", address)] = state
+
+    async def run() -> float:
+        registry.start()
+        await asyncio.sleep(0.6)
+        starting.health = ready
+        flipped = time.monotonic()
+        while not registry.workers[("decode", "starting")].healthy:
+            await asyncio.sleep(0.01)
+        waited = time.monotonic() - flipped
+        registry.workers.clear()  # stubs alone, no channels to close
+        await registry.stop()
+        return waited
+
+    waited = asyncio.run(run())
+    assert waited < 0.5, waited
+    assert steady.asked == 1 and starting.asked >= 3
