@@ -53,14 +53,12 @@ def redis_cluster(tmp_path_factory):
 def workers(redis_server, embedded_dir, tmp_path_factory):
     """A prefill and a decode worker process sharing the session's redis-server (float32, so
     that their tokens can be compared with the single-process engine's)."""
-    from tests.support.workers import WorkerProcess
+    from tests.support.cluster import start_workers
 
     logs = tmp_path_factory.mktemp("worker-logs")
-    model, store, args = str(embedded_dir), redis_server.url, ("--num-blocks", "400")
-    prefill = WorkerProcess("prefill", model, store, logs, *args, dtype="float32")
-    decode = WorkerProcess("decode", model, store, logs, *args, dtype="float32")
-    prefill.start()
-    decode.start()
+    (prefill,), (decode,) = start_workers(
+        str(embedded_dir), redis_server.url, logs, 1, 1, "--num-blocks", "400"
+    )
     yield prefill, decode
     prefill.stop()
     decode.stop()

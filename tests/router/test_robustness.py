@@ -22,8 +22,8 @@ from services.engine.params import SamplingParams
 from services.launcher import RouterProcess
 from tests.support.cluster import MODEL, addresses, load, metrics, reference, wait_idle
 
-FLAP_SECONDS = float(os.environ.get("PDSERVE_FLAP_TEST_SECONDS", "30"))
-FLAP_HEALTH_INTERVAL = 0.2  # 5 health checks of each worker a second: 150 in 30 s
+FLAP_SECONDS = float(os.environ.get("PDSERVE_FLAP_TEST_SECONDS", "20"))
+FLAP_HEALTH_INTERVAL = 0.1  # 10 health checks of each worker a second: 200 in 20 s
 
 
 @pytest.fixture
@@ -166,7 +166,7 @@ def test_a_client_leaving_mid_prefill_is_gone_from_the_worker_within_2s(pool, fr
 
 def test_no_unhealthy_flap_under_steady_load(pool, tmp_path):
     """Two clients send prefill-heavy requests back to back for PDSERVE_FLAP_TEST_SECONDS
-    (30 by default) to a router checking each worker's health 5 times a second (some 150
+    (20 by default) to a router checking each worker's health 10 times a second (some 200
     checks of each, under load from the first second); no worker may be marked unhealthy,
     and every request succeeds."""
     prefill, decode = pool

@@ -18,7 +18,7 @@ PROMPTS = [
     "import numpy as np\nx = np.arange(10)\nprint(",
     "🙂 Emoji and ünïcödé: ",
 ]
-NEW_TOKENS = 40
+NEW_TOKENS = 32
 
 
 def test_greedy_matches_transformers(embedded, reference):
