@@ -46,15 +46,16 @@ def kernels(ty: str) -> list[tuple[object, dict[str, str], dict[str, object]]]:
           "F32_DOT": ty == "fp32"}),
         (layer_ops._add_rms_norm_kernel, {"h_ptr": p, "delta_ptr": p, "weight_ptr": p,
          "out_ptr": p, "h_row_stride": I32, "h_col_stride": I32, "delta_row_stride": I32,
-         "delta_col_stride": I32, "out_row_stride": I32, "dim": I32, "eps": "fp32"},
-         {"HAS_DELTA": True, "BLOCK": 1024}),
+         "delta_col_stride": I32, "out_row_stride": I32, "rows": I32, "dim": I32,
+         "eps": "fp32"}, {"HAS_DELTA": True, "ROWS": 4, "BLOCK": 1024}),
         (layer_ops._rotary_kernel, {"qkv_ptr": p, "cos_ptr": p, "sin_ptr": p,
          "positions_ptr": "*i64", "q_ptr": p, "k_ptr": p, "qkv_row_stride": I32,
          "qkv_col_stride": I32, "table_row_stride": I32, "q_row_stride": I32,
-         "k_row_stride": I32, "num_heads": I32, "num_kv_heads": I32, "head_dim": I32},
-         {"HEADS": 16, "HALF": 32}),
+         "k_row_stride": I32, "rows": I32, "num_heads": I32, "num_kv_heads": I32,
+         "head_dim": I32}, {"PAIRS": 32, "HALF": 32}),
         (layer_ops._silu_mul_kernel, {"gate_up_ptr": p, "out_ptr": p, "gate_up_row_stride": I32,
-         "gate_up_col_stride": I32, "out_row_stride": I32, "ff": I32}, {"BLOCK": 1024}),
+         "gate_up_col_stride": I32, "out_row_stride": I32, "rows": I32, "ff": I32},
+         {"BLOCK": 1024}),
     ]  # fmt: skip
 
 

@@ -62,7 +62,7 @@ def _positions(rows: int) -> torch.Tensor:
 
 
 # GQA groups of 1, 3 and 8; head_dim 96 masks half its rotary block (48 of 64); 16 + 2 heads
-# of 128 take two programs a token (a program rotates 1024 half-head elements)
+# of 128: a program rotates 16 (token, head) pairs (1024 half-head elements), a token spans two
 ROTARY_SHAPES = [
     pytest.param(2, 2, 64, 37, id="mha-d64-rows37"),
     pytest.param(3, 1, 96, 5, id="gqa3-d96-rows5"),
