@@ -1,5 +1,5 @@
 """Speculative decoding through the whole path: `pdserve up --speculative suffix` (prefill and
-decode processes, float32) answers 64 greedy prompts and seeded n=2 streams with exactly the
+decode processes, float32) answers 32 greedy prompts and seeded n=2 streams with exactly the
 engine's tokens without speculation, the usage unchanged; a decode worker's /metrics counts
 what it proposed and accepted; a decode worker with a draft model; bad settings refused."""
 
@@ -40,10 +40,10 @@ def speculating(tmp_path_factory):
         out.stop()
 
 
-def test_64_greedy_prompts_equal_the_engine_without_speculation(speculating, engine):
+def test_32_greedy_prompts_equal_the_engine_without_speculation(speculating, engine):
     client, metrics = speculating
-    questions = [ASK.format(TEXTS[i % len(TEXTS)]) + f" ({i})" for i in range(32)]
-    token_prompts = random_prompts(32, seed=5)
+    questions = [ASK.format(TEXTS[i % len(TEXTS)]) + f" ({i})" for i in range(16)]
+    token_prompts = random_prompts(16, seed=5)
     tok = engine.tokenizer
     chats = [tok.encode_chat([{"role": "user", "content": q}]) for q in questions]
     params = SamplingParams(max_tokens=24, temperature=0)

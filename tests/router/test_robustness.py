@@ -177,7 +177,7 @@ def test_no_unhealthy_flap_under_steady_load(pool, tmp_path):
     finally:
         router.stop()
     print(f"{len(outcomes)} requests in {FLAP_SECONDS:.0f}s; unhealthy marks: {marks}")
-    assert len(outcomes) > 4 and [o for o in outcomes if o != "ok"] == []
+    assert len(outcomes) >= 4 and [o for o in outcomes if o != "ok"] == []  # 7-9 here
     assert not any(marks.values()), marks
 
 
