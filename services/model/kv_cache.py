@@ -23,7 +23,7 @@ indexes either as the plain one. Who owns which block is the block manager's bus
 
 from __future__ import annotations
 
-import ctypes
+import math
 import mmap
 import sys
 
@@ -31,8 +31,6 @@ import torch
 
 from kvstore.block_hash import BLOCK_SIZE
 from services.model.config import ModelConfig
-
-PAGE = mmap.PAGESIZE
 
 
 class KVCache:
@@ -61,24 +59,24 @@ class KVCache:
         return 2 * self.k[:, 0].numel() * self.k.element_size()
 
 
-MADV_HUGEPAGE = 14
-
-
 def _allocate(
     shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
 ) -> torch.Tensor:
-    """A zeroed tensor; on Linux CPUs backed by transparent huge pages where the kernel allows.
+    """A zeroed tensor. On Linux CPUs, anonymous memory of its own: the kernel hands out its
+    pages zeroed as they are first written, so a pool costs time and memory only for the
+    blocks in use (a worker's thousands of blocks start at once), and they come as transparent
+    huge pages where the kernel allows.
 
     Decode attention visits blocks scattered over the whole pool: with 4 KiB pages nearly every
-    block costs a TLB miss, with 2 MiB pages almost none.
+    block costs a TLB miss, with 2 MiB pages almost none. Zeroed, not merely allocated: a
+    padding slot's V is multiplied by a zero weight, and garbage could be a NaN.
     """
-    tensor = torch.empty(shape, dtype=dtype, device=device)
-    if tensor.device.type == "cpu" and sys.platform == "linux":
-        libc = ctypes.CDLL(None, use_errno=True)
-        start = tensor.data_ptr() & ~(PAGE - 1)
-        end = tensor.data_ptr() + tensor.numel() * tensor.element_size()
-        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_HUGEPAGE)
-    return tensor.zero_()  # first touch after the advice, so the pages come in huge
+    nbytes = math.prod(shape) * dtype.itemsize
+    if torch.device(device).type != "cpu" or sys.platform != "linux" or nbytes == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    region = mmap.mmap(-1, nbytes)  # private, anonymous: zero pages, faulted in on first write
+    region.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(region, dtype=dtype).view(shape)  # the tensor keeps the region
 
 
 def paired(dtype: torch.dtype) -> bool:
