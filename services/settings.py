@@ -123,7 +123,8 @@ class Settings:
                                minimum=1)  # fmt: skip
     max_n: int = setting(16, "largest n (choices per prompt)", ROUTER, minimum=1)
     max_body_bytes: int = setting(4 << 20, "largest request body (413 past it)", ROUTER)
-    health_interval: float = setting(1.0, "seconds between worker health checks", ROUTER)
+    health_interval: float = setting(1.0, "seconds between worker health checks (a worker not "
+                                     "healthy is asked every 0.25 s)", ROUTER)  # fmt: skip
     health_timeout: float = setting(5.0, "seconds a worker's health check may take (a busy "
                                     "worker answers late)", ROUTER)  # fmt: skip
     health_failures: int = setting(3, "failed health checks in a row before a worker is left "
