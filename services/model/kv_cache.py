@@ -23,6 +23,7 @@ indexes either as the plain one. Who owns which block is the block manager's bus
 
 from __future__ import annotations
 
+import contextlib
 import math
 import mmap
 import sys
@@ -75,7 +76,8 @@ def _allocate(
     if torch.device(device).type != "cpu" or sys.platform != "linux" or nbytes == 0:
         return torch.zeros(shape, dtype=dtype, device=device)
     region = mmap.mmap(-1, nbytes)  # private, anonymous: zero pages, faulted in on first write
-    region.madvise(mmap.MADV_HUGEPAGE)
+    with contextlib.suppress(OSError):  # a kernel without transparent huge pages
+        region.madvise(mmap.MADV_HUGEPAGE)
     return torch.frombuffer(region, dtype=dtype).view(shape)  # the tensor keeps the region
 
 

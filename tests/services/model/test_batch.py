@@ -3,6 +3,9 @@ gets alone."""
 
 from __future__ import annotations
 
+import mmap
+import sys
+
 import pytest
 import torch
 
@@ -91,3 +94,23 @@ def test_slot_mapping_follows_block_table():
 def test_short_block_table_is_refused():
     with pytest.raises(ValueError, match="need 2"):
         ForwardBatch.build([SeqChunk([1] * 17, 0, [0])], BLOCK)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/statm: Linux")
+def test_a_kv_pool_reads_zeros_and_takes_memory_only_as_blocks_are_written(embedded):
+    """4,096 blocks of the embedded model (2.9 GB in float32) cost no memory until written."""
+
+    def resident() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * mmap.PAGESIZE
+
+    before = resident()
+    kv = embedded.model.new_kv_cache(4096)
+    assert 2 * kv.k.numel() * 4 > 2.8e9
+    assert resident() - before < 50e6
+    for t in (kv.k, kv.v):
+        assert t[:, 0].count_nonzero() == t[:, -1].count_nonzero() == 0
+    kv.v[:, 100].fill_(1.0)  # one block in every layer: 30 x 12 KiB
+    assert 0 < resident() - before < 300e6  # pages of 4 KiB or 2 MiB, not the pool
+    assert kv.v[:, 100].count_nonzero() == kv.v[:, 100].numel()
+    assert kv.v[:, 99].count_nonzero() == kv.v[:, 101].count_nonzero() == 0
