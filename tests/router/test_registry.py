@@ -147,12 +147,15 @@ def test_a_request_returns_to_a_worker_it_gave_up_on_once_that_worker_is_back():
 
 
 class AnsweringStub:
-    """A worker's Health and Load answers (a worker process cannot run another block size)."""
+    """A worker's Health and Load answers (a worker process cannot run another block size),
+    and how often Health was asked."""
 
     def __init__(self, health: pb.HealthReply) -> None:
         self.health = health
+        self.asked = 0
 
     async def Health(self, request: pb.HealthRequest, timeout: float) -> pb.HealthReply:
+        self.asked += 1
         return self.health
 
     async def Load(self, request: pb.LoadRequest, timeout: float) -> pb.LoadReply:
@@ -187,22 +190,12 @@ def test_a_worker_with_another_block_size_or_namespace_is_refused_and_logged(cap
     assert other.healthy and other.refused is None
 
 
-class CountingStub(AnsweringStub):
-    def __init__(self, health: pb.HealthReply) -> None:
-        super().__init__(health)
-        self.asked = 0
-
-    async def Health(self, request: pb.HealthRequest, timeout: float) -> pb.HealthReply:
-        self.asked += 1
-        return self.health
-
-
 def test_a_worker_not_yet_ready_is_asked_often_and_used_as_soon_as_it_is():
     """With a 60 s interval, a starting worker is still taken into use within a recheck
     (0.25 s) of answering ready; a healthy one is not asked again before its interval."""
     registry = Registry(health_interval=60, breaker_failures=3, breaker_cooldown=1)
     ready = pb.HealthReply(role="decode", ready=True, namespace="ns", block_size=16)
-    starting, steady = CountingStub(pb.HealthReply(role="decode")), CountingStub(ready)
+    starting, steady = AnsweringStub(pb.HealthReply(role="decode")), AnsweringStub(ready)
     for address, stub in (("starting", starting), ("steady", steady)):
         state = WorkerState("decode", address, channel=None, stub=stub)  # type: ignore[arg-type]
         registry.workers[("decode", address)] = state
