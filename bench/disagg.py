@@ -88,7 +88,7 @@ async def measure_stall(prefill: str, decode: str, args: argparse.Namespace) -> 
         joined = time.perf_counter()
         join = d.Decode(pb.DecodeRequest(
             request_id="joiner", prompt_token_ids=long_prompt, output_token_ids=[reply.first_token],
-            block_hashes=reply.block_hashes, params=greedy, seed=1,
+            params=greedy, seed=1,
         ))  # fmt: skip
         first = await join.read()
         first_at = time.perf_counter()

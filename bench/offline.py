@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     config = EngineConfig(
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)),
+        kv_cache_gb=args.kv_cache_gb,
     )
     log(f"engine: {len(prompts)} requests, {dtype_name}")
     offline = Engine(loaded.model, loaded.tokenizer, config)

@@ -29,10 +29,10 @@ import torch
 
 from services.engine.engine import Engine, EngineConfig
 from services.engine.params import SamplingParams
-from services.engine.speculative import SpeculativeConfig
 from services.model import hf_config, hf_dir
 from services.model.llama import LlamaModel
 from services.model.loader import LoadedModel, load_model
+from services.settings import SpeculativeConfig
 
 TEXTS = [
     '''def parse_config(path):
@@ -90,8 +90,8 @@ ASKS = [
 TOPICS = ["a dragon", "the ocean", "a robot learning to paint", "winter in a small town",
           "a lost key", "the first day of school", "a chess match", "a storm at sea",
           "an old lighthouse", "a market in Marrakesh", "a time traveller", "a garden"]  # fmt: skip
-CONFIGS: list[tuple[str, SpeculativeConfig | None]] = [
-    ("off", None),
+CONFIGS: list[tuple[str, SpeculativeConfig]] = [
+    ("off", SpeculativeConfig()),
     ("ngram", SpeculativeConfig("ngram")),
     ("suffix", SpeculativeConfig("suffix")),
 ]
@@ -148,7 +148,7 @@ def layer_skip_draft(loaded: LoadedModel, layers: int) -> LlamaModel:
 
 def run(
     loaded: LoadedModel,
-    spec: SpeculativeConfig | None,
+    spec: SpeculativeConfig,
     prompts: Sequence[list[int]],
     tokens: int,
     concurrent: bool,
@@ -215,7 +215,7 @@ def sweep_table(loaded: LoadedModel, batches: list[int], tokens: int) -> str:
     rows = []
     for b in batches:
         prompts = grounded(loaded, b)
-        off = run(loaded, None, prompts, tokens, True)
+        off = run(loaded, SpeculativeConfig(), prompts, tokens, True)
         on = run(loaded, SpeculativeConfig("ngram", max_batch=1 << 20), prompts, tokens, True)
         assert on.outputs == off.outputs
         rows.append([str(b), f"{off.speed:.1f}", f"{on.speed:.1f}", f"{on.speed / off.speed:.2f}x",

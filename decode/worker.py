@@ -1,12 +1,12 @@
 """The decode worker: reads a request's prompt KV from the store, joins it to the running
 batch and streams its tokens.
 
-The fetch runs in the request's own coroutine while the engine thread keeps stepping the
-batch: a long prompt's KV arriving never stalls the other streams. Blocks missing from the
-store, or refused by the codec, are computed here from the prompt tokens (counted in Load's
-recomputed_tokens). With `local_prefill` the whole prompt is computed here, reading nothing.
-Finished generations' full blocks are written back (setting), so the next turn of a
-conversation finds its prompt and the answer in the store.
+The fetch (decode/connector.py) runs in the request's own coroutine while the engine thread
+keeps stepping the batch: a long prompt's KV arriving never stalls the other streams. Blocks
+missing from the store, or refused by the codec, are computed here from the prompt tokens
+(counted in Load's recomputed_tokens). With `local_prefill` the whole prompt is computed
+here, reading nothing. Finished generations' full blocks are written back (setting), so the
+next turn of a conversation finds its prompt and the answer in the store.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 import grpc
 
-from decode.transfer import DecodeTransfer
+from decode.connector import DecodeConnector
 from services.engine.driver import EngineDied
 from services.engine.params import ValidationError
 from services.engine.request import EngineRequest
@@ -27,7 +27,7 @@ from services.rpc import worker_pb2_grpc
 from services.settings import Settings
 from services.tracing import Span
 from services.worker import convert
-from services.worker.server import Worker, refuse, trace_steps, worker_config
+from services.worker.server import Worker, refuse, trace_steps
 
 log = logging.getLogger("pdserve.decode")
 
@@ -52,28 +52,22 @@ class DecodeWorker(Worker, worker_pb2_grpc.DecodeWorkerServicer):
             params = convert.sampling_params(request.params, request.seed)
             if not rid:
                 raise ValidationError("request_id", "must not be empty")
-            full, partial = self.link.hashes(prompt, request.salt)
-            if not request.local_prefill and list(request.block_hashes) != [
-                *full,
-                *([partial] if partial else []),
-            ]:
-                raise ValidationError("block_hashes", "do not match the prompt and salt")
         except ValidationError as e:
             await refuse(context, e)
-        kv = None
+        connector = await DecodeConnector.fetch(
+            self.link, rid, prompt, request.salt, request.local_prefill,
+            self.settings.worker.write_back,
+        )  # fmt: skip
         if not request.local_prefill:
-            rest = len(prompt) % self.layout.block_size
-            kv = await self.link.fetch(rid, full, partial, rest, gentle=True)
+            kv = connector.imported
             span.event("fetched", tokens=kv.num_tokens if kv is not None else 0)
-        write_back = self.link.export if self.config.write_back else None
         try:
             stream = await self.driver.submit(
                 EngineRequest(
                     rid, prompt, params, request.salt, output_ids=output,
                     text_sent=request.text_sent if request.HasField("text_sent") else None,
-                    transfer=DecodeTransfer(kv, write_back),
-                    block_hashes=full,
-                )
+                    block_hashes=connector.block_hashes,
+                ), connector,
             )  # fmt: skip
             async for chunk in self._chunks(rid, len(prompt), stream, span):
                 yield chunk
@@ -107,7 +101,7 @@ class DecodeWorker(Worker, worker_pb2_grpc.DecodeWorkerServicer):
                         prompt_tokens=prompt_len,
                         completion_tokens=delta.num_output_tokens,
                         cached_tokens=delta.num_cached_tokens,
-                        store_tokens=delta.num_store_tokens,
+                        store_tokens=delta.num_external_tokens,
                     ))  # fmt: skip
                     log.info("decoded", extra={"fields": {
                         "request_id": rid, "tokens": delta.num_output_tokens,
@@ -124,4 +118,4 @@ class DecodeWorker(Worker, worker_pb2_grpc.DecodeWorkerServicer):
 
 def run(settings: Settings) -> int:
     """The `decode` role's entry point (pyproject.toml)."""
-    return asyncio.run(DecodeWorker(worker_config(settings, "decode")).serve())
+    return asyncio.run(DecodeWorker(settings).serve())

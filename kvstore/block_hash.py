@@ -1,4 +1,4 @@
-"""Content addresses of KV blocks: the hash chain of DESIGN.md, shared by every service.
+"""Content addresses of KV blocks: the hash chain of docs/design.md, shared by every service.
 
     h0 = SHA-256(namespace ‖ salt ‖ tokens[0:B])
     hi = SHA-256(h(i-1) ‖ tokens[iB:(i+1)B])

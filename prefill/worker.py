@@ -1,11 +1,11 @@
 """The prefill worker: computes prompts' KV, writes every prompt block to the KV store, and
 answers with the first token.
 
-One request: look up the longest prefix of the prompt already in the store and import it
-(blocks the engine caches itself are shared, not fetched again); the engine computes the
-rest in chunks, batched with other prompts; each block goes to the store as soon as it is
-full and computed, while later chunks compute; the reply waits until every block it names
-is written (DESIGN.md: when P replies, every block it names is readable).
+One request: its connector (prefill/connector.py) looks up the longest prefix of the prompt
+already in the store (blocks the engine caches itself are shared, not fetched again); the
+engine computes the rest in chunks, batched with other prompts; each block goes to the store
+as soon as it is full and computed, while later chunks compute; the reply waits until every
+block is written (docs/design.md: when prefill replies, the prompt's blocks are readable).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 import grpc
 
 from kvstore.store import StoreUnavailable
-from prefill.transfer import PrefillTransfer
+from prefill.connector import PrefillConnector
 from services.engine.driver import EngineDied
 from services.engine.params import ValidationError
 from services.engine.request import EngineRequest, FinishReason
@@ -25,7 +25,7 @@ from services.rpc import worker_pb2 as pb
 from services.rpc import worker_pb2_grpc
 from services.settings import Settings
 from services.worker import convert
-from services.worker.server import Worker, refuse, trace_steps, worker_config
+from services.worker.server import Worker, refuse, trace_steps
 
 log = logging.getLogger("pdserve.prefill")
 
@@ -48,17 +48,13 @@ class PrefillWorker(Worker, worker_pb2_grpc.PrefillWorkerServicer):
                 raise ValidationError("request_id", "must not be empty")
         except ValidationError as e:
             await refuse(context, e)
-        full, partial = self.link.hashes(prompt, request.salt)
-        usable = max(0, (len(prompt) - 1) // self.layout.block_size)  # the last token computes
-        if params.prompt_logprobs is not None:
-            usable = 0  # a prompt being scored is computed whole
-        kv = await self.link.fetch(rid, full[:usable], None, 0) if usable else None
+        connector = await PrefillConnector.fetch(self.link, rid, prompt, request.salt, params)
+        kv = connector.imported
         span.event("fetched", tokens=kv.num_tokens if kv is not None else 0)
         try:
-            transfer = PrefillTransfer(kv, self.link.export, partial)
             stream = await self.driver.submit(
-                EngineRequest(rid, prompt, params, request.salt, transfer=transfer,
-                              block_hashes=full)
+                EngineRequest(rid, prompt, params, request.salt,
+                              block_hashes=connector.block_hashes), connector,
             )  # fmt: skip
             # a caller gone (cancelled) aborts the request as the stream is left
             delta = [d async for d in stream][-1]
@@ -82,9 +78,8 @@ class PrefillWorker(Worker, worker_pb2_grpc.PrefillWorkerServicer):
         reply = pb.PrefillReply(
             request_id=rid,
             first_token=delta.token_ids[0],
-            block_hashes=[*full, *([partial] if partial else [])],
             cached_tokens=cached,
-            store_tokens=delta.num_store_tokens,
+            store_tokens=delta.num_external_tokens,
             computed_tokens=len(prompt) - cached,
             text=delta.text,
             finish_reason=convert.FINISH[delta.finish_reason],
@@ -97,4 +92,4 @@ class PrefillWorker(Worker, worker_pb2_grpc.PrefillWorkerServicer):
 
 def run(settings: Settings) -> int:
     """The `prefill` role's entry point (pyproject.toml)."""
-    return asyncio.run(PrefillWorker(worker_config(settings, "prefill")).serve())
+    return asyncio.run(PrefillWorker(settings).serve())

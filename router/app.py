@@ -15,10 +15,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from router.api import routes, state_of
-from router.config import RouterConfig
 from router.errors import APIError, bad_request, unavailable
 from router.protocol import DetokenizeRequest, TokenizeRequest, WorkerChange
 from router.state import RouterState, bearer, new_id, read_model
+from services.settings import Settings
 from services.tracing import RECEIVED
 
 log = logging.getLogger("pdserve.router")
@@ -26,8 +26,10 @@ VERSION = "0.1.0"
 OPEN_PATHS = {"/health", "/version", "/metrics", "/openapi.json", "/docs", "/redoc"}
 
 
-def create_app(config: RouterConfig, state: RouterState | None = None) -> FastAPI:
-    state = state or RouterState.create(config)
+def create_app(settings: Settings, state: RouterState | None = None) -> FastAPI:
+    """The app; `settings` checked (services.settings.check: secret files read)."""
+    state = state or RouterState.create(settings)
+    config = settings.router
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -3,7 +3,7 @@ worker, for each choice, hiding worker faults from the client.
 
 - Prefill fails or times out: tried again on another prefill worker, or on one that failed
   and has come back since (restarted); when none is left for `retry_wait` seconds, 503 with
-  Retry-After (DESIGN.md).
+  Retry-After (docs/design.md).
 - A prompt expected to wait past `ttft_slo` seconds for a prefill worker goes to a decode
   worker that would compute it sooner (router/backlog.py estimates the waits); the admission
   refuses (429) a request neither could start in time.
@@ -24,12 +24,13 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from kvstore.block_hash import block_hashes
+from kvstore.block_hash import BLOCK_SIZE, block_hashes
 from router.errors import APIError, bad_request, unavailable
 from router.policy import Policy
 from router.workers import Registry, WorkerState
 from services.engine.seeds import choice_seed
 from services.rpc import worker_pb2 as pb
+from services.settings import RouterSettings
 from services.tracing import CLIENT, NO_SPAN, Span
 from services.worker.convert import FINISH_NAMES
 
@@ -50,6 +51,9 @@ class Job:
     n: int = 1
     salt: bytes = b""
     index_base: int = 0  # this prompt's first choice index in the response
+    # the prompt's block hashes in the workers' namespace (Pipeline.block_hashes), computed
+    # once: the router's own account of what each worker caches (routing and backlogs)
+    block_hashes: Sequence[bytes] = ()
 
 
 @dataclass
@@ -69,23 +73,20 @@ class Pipeline:
         self,
         registry: Registry,
         policy: Policy,
-        block_size: int,
-        prefill_timeout: float,
-        disagg_threshold: int = 0,
+        settings: RouterSettings,
         on_local_prefill: Callable[[str], None] = lambda reason: None,
-        retry_wait: float = 30.0,
-        ttft_slo: float = 0.0,
         colocated: bool = False,
     ) -> None:
+        """`settings.ttft_slo` 0: no prompt spills to decode, none is refused."""
         self.registry = registry
         self.policy = policy
-        self.block_size = block_size
-        self.prefill_timeout = prefill_timeout
-        self.retry_wait = retry_wait
-        self.disagg_threshold = disagg_threshold
-        self.ttft_slo = ttft_slo  # seconds; 0: no prompt spills to decode, none is refused
+        self.settings = settings
         self.colocated = colocated  # every prompt is computed on a decode worker
         self.on_local_prefill = on_local_prefill  # called with why a decode worker prefills
+
+    def block_hashes(self, prompt_ids: Sequence[int], salt: bytes) -> list[bytes]:
+        """A prompt's block hashes (the partial last one too) as the workers name them."""
+        return block_hashes(prompt_ids, BLOCK_SIZE, self.registry.namespace, salt, True)
 
     async def run(self, jobs: Sequence[Job], span: Span = NO_SPAN) -> AsyncIterator[Delta]:
         """Deltas of every choice of every job, interleaved as they arrive. Choice 0 of each
@@ -137,15 +138,14 @@ class Pipeline:
         rid = f"{job.request_id}-{index}"
         seed = int64(choice_seed(job.seed, index))
         out = job.index_base + index
-        hashes = self._hashes(job)
         try:
             reply = None
-            if self._compute_on_decode(job, hashes):
+            if self._compute_on_decode(job):
                 self.on_local_prefill("colocated" if self.colocated else "short_prompt")
             elif self._spill(job):
                 self.on_local_prefill("prefill_backlog")
             else:
-                reply = await self._prefill(rid, job, seed, hashes, span)
+                reply = await self._prefill(rid, job, seed, span)
             if prefilled is not None:
                 prefilled.set()
             tokens: list[int] = []
@@ -167,7 +167,7 @@ class Pipeline:
                 )
                 if finish is not None:
                     return
-            decode = self._decode(rid, job, seed, hashes, tokens, text_sent, reply, span)
+            decode = self._decode(rid, job, seed, tokens, text_sent, reply is None, span)
             async for delta in decode:
                 delta.index = out
                 queue.put_nowait(delta)
@@ -175,15 +175,16 @@ class Pipeline:
             if prefilled is not None:
                 prefilled.set()
 
-    def _compute_on_decode(self, job: Job, hashes: list[bytes]) -> bool:
+    def _compute_on_decode(self, job: Job) -> bool:
         """Conditional disaggregation: a prompt whose uncached part is short skips prefill."""
-        if not self.disagg_threshold:
+        threshold = self.settings.disagg_threshold
+        if not threshold:
             return False
-        if self.disagg_threshold > len(job.prompt_ids):  # whatever is cached
+        if threshold > len(job.prompt_ids):  # whatever is cached
             return True
         decoders = self.registry.available("decode")
-        cached = max((w.cached_prefix(hashes) for w in decoders), default=0) * self.block_size
-        return len(job.prompt_ids) - cached < self.disagg_threshold
+        cached = max((w.cached_prefix(job.block_hashes) for w in decoders), default=0)
+        return len(job.prompt_ids) - cached * BLOCK_SIZE < threshold
 
     def expected_wait(self, jobs: Sequence[Job]) -> float:
         """Seconds the request's prompts would wait for their first tokens on the worker of
@@ -194,33 +195,26 @@ class Pipeline:
     def _spill(self, job: Job) -> bool:
         """The prompt would start sooner on a decode worker, and past the TTFT SLO on every
         prefill worker."""
-        if not self.ttft_slo:
+        slo = self.settings.ttft_slo
+        if not slo:
             return False
         prefill = self._best_wait(("prefill",), [job])
-        return prefill > self.ttft_slo and self._best_wait(("decode",), [job]) < prefill
+        return prefill > slo and self._best_wait(("decode",), [job]) < prefill
 
     def _best_wait(self, roles: Sequence[str], jobs: Sequence[Job]) -> float:
         """The shortest expected wait for the jobs' prompts on one worker of these roles."""
-        hashes = [self._hashes(job) for job in jobs]
         waits = [
-            w.backlog.wait(sum(self._uncached(w, j, h) for j, h in zip(jobs, hashes, strict=True)))
+            w.backlog.wait(sum(self._uncached(w, job) for job in jobs))
             for role in roles
             for w in self.registry.available(role)
         ]
         return min(waits, default=float("inf"))
 
-    def _uncached(self, worker: WorkerState, job: Job, hashes: list[bytes]) -> int:
+    def _uncached(self, worker: WorkerState, job: Job) -> int:
         """Prompt tokens the worker would compute, as far as the router knows its cache."""
-        return max(0, len(job.prompt_ids) - worker.cached_prefix(hashes) * self.block_size)
+        return max(0, len(job.prompt_ids) - worker.cached_prefix(job.block_hashes) * BLOCK_SIZE)
 
-    def _hashes(self, job: Job) -> list[bytes]:
-        return block_hashes(
-            job.prompt_ids, self.block_size, self.registry.namespace, job.salt, include_partial=True
-        )
-
-    async def _prefill(
-        self, rid: str, job: Job, seed: int, hashes: list[bytes], span: Span
-    ) -> pb.PrefillReply | None:
+    async def _prefill(self, rid: str, job: Job, seed: int, span: Span) -> pb.PrefillReply | None:
         """The prefill reply; None when the KV store is down (the decode worker computes)."""
         request = pb.PrefillRequest(
             request_id=rid,
@@ -231,14 +225,14 @@ class Pipeline:
         )
         tried = Tried()
         while True:
-            worker = await self._pick("prefill", hashes, tried)
+            worker = await self._pick("prefill", job.block_hashes, tried)
             worker.inflight += 1
-            sent, computed = self._uncached(worker, job, hashes), 0
+            sent, computed = self._uncached(worker, job), 0
             worker.backlog.add(sent)
             call = span.child("Prefill", CLIENT, worker=worker.address, request_id=rid)
             try:
                 reply: pb.PrefillReply = await worker.stub.Prefill(
-                    request, timeout=self.prefill_timeout, metadata=trace_metadata(call)
+                    request, timeout=self.settings.prefill_timeout, metadata=trace_metadata(call)
                 )
                 computed = len(job.prompt_ids) - reply.cached_tokens
             except grpc.aio.AioRpcError as e:
@@ -259,7 +253,7 @@ class Pipeline:
                 worker.backlog.answered(sent, computed)
                 call.end()
             self.registry.succeeded(worker)
-            worker.remember(hashes)
+            worker.remember(job.block_hashes)
             return reply
 
     async def _decode(
@@ -267,31 +261,30 @@ class Pipeline:
         rid: str,
         job: Job,
         seed: int,
-        hashes: list[bytes],
         tokens: list[int],
         text_sent: int,
-        reply: pb.PrefillReply | None,
+        local_prefill: bool,
         span: Span,
     ) -> AsyncIterator[Delta]:
+        """`local_prefill`: the decode worker computes the prompt (no prefill ran)."""
         tried = Tried()
-        first = reply is None
+        first = local_prefill
         while True:
-            worker = await self._pick("decode", hashes, tried)
+            worker = await self._pick("decode", job.block_hashes, tried)
             request = pb.DecodeRequest(
                 request_id=rid,
                 prompt_token_ids=job.prompt_ids,
                 output_token_ids=tokens,
-                block_hashes=list(reply.block_hashes) if reply is not None else [],
                 params=job.params,
                 seed=seed,
                 salt=job.salt,
-                local_prefill=reply is None,
+                local_prefill=local_prefill,
                 text_sent=text_sent,
             )
             traced = span.child("Decode", CLIENT, worker=worker.address, request_id=rid)
             call = worker.stub.Decode(request, metadata=trace_metadata(traced))
             worker.inflight += 1
-            sent = self._uncached(worker, job, hashes) if first else 0  # it computes the prompt
+            sent = self._uncached(worker, job) if first else 0  # it computes the prompt
             worker.backlog.add(sent)
             try:
                 async for chunk in call:
@@ -315,7 +308,7 @@ class Pipeline:
                     )
                     if finish is not None:
                         self.registry.succeeded(worker)
-                        worker.remember(hashes)
+                        worker.remember(job.block_hashes)
                         return
                 raise_stream_ended(worker)
             except grpc.aio.AioRpcError as e:
@@ -339,11 +332,11 @@ class Pipeline:
                 traced.end()
                 call.cancel()
 
-    async def _pick(self, role: str, hashes: list[bytes], tried: Tried) -> WorkerState:
+    async def _pick(self, role: str, hashes: Sequence[bytes], tried: Tried) -> WorkerState:
         """A worker this request has not given up on; after failures, waits up to
         `retry_wait` seconds for one to come back; 503 when none does."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.retry_wait if tried.failures else loop.time()
+        deadline = loop.time() + self.settings.retry_wait if tried.failures else loop.time()
         while tried.failures < MAX_FAILURES:
             candidates = [w for w in self.registry.available(role) if tried.allows(w)]
             if candidates:

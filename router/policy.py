@@ -14,16 +14,14 @@ from collections import Counter
 from collections.abc import Sequence
 
 from router.workers import WorkerState
-
-POLICIES = ("round_robin", "least_load", "kv_aware")
+from services.settings import RouterSettings
 
 
 class Policy:
-    def __init__(self, name: str, imbalance: int = 8) -> None:
-        if name not in POLICIES:
-            raise ValueError(f"unknown routing policy {name!r} (choose {', '.join(POLICIES)})")
-        self.name = name
-        self.imbalance = imbalance
+    def __init__(self, settings: RouterSettings) -> None:
+        """`settings.policy` (its choices are the policies) and `settings.imbalance`."""
+        self.name = settings.policy
+        self.imbalance = settings.imbalance
         self._turns: Counter[str] = Counter()  # per role: prefill and decode turn apart
 
     def pick(self, workers: Sequence[WorkerState], hashes: Sequence[bytes]) -> WorkerState:

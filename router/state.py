@@ -18,7 +18,6 @@ from typing import Any, TypeVar
 import pydantic
 from fastapi import Request
 
-from router.config import RouterConfig
 from router.errors import APIError, bad_request
 from router.generation import Delta, Job, Pipeline
 from router.metrics import Metrics
@@ -30,6 +29,7 @@ from router.workers import Registry
 from services.engine.params import SamplingParams, ValidationError
 from services.model import hf_config, sources
 from services.model.config import ModelConfig
+from services.settings import RouterSettings, Settings
 from services.tokenizer.tokenizer import Tokenizer
 from services.tracing import NO_SPAN, Span, Tracer
 from services.worker.convert import USER_FIELDS, to_proto_params
@@ -39,7 +39,7 @@ M = TypeVar("M", bound=pydantic.BaseModel)
 
 @dataclass
 class RouterState:
-    config: RouterConfig
+    settings: Settings  # checked (services.settings.check): secret files read
     tokenizer: Tokenizer
     model: ModelConfig
     model_id: str
@@ -52,39 +52,32 @@ class RouterState:
     started: int = field(default_factory=lambda: int(time.time()))
 
     @classmethod
-    def create(cls, config: RouterConfig) -> RouterState:
-        path = sources.resolve(config.model)
+    def create(cls, settings: Settings) -> RouterState:
+        r = settings.router
+        path = sources.resolve(settings.model.model)
         model = hf_config.read_config(path)
         metrics = Metrics()
-        registry = Registry(
-            config.health_interval,
-            config.breaker_failures,
-            config.breaker_cooldown,
-            config.health_timeout,
-            config.health_failures,
-            on_health=metrics.health_changed,
-            block_size=config.block_size,
-        )
-        policy = Policy(config.policy, config.imbalance)
+        registry = Registry(r, on_health=metrics.health_changed)
         pipeline = Pipeline(
             registry,
-            policy,
-            config.block_size,
-            config.prefill_timeout,
-            config.disagg_threshold,
+            Policy(r),
+            r,
             on_local_prefill=lambda reason: metrics.local_prefills.labels(reason).inc(),
-            retry_wait=config.retry_wait,
-            ttft_slo=config.ttft_slo,
-            colocated=config.disagg_threshold > model.max_model_len,
+            colocated=r.disagg_threshold > model.max_model_len,
         )
-        model_id = config.served_model_name or (
-            "SmolLM2-135M-Instruct" if config.model == sources.EMBEDDED else path.name
+        model_id = r.served_model_name or (
+            "SmolLM2-135M-Instruct" if settings.model.model == sources.EMBEDDED else path.name
         )
         tokenizer = Tokenizer.from_dir(path)
-        tracer = Tracer("pdserve-router", config.trace_file)
+        tracer = Tracer("pdserve-router", settings.server.trace_file)
         return cls(
-            config, tokenizer, model, model_id, str(path), registry, pipeline, metrics, tracer
+            settings, tokenizer, model, model_id, str(path), registry, pipeline, metrics, tracer
         )
+
+    @property
+    def config(self) -> RouterSettings:
+        """The router's settings."""
+        return self.settings.router
 
     @property
     def colocated(self) -> bool:
@@ -170,7 +163,16 @@ class RouterState:
         seed = random.getrandbits(63) if seed is None else seed
         wire = to_proto_params(params)
         return [
-            Job(f"{rid}-{i}", ids, wire, seed, params.n, salt, index_base=i * params.n)
+            Job(
+                f"{rid}-{i}",
+                ids,
+                wire,
+                seed,
+                params.n,
+                salt,
+                i * params.n,
+                self.pipeline.block_hashes(ids, salt),
+            )
             for i, ids in enumerate(prompts)
         ]
 

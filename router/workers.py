@@ -35,6 +35,7 @@ from kvstore.block_hash import BLOCK_SIZE
 from router.backlog import Backlog
 from services.rpc import worker_pb2 as pb
 from services.rpc import worker_pb2_grpc as pbg
+from services.settings import RouterSettings
 
 log = logging.getLogger("pdserve.router")
 REMEMBERED_BLOCKS = 50_000  # per worker
@@ -94,21 +95,17 @@ class WorkerState:
 class Registry:
     def __init__(
         self,
-        health_interval: float,
-        breaker_failures: int,
-        breaker_cooldown: float,
-        health_timeout: float = 5.0,
-        health_failures: int = 3,
+        settings: RouterSettings,
         on_health: Callable[[WorkerState, bool], None] = lambda worker, healthy: None,
-        block_size: int = BLOCK_SIZE,
+        breaker_failures: int = 3,
+        breaker_cooldown: float = 5.0,
     ) -> None:
-        self.health_interval = health_interval
+        """`settings`: health_interval, health_timeout and health_failures; the circuit
+        breaker's failures and cooldown are fixed here."""
+        self.settings = settings
         self.breaker_failures = breaker_failures
         self.breaker_cooldown = breaker_cooldown
-        self.health_timeout = health_timeout
-        self.health_failures = health_failures
         self.on_health = on_health  # called on every change of a worker's health
-        self.block_size = block_size  # the router hashes prompts in blocks of this many tokens
         self.workers: dict[tuple[str, str], WorkerState] = {}
         self.discovered: dict[tuple[str, str], set[str]] = {}  # (role, dns name) -> addresses
         self._task: asyncio.Task[None] | None = None
@@ -206,7 +203,7 @@ class Registry:
         due = 0.0  # when every worker is next asked
         while True:
             if time.monotonic() >= due:
-                due = time.monotonic() + self.health_interval
+                due = time.monotonic() + self.settings.health_interval
                 await self.resolve()
                 await self.check_all()
             else:
@@ -216,11 +213,15 @@ class Registry:
 
     async def _check(self, worker: WorkerState) -> None:
         try:
-            health = await worker.stub.Health(pb.HealthRequest(), timeout=self.health_timeout)
-            worker.load = await worker.stub.Load(pb.LoadRequest(), timeout=self.health_timeout)
+            health = await worker.stub.Health(
+                pb.HealthRequest(), timeout=self.settings.health_timeout
+            )
+            worker.load = await worker.stub.Load(
+                pb.LoadRequest(), timeout=self.settings.health_timeout
+            )
         except grpc.aio.AioRpcError as e:
             worker.check_failures += 1
-            if worker.check_failures >= self.health_failures:
+            if worker.check_failures >= self.settings.health_failures:
                 self._set_health(worker, False, f"{e.code().name} x{worker.check_failures}")
             return
         worker.check_failures = 0
@@ -247,8 +248,8 @@ class Registry:
         """Why a worker's KV cannot be used with the others' (None if it can): another block
         size than the router's, or another namespace than the healthy workers' (another
         model, dtype, quantization or codec: its blocks would never match theirs)."""
-        if health.block_size != self.block_size:
-            return f"block size {health.block_size}, the router's {self.block_size}"
+        if health.block_size != BLOCK_SIZE:
+            return f"block size {health.block_size}, the router's {BLOCK_SIZE}"
         others = {w.namespace for w in self.workers.values() if w.healthy and w is not worker}
         if others and health.namespace not in others:
             return f"KV namespace {health.namespace}, the other workers' {min(others)}"

@@ -48,12 +48,12 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=_positive_int, default=128, help="tokens to generate")
     gen.add_argument("--temperature", type=_non_negative_float, default=0.0, help="0 = greedy")
     gen.add_argument("--seed", type=int, default=0, help="sampling seed (with --temperature)")
-    _add_model_args(gen)
+    settings.add_arguments(gen, "generate")
     gen.set_defaults(run=_generate)
 
     conv = sub.add_parser("convert", help="write the model as a Hugging Face directory")
     conv.add_argument("--out", type=Path, required=True, help="output directory (new or empty)")
-    conv.add_argument("--model", default="embedded", help=settings.MODEL_HELP)
+    settings.add_arguments(conv, "generate", only=["model"])
     conv.set_defaults(run=_convert)
 
     for role, text in (
@@ -82,43 +82,14 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="embedded", help=settings.MODEL_HELP)
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        help="compute dtype; auto = bfloat16 where the CPU has bf16 units, else float32",
-    )
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
-    p.add_argument(
-        "--quantization",
-        default="none",
-        choices=["none", "int8"],
-        help="int8: the decoder layers' main products in int8 (services/model/quantize.py)",
-    )
-    p.add_argument(
-        "--kernels",
-        default="auto",
-        choices=["auto", "c", "torch", "triton"],
-        help="attention and layer kernels: auto (Triton on CUDA, C on CPUs), c, torch, triton",
-    )
-
-
 def _serve(args: argparse.Namespace) -> int:
     loaded = settings.load(args.role, args)
-    logs.configure(loaded.settings.log_level)
-    s = loaded.settings
-    if s.trace_file:  # refused now, not after the model has loaded
-        try:
-            with open(s.trace_file, "a"):
-                pass
-        except OSError as e:
-            raise settings.SettingsError(f"trace_file: cannot append to {s.trace_file}: {e}") from e
-    if args.role == "up":
+    logs.configure(loaded.settings.server.log_level)
+    if args.role == "up":  # checks every role's settings itself, then starts them
         from services.up import up
 
-        return up(s)
+        return up(loaded.settings)
+    s = settings.check(loaded.settings)  # refused now, not after the model has loaded
     return int(role(args.role)(s))
 
 
@@ -147,11 +118,12 @@ def _health(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from services.engine.engine import Engine, EngineConfig
+    from services.engine.engine import Engine
     from services.engine.params import SamplingParams, ValidationError
     from services.model.loader import load_model
 
-    loaded = load_model(args.model, args.dtype, args.device, args.quantization, args.kernels)
+    ms = settings.load("generate", args).settings.model
+    loaded = load_model(ms.model, ms.dtype, ms.device, ms.quantization, ms.kernels)
     tok = loaded.tokenizer
     if args.chat:
         prompt = tok.encode_chat([{"role": "user", "content": args.prompt}])
@@ -161,7 +133,7 @@ def _generate(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
     )
     blocks = -(-(len(prompt) + args.max_tokens) // BLOCK_SIZE)
-    engine = Engine(loaded.model, tok, EngineConfig(num_blocks=max(blocks, 1)))
+    engine = Engine(loaded.model, tok, settings.EngineConfig(num_blocks=max(blocks, 1)))
     try:
         engine.add_request(EngineRequest("cli", prompt, params))
     except ValidationError as e:
@@ -178,7 +150,7 @@ def _generate(args: argparse.Namespace) -> int:
 def _convert(args: argparse.Namespace) -> int:
     from services.model.sources import convert
 
-    out = convert(args.model, args.out)
+    out = convert(settings.load("generate", args).settings.model.model, args.out)
     print(f"wrote {out}")
     return 0
 

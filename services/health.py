@@ -16,13 +16,13 @@ from services.rpc import worker_pb2 as pb
 from services.rpc import worker_pb2_grpc as pbg
 
 
-def probe(port: int, live: bool = False, host: str = "127.0.0.1", timeout: float = 3.0) -> bool:
+def probe(port: int, live: bool = False, address: str = "127.0.0.1", timeout: float = 3.0) -> bool:
     try:
-        status = httpx.get(f"http://{host}:{port}/health", timeout=timeout).status_code
+        status = httpx.get(f"http://{address}:{port}/health", timeout=timeout).status_code
         return live or status == 200
     except httpx.HTTPError:
         pass  # not HTTP/1.1: a worker's gRPC port, or nothing
-    return asyncio.run(_grpc_probe(f"{host}:{port}", live, timeout))
+    return asyncio.run(_grpc_probe(f"{address}:{port}", live, timeout))
 
 
 async def _grpc_probe(address: str, live: bool, timeout: float) -> bool:

@@ -18,6 +18,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from urllib.parse import quote
 
+from services.settings import DEFAULTS
+
 PDSERVE = str(Path(sys.executable).parent / "pdserve")
 
 # The workers share the host's cores. Between parallel regions libgomp spins its threads
@@ -41,15 +43,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_for_port(port: int, timeout: float = 10.0, host: str = "127.0.0.1") -> None:
+def wait_for_port(port: int, timeout: float = 10.0, address: str = "127.0.0.1") -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            with socket.create_connection((host, port), timeout=0.2):
+            with socket.create_connection((address, port), timeout=0.2):
                 return
         except OSError:
             time.sleep(0.02)
-    raise RuntimeError(f"nothing listened on {host}:{port} within {timeout}s")
+    raise RuntimeError(f"nothing listened on {address}:{port} within {timeout}s")
 
 
 def redis_conf(
@@ -117,7 +119,13 @@ class WorkerProcess(Child):
     """`pdserve prefill|decode` as a child process, ready once its Health says so."""
 
     def __init__(
-        self, role: str, model: str, kv_store: str, log_dir: Path, *args: str, dtype: str = "auto"
+        self,
+        role: str,
+        model: str,
+        kv_store: str,
+        log_dir: Path,
+        *args: str,
+        dtype: str = DEFAULTS.model.dtype,
     ) -> None:
         self.role = role
         self.port = free_port()
@@ -178,7 +186,7 @@ class RouterProcess(Child):
         prefill: list[str],
         decode: list[str],
         *args: str,
-        model: str = "embedded",
+        model: str = DEFAULTS.model.model,
     ) -> None:
         self.port = free_port()
         self.log_path = log_dir / f"router-{self.port}.log"

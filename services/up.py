@@ -42,12 +42,11 @@ from kvstore import local
 from kvstore.keyfile import make_key
 from kvstore.store import redact
 from services.launcher import PDSERVE, free_port, redis_conf, shared_host_env
-from services.settings import Settings, SettingsError, child_env, env_name
+from services.settings import Settings, SettingsError, check, child_env, env_name, names
 
 BACKOFF_MAX = 30.0
 STABLE_AFTER = 60.0  # seconds of running that reset a child's backoff
 READY_TIMEOUT = 600.0  # first start converts the model: minutes on a slow machine
-MEMORY = re.compile(r"\d+(b|k|kb|m|mb|g|gb)?", re.IGNORECASE)  # redis.conf's memory units
 _print_lock = threading.Lock()
 COLOCATED_THRESHOLD = 1 << 30  # past any context window: no prompt goes to a prefill worker
 # Below this many cores `up` colocates unless told otherwise: on 2 cores a prefill and a decode
@@ -56,6 +55,7 @@ COLOCATED_THRESHOLD = 1 << 30  # past any context window: no prompt goes to a pr
 # 1.08x at 32 streams and 1.7x the goodput at 1 req/s (docs/benchmarks.md, "Serving against
 # vLLM"). Not measured between 2 and 8 cores: there, say --no-colocated or --colocated.
 COLOCATE_BELOW_CORES = 8
+USAGE_ERROR = 2  # the exit code of `pdserve` refusing a setting or a model (services/cli.py)
 
 
 def say(line: str) -> None:
@@ -78,6 +78,9 @@ class Child:
     started: float = 0.0
     backoff: float = 1.0
     restart_at: float | None = None
+    ever_ready: bool = False  # running when the stack first answered ready
+    last_line: str = ""  # of its output (a usage error's message)
+    pump: threading.Thread | None = None
 
     def start(self) -> None:
         self.process = subprocess.Popen(
@@ -86,13 +89,15 @@ class Child:
         )  # fmt: skip
         self.started = time.monotonic()
         self.restart_at = None
-        threading.Thread(target=self._pump, args=(self.process,), daemon=True).start()
+        self.pump = threading.Thread(target=self._pump, args=(self.process,), daemon=True)
+        self.pump.start()
         say(f"pdserve: {self.name} started (pid {self.process.pid})")
 
     def _pump(self, process: subprocess.Popen[bytes]) -> None:
         assert process.stdout is not None
         for raw in process.stdout:
-            say(f"{self.name} | {raw.decode(errors='replace').rstrip()}")
+            self.last_line = raw.decode(errors="replace").rstrip()
+            say(f"{self.name} | {self.last_line}")
 
     def stop(self, timeout: float) -> None:
         if self.process is None or self.process.poll() is not None:
@@ -116,21 +121,21 @@ class Stack:
     def colocated(self) -> bool:
         """As set; unset, colocated on a host with few cores, unless prefill workers were
         asked for by number."""
-        s = self.settings
-        if s.colocated is not None:
-            return s.colocated
-        return self.cores < COLOCATE_BELOW_CORES and s.num_prefill == 1
+        u = self.settings.up
+        if u.colocated is not None:
+            return u.colocated
+        return self.cores < COLOCATE_BELOW_CORES and u.num_prefill == 1
 
     @property
     def url(self) -> str:
-        return f"http://{self.settings.host}:{self.settings.port_for('up')}"
+        return f"http://{self.settings.server.host}:{self.settings.port}"
 
     def topology(self) -> str:
-        s = self.settings
+        u = self.settings.up
         if not self.colocated:
-            return f"prefill x{s.num_prefill}, decode x{s.num_decode}"
-        shape = f"colocated: decode x{s.num_decode} computing prompts too"
-        if s.colocated is None:
+            return f"prefill x{u.num_prefill}, decode x{u.num_decode}"
+        shape = f"colocated: decode x{u.num_decode} computing prompts too"
+        if u.colocated is None:
             shape += (f" (chosen for {self.cores} cores: faster than prefill and decode "
                       "processes sharing them; --no-colocated to run prefill workers)")  # fmt: skip
         return shape
@@ -140,13 +145,15 @@ class Stack:
         s = self.settings
         # settings reach the children as this process resolved them; other PDSERVE_*
         # variables (PDSERVE_CACHE_DIR, PDSERVE_KERNELS) pass through
-        ours = {env_name(n) for n in Settings.names()} | {"PDSERVE_CONFIG"}
+        ours = {env_name(n) for n in names()} | {"PDSERVE_CONFIG"}
         base = {k: v for k, v in os.environ.items() if k not in ours}
-        store = self._redis(workdir, base) if s.redis else self._local_store()
-        key_file = s.kv_key_file or str(self._key_file(store, workdir))
-        secrets_env = {"PDSERVE_KV_STORE": store, "PDSERVE_KV_KEY_FILE": key_file}
-        roles = (("decode", s.num_decode),) if self.colocated else (
-            ("prefill", s.num_prefill), ("decode", s.num_decode))  # fmt: skip
+        store = self._redis(workdir, base) if s.up.redis else self._local_store()
+        key_file = s.store.kv_key_file or str(self._key_file(store, workdir))
+        secrets_env = {
+            env_name("kv_store"): store, env_name("kv_key_file"): key_file,
+        }  # fmt: skip
+        roles = (("decode", s.up.num_decode),) if self.colocated else (
+            ("prefill", s.up.num_prefill), ("decode", s.up.num_decode))  # fmt: skip
         shared = sum(count for _, count in roles) > 1
         shared_cores = shared_host_env(base) if shared else {}
         addresses: dict[str, list[str]] = {"prefill": [], "decode": []}
@@ -155,8 +162,11 @@ class Stack:
             for i in range(count):
                 port = free_port()
                 env = {**base, **child_env(s, role), **secrets_env, **shared_cores}
-                if s.metrics_port is not None:  # one port each: prefill workers', then decode's
-                    env[env_name("metrics_port")] = str(s.metrics_port + len(workers))
+                metrics_port = (
+                    s.worker.metrics_port
+                )  # one port each: prefill workers', then decode's
+                if metrics_port is not None:
+                    env[env_name("metrics_port")] = str(metrics_port + len(workers))
                 argv = [PDSERVE, role, "--host", "127.0.0.1", "--port", str(port)]
                 workers.append(Child(f"{role}-{i}", argv, env))
                 addresses[role].append(f"127.0.0.1:{port}")
@@ -164,7 +174,7 @@ class Stack:
         env = {**base, **child_env(s, "router")}
         if self.colocated:  # the router sends every prompt to a decode worker
             env[env_name("disagg_threshold")] = str(COLOCATED_THRESHOLD)
-        argv = [PDSERVE, "router", "--host", s.host, "--port", str(s.port_for("up")),
+        argv = [PDSERVE, "router", "--host", s.server.host, "--port", str(s.port),
                 "--prefill", ",".join(addresses["prefill"]) or "",
                 "--decode", ",".join(addresses["decode"])]  # fmt: skip
         self.children.append(Child("router", argv, env))
@@ -174,13 +184,13 @@ class Stack:
     def stack_dir(self) -> Path:
         """This stack's own local:// directory: this user's, named after the stack's address
         (two stacks on one host never share one; a restart of the same stack keeps it)."""
-        address = f"{self.settings.host}-{self.settings.port_for('up')}"
+        address = f"{self.settings.server.host}-{self.settings.port}"
         return local.default_dir() / f"up-{re.sub(r'[^A-Za-z0-9.-]', '_', address)}"
 
     def _local_store(self) -> str:
         """The workers' store URL: a bare local:// made the stack's own, others as given."""
-        if self.settings.kv_store != "local://":
-            return self.settings.kv_store
+        if self.settings.store.kv_store != "local://":
+            return self.settings.store.kv_store
         try:
             local.private_dir(local.default_dir())
             return f"local://{local.private_dir(self.stack_dir)}"
@@ -201,26 +211,25 @@ class Stack:
 
     def _redis(self, workdir: Path, env: dict[str, str]) -> str:
         """A redis-server child with a password and a memory cap; the workers' store URL."""
-        if shutil.which("redis-server") is None:
-            raise SettingsError(
-                "--redis: redis-server is not installed (apt-get install redis-server); "
-                "or give --kv-store redis://HOST:PORT"
-            )
-        cap = self.settings.redis_max_memory
-        if not MEMORY.fullmatch(cap):
-            raise SettingsError(f"redis_max_memory: {cap!r} is not a size like 512mb or 2gb")
+        cap = self.settings.up.redis_max_memory  # checked (services/settings/checks.py)
         port, password = free_port(), secrets.token_urlsafe(32)
         conf = redis_conf(workdir / "redis.conf", port, workdir, password, cap)
         self.children.append(Child("redis", ["redis-server", str(conf)], env))
         return f"redis://:{password}@127.0.0.1:{port}/0"
 
     def supervise_once(self) -> None:
-        """Report children that died; start again those whose backoff has passed."""
+        """Report children that died; start again those whose backoff has passed. A child
+        that refused its settings before it was ever ready is not restarted: SettingsError
+        with its message (a restart would refuse them again)."""
         now = time.monotonic()
         for child in self.children:
             if child.process is None:
                 continue
             code = child.process.poll()
+            if code == USAGE_ERROR and not child.ever_ready:
+                if child.pump is not None:
+                    child.pump.join(timeout=1)  # its last words
+                raise SettingsError(f"{child.name} refused its settings: {child.last_line}")
             if code is not None and child.restart_at is None:
                 if now - child.started > STABLE_AFTER:
                     child.backoff = 1.0
@@ -237,6 +246,8 @@ class Stack:
             self.supervise_once()
             try:
                 if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    for child in self.children:
+                        child.ever_ready = child.process is not None and child.restart_at is None
                     return True
             except httpx.HTTPError:
                 pass
@@ -246,17 +257,18 @@ class Stack:
     def stop(self) -> None:
         order = sorted(self.children, key=lambda c: {"router": 0, "redis": 2}.get(c.name, 1))
         for child in order:
-            child.stop(self.settings.grace_period + 5)
+            child.stop(self.settings.worker.grace_period + 5)
 
 
 def up(settings: Settings) -> int:
-    from services.model import sources
-
+    """Run the stack until SIGINT or SIGTERM. Every role's settings are checked here first
+    (the model's architecture included; a GGUF converted once, not in every worker at once):
+    SettingsError or ModelLoadError, and no child started, when one is wrong."""
+    say(f"pdserve: preparing the model ({settings.model.model})")
+    check(settings)  # the children get `settings` as given: each reads its own secret files
     stack = Stack(settings)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stack.stopping.set())
-    say(f"pdserve: preparing the model ({settings.model})")
-    sources.resolve(settings.model)  # convert once here, not in every worker at once
     workdir = Path(tempfile.mkdtemp(prefix="pdserve-up-"))  # 0700, a name no one can guess
     try:
         store = stack.build(workdir)

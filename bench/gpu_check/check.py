@@ -11,6 +11,7 @@ import torch
 
 from bench.offline import log
 from services.model.loader import DTYPES, LoadedModel, load_model
+from services.settings import DEFAULTS
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = [  # tests/services/model/test_reference.py's
@@ -74,7 +75,7 @@ class Check:
     def left(self) -> float:
         return self.deadline - time.monotonic()
 
-    def model(self, dtype: str, kernels: str = "auto") -> LoadedModel:
+    def model(self, dtype: str, kernels: str = DEFAULTS.model.kernels) -> LoadedModel:
         if (dtype, kernels) not in self.models:
             log(f"  loading the embedded model: {dtype}, kernels {kernels}")
             loaded = load_model("embedded", dtype, str(self.device), kernels=kernels)

@@ -161,7 +161,7 @@ class BlockManager:
                 del self.free[block_id]
             block.ref_count += 1
 
-    # -- blocks computed elsewhere (decode workers) or sent elsewhere (prefill workers) --
+    # -- KV held outside the pool (services/engine/kv_connector.py) ----------------------
 
     def import_prefix(self, seq: Sequence, hashes: Seq[bytes]) -> list[int]:
         """Give a sequence with no blocks one block per hash: cached ones are shared, the rest
@@ -180,6 +180,34 @@ class BlockManager:
         self.allocate(seq, fresh * self.block_size)
         seq.num_computed_tokens = len(hashes) * self.block_size
         return list(range(len(found), len(hashes)))
+
+    def admit_external(
+        self, seq: Sequence, hashes: Seq[bytes], partial_tokens: int, skipped: int
+    ) -> list[tuple[int, int]] | None:
+        """Give `seq` (holding no blocks) a prefix held outside the pool: full blocks named by
+        `hashes`, then `partial_tokens` more; blocks this pool caches are shared, the others
+        allocated. Returns (index in the prefix, block id) for each block the caller must fill
+        (before anything reads it: they are named now), or None, nothing changed, when the
+        pool is short. At least one token is left to compute. The first `skipped` blocks have
+        no values outside: where they are no longer cached, the prefix stops there."""
+        usable = min(len(hashes) * self.block_size + partial_tokens, seq.num_tokens - 1)
+        full = min(len(hashes), usable // self.block_size)
+        partial = usable - full * self.block_size if full == len(hashes) else 0
+        cached = self.lookup(hashes[:full])
+        if len(cached) < skipped:
+            full, partial = len(cached), 0
+        fresh = full - len(cached) + (1 if partial else 0)
+        if fresh > self.num_free - sum(self.blocks[b].ref_count == 0 for b in cached):
+            return None
+        to_fill = self.import_prefix(seq, hashes[:full])
+        items = [(i, seq.block_ids[i]) for i in to_fill]
+        if partial:
+            self.allocate(seq, partial)
+            items.append((full, seq.block_ids[-1]))
+            seq.num_computed_tokens += partial
+        self.commit(seq)
+        seq.num_external_tokens = seq.num_computed_tokens - len(cached) * self.block_size
+        return items
 
     def export(self, seq: Sequence) -> list[tuple[bytes, int]]:
         """(hash, block id) of each full, computed block of `seq`, in order."""

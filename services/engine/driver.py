@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from services.engine.engine import Engine
+from services.engine.kv_connector import KVConnector
 from services.engine.outputs import SequenceDelta
 from services.engine.request import EngineRequest, Status
 
@@ -126,15 +127,17 @@ class AsyncEngine:
         self._wake.set()
         return future
 
-    async def submit(self, request: EngineRequest) -> AsyncIterator[SequenceDelta]:
-        """Add a request (Engine.add_request); raises its ValidationError before anything is
-        queued. Iterate the result for the request's deltas; a reader that stops before the
-        last one aborts the request."""
+    async def submit(
+        self, request: EngineRequest, connector: KVConnector | None = None
+    ) -> AsyncIterator[SequenceDelta]:
+        """Add a request (Engine.add_request, with its KV connector); raises its
+        ValidationError before anything is queued. Iterate the result for the request's
+        deltas; a reader that stops before the last one aborts the request."""
         stream: Stream = asyncio.Queue()
         request_id = request.request_id
 
         def add(engine: Engine) -> None:
-            engine.add_request(request)
+            engine.add_request(request, connector)
             self._streams[request_id] = stream  # on the engine thread: before its first step
 
         try:

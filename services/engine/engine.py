@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvstore.block_hash import BLOCK_SIZE, KVLayout
+from kvstore.block_hash import KVLayout
 from services.engine.block_manager import BlockManager
+from services.engine.kv_connector import BlockToSave, KVConnector, KVConnectorWorker
 from services.engine.outputs import (
     Choice,
     RequestOutput,
@@ -39,36 +40,16 @@ from services.engine.request import (
     TokenLogprobs,
 )
 from services.engine.sampler import Sampler
-from services.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+from services.engine.scheduler import ScheduledChunk, Scheduler
 from services.engine.seeds import choice_seed
-from services.engine.speculative import SpeculativeConfig, Speculator
+from services.engine.speculative import Speculator
 from services.engine.structured import Grammars
 from services.model.batch import ForwardBatch, SeqChunk
 from services.model.gpu.graphs import DecodeGraphs
 from services.model.llama import LlamaModel
-from services.settings import DEFAULTS
+from services.settings import EngineConfig
 from services.tokenizer.detokenize import IncrementalDetokenizer
 from services.tokenizer.tokenizer import Tokenizer
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """The engine's sizes; defaults shared with the workers' settings (services/settings.py)."""
-
-    block_size: int = BLOCK_SIZE
-    num_blocks: int | None = None  # KV blocks in the pool; None: as many as kv_cache_bytes holds
-    kv_cache_bytes: int = int(DEFAULTS.kv_cache_gb * (1 << 30))
-    max_num_seqs: int = DEFAULTS.max_num_seqs
-    max_num_batched_tokens: int = DEFAULTS.max_num_batched_tokens
-    # tokens of one prompt per step, at most (scheduler.py); None: min(256, the budget)
-    prefill_chunk_size: int | None = None
-    enable_prefix_caching: bool = True
-    model_id: str = "model"  # fingerprint of the weights, part of every block hash
-    namespace: str | None = None  # the block-hash namespace; None: from the model and layout
-    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
-    # decode steps of up to this many sequences replay CUDA graphs (Triton kernels on a CUDA
-    # device only, services/model/gpu/graphs.py); 0: never
-    cuda_graph_max_batch: int = DEFAULTS.cuda_graph_max_batch
 
 
 @dataclass
@@ -90,6 +71,7 @@ class StepTimes:
 class _Request:
     seqs: list[Sequence]
     held_back: list[Sequence] = field(default_factory=list)  # choices 1..n-1 before prefill
+    connector: KVConnector | None = None  # its KV beyond the engine (kv_connector.py)
 
 
 class Engine:
@@ -99,44 +81,40 @@ class Engine:
         tokenizer: Tokenizer,
         config: EngineConfig | None = None,
         draft: LlamaModel | None = None,
+        namespace: str | None = None,
+        kv_connector: KVConnectorWorker | None = None,
     ) -> None:
-        """`draft`: the draft model, for speculative method `draft` (same tokenizer)."""
+        """`draft`: the draft model, for speculative method `draft` (same tokenizer);
+        `namespace`: the block-hash namespace (a worker's: block names in the engine are keys
+        in its store); None: the model's layout. `kv_connector`: the worker half of the KV
+        seam, which loads and saves the blocks requests' connectors ask for."""
         self.model = model
         self.tokenizer = tokenizer
         self.config = config = config or EngineConfig()
         mc = model.config
-        self.layout = KVLayout(
-            config.model_id, str(model.dtype).removeprefix("torch."), config.block_size,
-            mc.num_layers, mc.num_kv_heads, mc.head_dim,
-        )  # fmt: skip
         num_blocks = config.num_blocks or self._blocks_for(config.kv_cache_bytes)
         self.kv = model.new_kv_cache(num_blocks, config.block_size)
         self.graphs: DecodeGraphs | None = None
         on_gpu = model.kernels == "triton" and model.device.type == "cuda"
         if on_gpu and config.cuda_graph_max_batch > 0:
             self.graphs = DecodeGraphs(model, self.kv, config.cuda_graph_max_batch)
-        namespace = config.namespace or self.layout.namespace()
+        namespace = namespace or KVLayout(
+            "model", str(model.dtype).removeprefix("torch."), config.block_size,
+            mc.num_layers, mc.num_kv_heads, mc.head_dim,
+        ).namespace()  # fmt: skip
         self.blocks = BlockManager(
             num_blocks, config.block_size, namespace, config.enable_prefix_caching
         )
         self.speculator = None
-        if config.speculative is not None:
+        if config.speculative.enabled:
             drafter = None
             if draft is not None:
                 drafter = DraftModel(draft, mc.vocab_size, num_blocks, config.block_size)
             self.speculator = Speculator(config.speculative, mc.max_model_len, drafter)
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                config.max_num_seqs,
-                config.max_num_batched_tokens,
-                config.prefill_chunk_size or min(256, config.max_num_batched_tokens),
-            ),
-            self.blocks,
-            self._admit,
-            self.speculator,
-        )
+        self.scheduler = Scheduler(config, self.blocks, self._admit, self.speculator)
         self.grammars = Grammars(tokenizer, mc.vocab_size, mc.eos_token_ids)
         self.sampler = Sampler(mc.vocab_size, mc.eos_token_ids, self.grammars)
+        self.kv_connector = kv_connector
         self.requests: dict[str, _Request] = {}
         self.times = StepTimes()
         self._arrivals = itertools.count()
@@ -149,8 +127,10 @@ class Engine:
 
     # -- requests --------------------------------------------------------------------
 
-    def add_request(self, request: EngineRequest) -> None:
-        """Queue a request, or raise ValidationError (nothing queued) if it cannot be run."""
+    def add_request(self, request: EngineRequest, connector: KVConnector | None = None) -> None:
+        """Queue a request, or raise ValidationError (nothing queued) if it cannot be run.
+        `connector`: the scheduler half of its KV beyond the engine (needs `kv_connector`)."""
+        assert connector is None or self.kv_connector is not None, "no worker half to move KV"
         request_id, prompt_ids, params = request.request_id, request.prompt_ids, request.params
         output_ids, salt = request.output_ids, request.salt
         mc = self.model.config
@@ -182,7 +162,6 @@ class Engine:
                 arrival=next(self._arrivals),
                 salt=salt,
                 detokenizer=self._detokenizer(prompt_ids, output_ids, params),
-                transfer=request.transfer,
                 block_hashes=list(
                     request.block_hashes[: len(prompt_ids) // self.config.block_size]
                 ),
@@ -198,7 +177,7 @@ class Engine:
                 if request.text_sent is None
                 else min(request.text_sent, len(seq.text))
             )
-        self.requests[request_id] = _Request(seqs, held_back=seqs[1:])
+        self.requests[request_id] = _Request(seqs, seqs[1:], connector)
         # Choices 1..n-1 wait until choice 0 has computed the prompt; they then find its
         # full blocks in the prefix cache and share them instead of computing them again.
         self.scheduler.add(seqs[0])
@@ -212,16 +191,36 @@ class Engine:
         return detok
 
     def _admit(self, seq: Sequence) -> int:
-        """The computed prefix of a sequence entering the batch: what its transfer brings, or
-        the prefix cache's; nothing for a prompt being scored (its logits are needed)."""
+        """The computed prefix of a sequence entering the batch: what its connector brings,
+        or the prefix cache's; nothing for a prompt being scored (its logits are needed).
+        0 with no blocks given when the pool is short for the connector's prefix."""
         if scores_prompt(seq):
             seq.prompt_logprobs.clear()  # preempted before its first token: scored again
             return 0
-        if seq.transfer is not None:
-            computed = seq.transfer.admit(self.blocks, self.kv, seq)
-            if computed is not None:
-                return computed
-        return self.blocks.admit(seq)
+        connector = self._connector(seq)
+        prefix = connector.prefix(seq) if connector is not None else None
+        if prefix is None:
+            return self.blocks.admit(seq)
+        items = self.blocks.admit_external(
+            seq, prefix.hashes, prefix.partial_tokens, prefix.skipped
+        )
+        if items is None:
+            return 0
+        if items:
+            assert self.kv_connector is not None
+            self.kv_connector.load(self.kv, prefix.source, items)
+        assert connector is not None
+        connector.admitted(self.blocks, seq)
+        return seq.num_computed_tokens
+
+    def _connector(self, seq: Sequence) -> KVConnector | None:
+        req = self.requests.get(seq.request_id)
+        return req.connector if req is not None else None
+
+    def _save(self, seq: Sequence, blocks: list[BlockToSave]) -> None:
+        if blocks:
+            assert self.kv_connector is not None
+            self.kv_connector.save(self.kv, seq, blocks)
 
     def abort(self, request_id: str) -> list[SequenceDelta]:
         """Stop a request now; its blocks return to the pool before this returns."""
@@ -289,8 +288,9 @@ class Engine:
         """seq's KV now holds its first `num_computed` tokens: name its full blocks."""
         seq.num_computed_tokens = num_computed
         self.blocks.commit(seq)
-        if seq.transfer is not None:
-            seq.transfer.computed(self.blocks, seq)
+        connector = self._connector(seq)
+        if connector is not None:
+            self._save(seq, connector.computed(self.blocks, seq))
 
     def _verify(
         self,
@@ -341,11 +341,12 @@ class Engine:
             seq.logprobs.append(logprobs)
         if seq.matcher is not None:
             self.grammars.advance(seq.matcher, token)
+        connector = self._connector(seq)
         stops = StopChecker(seq, self.sampler.eos_token_ids, self.model.config.max_model_len)
-        delta = stops.apply(token, step)
+        delta = stops.apply(token, step, connector is not None and connector.hands_off(seq))
         if seq.finish_reason is not None:
-            if seq.transfer is not None:
-                seq.transfer.finished(self.blocks, seq)  # before its blocks are released
+            if connector is not None:  # before its blocks are released
+                self._save(seq, connector.finished(self.blocks, seq))
             self._finish(seq)
         if seq.index == 0 and seq.num_output_tokens == 1:
             self._release_held_back(seq.request_id)
@@ -397,3 +398,6 @@ class Engine:
         assert all(s.status is Status.RUNNING for s in holders), "a non-running seq holds blocks"
         held = sum(len(s.block_ids) for s in holders)
         assert held == sum(b.ref_count for b in self.blocks.blocks), "references leak"
+
+
+__all__ = ["Engine", "EngineConfig", "StepTimes"]

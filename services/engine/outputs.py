@@ -34,7 +34,7 @@ class SequenceDelta:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens not computed: from the local cache or a store
-    num_store_tokens: int = 0  # ... of which read from a store
+    num_external_tokens: int = 0  # ... of which its KV connector brought
     step: StepTiming | None = None
     scheduled_ns: int = 0  # when the sequence first entered a step (left the queue)
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # with the first token
@@ -61,7 +61,7 @@ class SequenceDelta:
     def finished_only(cls, seq: Sequence) -> SequenceDelta:
         return cls(
             seq.request_id, seq.index, [], "", [], seq.finish_reason,
-            seq.prompt_len, seq.num_output_tokens, seq.num_cached_tokens, seq.store_tokens,
+            seq.prompt_len, seq.num_output_tokens, seq.num_cached_tokens, seq.num_external_tokens,
         )  # fmt: skip
 
 
@@ -103,7 +103,11 @@ class StopChecker:
         self.eos = eos_token_ids
         self.max_model_len = max_model_len
 
-    def apply(self, token: int, step: StepTiming | None = None) -> SequenceDelta:
+    def apply(
+        self, token: int, step: StepTiming | None = None, hand_off: bool = False
+    ) -> SequenceDelta:
+        """`hand_off`: unless a stop or the length ends it, the sequence stops here unfinished
+        (HANDED_OFF): its text is held back as if it went on."""
         seq, p = self.seq, self.seq.params
         detok = seq.detokenizer
         assert detok is not None
@@ -123,9 +127,9 @@ class StopChecker:
             seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len
         ):
             reason = FinishReason.LENGTH
-        if reason is None and seq.transfer is not None and seq.transfer.finishes_at_first_token:
-            reason = FinishReason.PREFILLED  # the text goes on elsewhere: hold back as usual
-        final = reason is not None and reason is not FinishReason.PREFILLED
+        if reason is None and hand_off:
+            reason = FinishReason.HANDED_OFF
+        final = reason is not None and reason is not FinishReason.HANDED_OFF
         if final:  # the end: cut at the stop string, or flush what is pending
             text = text[:cut] if cut is not None else text + detok.flush()
         seq.finish_reason = reason
@@ -143,7 +147,7 @@ class StopChecker:
             seq.prompt_len,
             seq.num_output_tokens,
             seq.num_cached_tokens,
-            seq.store_tokens,
+            seq.num_external_tokens,
             step,
             seq.scheduled_ns,
             seq.prompt_logprobs if seq.num_output_tokens == 1 else [],

@@ -14,13 +14,10 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence as SeqOf
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from services.engine.params import SamplingParams
 from services.tokenizer.detokenize import IncrementalDetokenizer
-
-if TYPE_CHECKING:
-    from services.engine.kv_transfer import KVTransfer
 
 
 class Status(enum.Enum):
@@ -34,7 +31,9 @@ class FinishReason(enum.Enum):
     STOP = "stop"  # EOS, a stop token or a stop string
     LENGTH = "length"  # max_tokens, or the context window
     ABORT = "abort"
-    PREFILLED = "prefilled"  # a prefill-only request has its first token; decode goes on elsewhere
+    # stopped here unfinished: its KV connector hands the generation on elsewhere (its text
+    # is held back as if it went on: services/engine/kv_connector.py)
+    HANDED_OFF = "handed_off"
 
 
 @dataclass(frozen=True)
@@ -49,12 +48,12 @@ class TokenLogprobs:
 class EngineRequest:
     """A request as the engine takes it (Engine.add_request, AsyncEngine.submit).
 
-    Disaggregation: `output_ids` are tokens already generated elsewhere (their KV is computed
-    here), of whose text `text_sent` characters reached the client (None: all); `transfer` is
-    the request's KV beyond the engine (services/engine/kv_transfer.py: what it brings, what
-    leaves, whether it finishes at its first token). `block_hashes`: the prompt's full-block
-    hashes where the caller has computed them (in the engine's namespace, with `salt`), so
-    they are computed once per request in a process; else the engine computes them."""
+    Generation elsewhere: `output_ids` are tokens already generated elsewhere (their KV is
+    computed here), of whose text `text_sent` characters reached the client (None: all).
+    `block_hashes`: the prompt's full-block hashes where the caller has computed them (in the
+    engine's namespace, with `salt`), so they are computed once per request in a process;
+    else the engine computes them. KV beyond the engine comes with the request's connector
+    (Engine.add_request)."""
 
     request_id: str
     prompt_ids: SeqOf[int]
@@ -62,7 +61,6 @@ class EngineRequest:
     salt: bytes = b""  # per-tenant prefix-cache isolation
     output_ids: SeqOf[int] = ()
     text_sent: int | None = None
-    transfer: KVTransfer | None = None
     block_hashes: SeqOf[bytes] = ()
 
 
@@ -91,8 +89,7 @@ class Sequence:
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # of tokens 1.. (scoring)
     times_preempted: int = 0
     scheduled_ns: int = 0  # wall clock when it first entered a step (tracing)
-    transfer: KVTransfer | None = None  # its request's KV beyond the engine (kv_transfer.py)
-    store_tokens: int = 0  # prompt tokens it was given from a store (not the local cache's)
+    num_external_tokens: int = 0  # prompt tokens its KV connector brought (not the cache's)
     # structured output: its grammar's matcher (services/engine/structured.py), advanced over
     # every output token; None: unconstrained
     matcher: Any = None

@@ -5,7 +5,7 @@ penalties -> logit_bias -> min_tokens masking (or, for a sequence with a grammar
 grammar's token mask: the grammar decides where the output may end) -> greedy argmax, or
 temperature -> top-k -> top-p -> min-p -> one draw.
 
-Determinism (DESIGN.md): the draw for the token at position t of a sequence seeded s uses a
+Determinism (docs/design.md): the draw for the token at position t of a sequence seeded s uses a
 uniform number derived from (s, t) alone, by inverse-CDF sampling, so it does not depend on
 the batch the row sits in, its slot, or the step.
 

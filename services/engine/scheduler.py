@@ -30,17 +30,7 @@ from typing import Protocol
 
 from services.engine.block_manager import BlockManager
 from services.engine.request import Sequence, Status
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int = 64  # sequences running at once
-    max_num_batched_tokens: int = 512  # tokens per forward pass (the step's budget)
-    prefill_chunk_size: int = 256  # tokens of one prompt per step, at most
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.prefill_chunk_size <= self.max_num_batched_tokens:
-            raise ValueError("prefill_chunk_size must be in [1, max_num_batched_tokens]")
+from services.settings import EngineConfig
 
 
 @dataclass(frozen=True)
@@ -81,7 +71,7 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(
         self,
-        config: SchedulerConfig,
+        config: EngineConfig,
         blocks: BlockManager,
         admit: Callable[[Sequence], int] | None = None,
         drafts: Drafts | None = None,
@@ -125,7 +115,7 @@ class Scheduler:
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """Tokens of seq to compute this step: 1 when decoding, else its next chunk, cut to
         the budget left."""
-        return min(seq.num_uncomputed, self.config.prefill_chunk_size, budget)
+        return min(seq.num_uncomputed, self.config.chunk_size, budget)
 
     def _schedule_running(self, budget: int, out: SchedulerOutput) -> int:
         i = 0

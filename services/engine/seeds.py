@@ -1,7 +1,7 @@
 """Seeds and the uniform numbers drawn from them, without torch (the router derives choice
 seeds too, and does not load torch).
 
-Determinism (DESIGN.md): the draw for the token at position t of a sequence seeded s uses a
+Determinism (docs/design.md): the draw for the token at position t of a sequence seeded s uses a
 uniform number derived from (s, t) alone; choice i > 0 of a request seeded s is seeded
 choice_seed(s, i).
 """

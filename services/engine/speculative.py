@@ -39,29 +39,12 @@ from services.engine.proposers import DraftModel, PromptLookup, Proposer, Suffix
 from services.engine.request import Sequence, TokenLogprobs
 from services.engine.sampler import Sampler, draw, score_tokens, uniforms
 from services.engine.seeds import choice_seed
+from services.settings import SpeculativeConfig
 
-METHODS = ("ngram", "suffix", "draft")
 PAUSE = 4  # steps without proposals after a lone proposed token was refused
 # uniform streams of a sequence's seed independent of its draws' (choice_seed mixes these in;
 # the draft model's is proposers.DRAFT_STREAM)
 ACCEPT_STREAM, RESIDUAL_STREAM = (1 << 40) + 2, (1 << 40) + 3
-
-
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    method: str = "ngram"  # one of METHODS (`draft`: the Engine is given the draft model)
-    num_tokens: int = 4  # tokens proposed per step, at most (k)
-    max_batch: int = 4  # running sequences above which nothing is proposed
-    min_n: int = 2  # shortest n-gram matched
-    max_n: int = 4  # longest n-gram matched (the longest match is tried first)
-    index_tokens: int = 1 << 16  # suffix: tokens of recent outputs kept in the index
-    draft_model: str | None = None  # draft: where the worker loads the draft model from
-
-    def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ValueError(f"speculative method {self.method!r}: one of {', '.join(METHODS)}")
-        if self.num_tokens < 1 or not 1 <= self.min_n <= self.max_n:
-            raise ValueError("num_tokens >= 1 and 1 <= min_n <= max_n")
 
 
 @dataclass

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from services.model import kernels as libraries
 from services.model import kv_cache
 from services.model.batch import ForwardBatch, SeqSpan
+from services.settings import DEFAULTS
 
 
 class Attention(Protocol):
@@ -297,7 +298,7 @@ def default_attention(
     head_dim: int,
     group: int,
     block_size: int = KERNEL_BLOCK_SIZE,
-    kernels: str = "auto",
+    kernels: str = DEFAULTS.model.kernels,
 ) -> Attention:
     """`kernels` (resolve_kernels): the C kernels on CPUs where they build, for float32 and
     bfloat16 caches and the shapes they take (`group`: query heads per KV head), else torch's.

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from services.model.config import ModelConfig
 from services.model.rope import Rotary, apply_rotary
+from services.settings import DEFAULTS
 
 
 class LayerOps(Protocol):
@@ -146,7 +147,7 @@ def default_layer_ops(
     rotary: Rotary,
     device: torch.device,
     dtype: torch.dtype,
-    kernels: str = "auto",
+    kernels: str = DEFAULTS.model.kernels,
 ) -> LayerOps:
     """`kernels` (attention.resolve_kernels): torch's (the reference), or the C kernels on
     CPUs where they build, for the rows they take, in float32, and in bfloat16 where the CPU

@@ -33,6 +33,7 @@ from services.model.linear import (
     packed_linear_available,
 )
 from services.model.rope import Rotary
+from services.settings import DEFAULTS
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ class LlamaModel:
         attention: Attention | None = None,
         packed: bool | None = None,
         ops: LayerOps | None = None,
-        kernels: str = "auto",
+        kernels: str = DEFAULTS.model.kernels,
     ) -> None:
         """`packed`: prepacked weights (default: wherever they work, i.e. CPUs: on AMX tiles for
         bfloat16 where they run, else oneDNN's);
@@ -65,7 +66,7 @@ class LlamaModel:
         self.dtype = dtype
         self.device = torch.device(device)
         self.kernels = resolve_kernels(kernels, self.device)
-        self.quantization = "none"  # quantize.quantize_int8 sets "int8"
+        self.quantization = DEFAULTS.model.quantization  # quantize.quantize_int8 sets "int8"
         group = config.num_heads // config.num_kv_heads
         self.attention: Attention = attention or (
             _triton_attention()

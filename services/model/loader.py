@@ -12,6 +12,7 @@ from services.model.attention import resolve_kernels
 from services.model.config import ModelConfig
 from services.model.errors import ModelLoadError
 from services.model.llama import LlamaModel
+from services.settings import DEFAULTS
 from services.tokenizer.tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -58,10 +59,10 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def load_model(
     spec: str = sources.EMBEDDED,
-    dtype: str = "auto",
-    device: str = "auto",
-    quantization: str = "none",
-    kernels: str = "auto",
+    dtype: str = DEFAULTS.model.dtype,
+    device: str = DEFAULTS.model.device,
+    quantization: str = DEFAULTS.model.quantization,
+    kernels: str = DEFAULTS.model.kernels,
 ) -> LoadedModel:
     """`kernels`: auto, c, torch or triton (services/model/attention.py resolve_kernels)."""
     if quantization not in quantize.QUANTIZATIONS:  # refused before anything loads

@@ -14,7 +14,7 @@ from services.rpc import worker_pb2 as pb
 
 FINISH = {
     None: pb.FINISH_REASON_UNSPECIFIED,
-    FinishReason.PREFILLED: pb.FINISH_REASON_UNSPECIFIED,
+    FinishReason.HANDED_OFF: pb.FINISH_REASON_UNSPECIFIED,
     FinishReason.STOP: pb.FINISH_REASON_STOP,
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
     FinishReason.ABORT: pb.FINISH_REASON_ABORT,

@@ -1,11 +1,13 @@
 """A worker's one link to the KV store: the store, its codec and the worker's KV layout, and
-the three things a worker does with them, all here: hashing a prompt's blocks (once per
-request), fetching the blocks the engine's cache lacks, and exporting the blocks the engine
-hands out (services/engine/kv_transfer.py), then waiting for their writes.
+what a worker does with them: hashing a prompt's blocks (once per request), fetching the
+blocks the engine's cache lacks, and, as the worker half of the engine's KV seam
+(services/engine/kv_connector.py), loading fetched blocks into the cache and saving the
+blocks the requests' connectors hand out, then waiting for their writes.
 
-The worker owns it. Everything runs on the worker's event loop except `export`, which the
-engine thread calls right after the step that computed the blocks: it copies and encodes them
-there (before they can change hands) and leaves the write to the event loop.
+The worker owns it. Everything runs on the worker's event loop except `load` and `save`,
+which the engine thread calls: `save` right after the step that computed the blocks (or when
+the sequence finishes), copying and encoding them there (before they can change hands) and
+leaving the write to the event loop.
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ from kvstore import open_store
 from kvstore.block_hash import KVLayout, block_hashes
 from kvstore.blocks import BlockStore, StoredBlocks
 from kvstore.codec import BlockCodec, StorageDtype
+from kvstore.keyfile import read_key
 from kvstore.store import KVStore, StoreUnavailable
-from services.engine.kv_transfer import BlockToExport, ImportedKV
+from services.engine.kv_connector import BlockToSave, ImportedKV, KVSource
 from services.engine.request import Sequence
 from services.model.kv_cache import KVCache, gather_blocks
+from services.settings import StoreSettings
 
 log = logging.getLogger("pdserve.worker")
 FETCH_BATCH = 8  # blocks per store read while fetching a prompt gently (see fetch)
@@ -37,27 +41,23 @@ class KVLink:
         self,
         layout: KVLayout,
         storage: StorageDtype,
-        store_url: str,
+        settings: StoreSettings,
         *,
-        key: bytes | None,
-        timeout: float,
-        max_bytes: int | None,
-        cache: KVCache,
         cached_hashes: Callable[[], Container[bytes]],
     ) -> None:
-        """`cache`: the engine's KV pool (exports copy from it, on the engine thread);
-        `cached_hashes`: a snapshot of the blocks the engine's prefix cache holds."""
+        """`cached_hashes`: a snapshot of the blocks the engine's prefix cache holds."""
         self.layout = layout
         self.namespace = layout.namespace()
+        key = read_key(settings.kv_key_file) if settings.kv_key_file else None
         self.codec = BlockCodec(layout, storage, key)
         if key is None:
             log.warning("no kv_key_file: stored blocks are checksummed, not authenticated "
                         "(whoever can write to the store can plant KV)")  # fmt: skip
         self.store: KVStore = open_store(
-            store_url, self.namespace, timeout=timeout, max_bytes=max_bytes
-        )
+            settings.kv_store, self.namespace, timeout=settings.store_timeout,
+            max_bytes=settings.max_bytes,
+        )  # fmt: skip
         self.blocks = BlockStore(self.store, self.codec)
-        self.cache = cache
         self.cached_hashes = cached_hashes
         self.store_failures = 0  # requests that went on without the store
         self.pending_puts: dict[str, list[concurrent.futures.Future[None]]] = defaultdict(list)
@@ -132,11 +132,15 @@ class KVLink:
 
     # -- KV out -------------------------------------------------------------------------
 
-    def export(self, seq: Sequence, ready: list[BlockToExport]) -> None:
-        """The engine thread hands out blocks (an Exporter): copied and encoded now, written
-        by the event loop."""
+    def load(self, cache: KVCache, source: KVSource, items: list[tuple[int, int]]) -> None:
+        """Fetched blocks into the cache (the engine thread, at admission)."""
+        source.write(cache, items)
+
+    def save(self, cache: KVCache, seq: Sequence, ready: list[BlockToSave]) -> None:
+        """Blocks a connector hands out (the engine thread): copied and encoded now, written by
+        the event loop."""
         assert self._loop is not None
-        k, v = gather_blocks(self.cache, [b.block_id for b in ready])
+        k, v = gather_blocks(cache, [b.block_id for b in ready])
         items = self.blocks.encode(
             k, v, [b.block_hash for b in ready], [b.num_tokens for b in ready]
         )
@@ -144,7 +148,7 @@ class KVLink:
         self.pending_puts[seq.request_id].append(asyncio.run_coroutine_threadsafe(put, self._loop))
 
     async def wait_for_puts(self, request_id: str) -> None:
-        """Until every block exported for the request is written (StoreUnavailable if not)."""
+        """Until every block saved for the request is written (StoreUnavailable if not)."""
         for future in self.pending_puts.pop(request_id, []):
             await asyncio.wrap_future(future)
 

@@ -14,105 +14,30 @@ import logging
 import os
 import signal
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
 import torch
 
-from kvstore.block_hash import BLOCK_SIZE, KVLayout
+from kvstore.block_hash import KVLayout
 from kvstore.codec import StorageDtype
 from kvstore.store import StoreUnavailable
 from services.engine.driver import AsyncEngine
-from services.engine.engine import Engine, EngineConfig
+from services.engine.engine import Engine
 from services.engine.outputs import SequenceDelta
 from services.engine.params import ValidationError
-from services.engine.speculative import METHODS, SpeculativeConfig
 from services.model import sources
 from services.model.loader import load_model
 from services.model.openmp import release_this_threads_team
 from services.rpc import worker_pb2 as pb
-from services.settings import DEFAULTS, Settings, SettingsError
+from services.settings import Settings
 from services.tracing import Span, Tracer, from_metadata
 from services.worker.kv_link import KVLink
 
 log = logging.getLogger("pdserve.worker")
 WATCH_INTERVAL = 0.5  # seconds between the watchdog's looks at the engine thread
 SWITCH_INTERVAL = 0.0005  # seconds; Python's default is 0.005
-
-
-@dataclass(frozen=True)
-class WorkerConfig:
-    """What a worker runs with; defaults and meanings: services/settings.py."""
-
-    role: str  # "prefill" or "decode"
-    host: str = DEFAULTS.host
-    port: int = 50051
-    model: str = DEFAULTS.model
-    dtype: str = DEFAULTS.dtype
-    device: str = DEFAULTS.device
-    quantization: str = DEFAULTS.quantization
-    kernels: str = DEFAULTS.kernels
-    cuda_graph_max_batch: int = DEFAULTS.cuda_graph_max_batch
-    kv_store: str = DEFAULTS.kv_store
-    kv_store_dtype: str = DEFAULTS.kv_store_dtype
-    kv_store_max_bytes: int | None = None  # cap of a local:// or memory:// store (LRU)
-    store_timeout: float = DEFAULTS.store_timeout
-    num_blocks: int | None = None  # KV pool size; None: as many as kv_cache_bytes holds
-    kv_cache_bytes: int = int(DEFAULTS.kv_cache_gb * (1 << 30))
-    max_num_seqs: int = DEFAULTS.max_num_seqs
-    max_num_batched_tokens: int = DEFAULTS.max_num_batched_tokens
-    prefill_chunk_size: int | None = None  # None: min(256, max_num_batched_tokens)
-    grace_period: float = DEFAULTS.grace_period
-    stall_timeout: float = 60.0  # seconds without an engine step, work queued: the worker exits
-    write_back: bool = DEFAULTS.write_back
-    metrics_port: int | None = None  # HTTP /metrics and /health (services/worker/http.py)
-    # the deployment's secret: stored blocks carry a MAC made with it (kvstore/codec.py);
-    # None: a checksum only
-    kv_key: bytes | None = field(default=None, repr=False)
-    trace_file: str | None = None  # OpenTelemetry spans appended here (services/tracing.py)
-    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
-
-
-def worker_config(s: Settings, role: str) -> WorkerConfig:
-    """A worker's part of the settings; a bad key file or store directory is refused here,
-    before the model loads."""
-    from kvstore.keyfile import read_key
-    from kvstore.local import path_of, private_dir
-
-    try:
-        kv_key = read_key(s.kv_key_file) if s.kv_key_file else None
-        if s.kv_store.startswith("local:"):
-            private_dir(path_of(s.kv_store))
-    except (OSError, ValueError) as e:
-        raise SettingsError(str(e)) from e
-    return WorkerConfig(
-        role=role, host=s.host, port=s.port_for(role), model=s.model, dtype=s.dtype,
-        device=s.device, quantization=s.quantization, kernels=s.kernels,
-        cuda_graph_max_batch=s.cuda_graph_max_batch, kv_store=s.kv_store,
-        kv_store_dtype=s.kv_store_dtype,
-        kv_store_max_bytes=int(s.kv_store_max_gb * (1 << 30)), store_timeout=s.store_timeout,
-        num_blocks=s.num_blocks, kv_cache_bytes=int(s.kv_cache_gb * (1 << 30)),
-        max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
-        prefill_chunk_size=s.prefill_chunk_size,
-        grace_period=s.grace_period, write_back=s.write_back, metrics_port=s.metrics_port,
-        stall_timeout=s.engine_stall_timeout, kv_key=kv_key, trace_file=s.trace_file,
-        speculative=speculative_config(s),
-    )  # fmt: skip
-
-
-def speculative_config(s: Settings) -> SpeculativeConfig | None:
-    """The speculative settings, or SettingsError naming what is wrong."""
-    if s.speculative == "none":
-        return None
-    method, _, draft = s.speculative.partition(":")
-    if method not in METHODS or (method == "draft") != bool(draft):
-        raise SettingsError(
-            f"speculative: {s.speculative!r} is not none, ngram, suffix or draft:MODEL"
-        )
-    return SpeculativeConfig(
-        method, s.num_speculative_tokens, s.speculative_max_batch, draft_model=draft or None
-    )
 
 
 @dataclass
@@ -123,56 +48,45 @@ class Counters:
 class Worker:
     role = "worker"
 
-    def __init__(self, config: WorkerConfig) -> None:
-        self.config = config
-        loaded = load_model(
-            config.model, config.dtype, config.device, config.quantization, config.kernels
-        )
+    def __init__(self, settings: Settings) -> None:
+        """`settings`: checked (services.settings.check) for this worker's role."""
+        self.settings = settings
+        ms, store = settings.model, settings.store
+        loaded = load_model(ms.model, ms.dtype, ms.device, ms.quantization, ms.kernels)
         self.model_name = loaded.config.name
         cache_dtype = loaded.model.dtype
-        storage = (
-            StorageDtype.parse(str(cache_dtype).removeprefix("torch."))
-            if config.kv_store_dtype == "auto"
-            else StorageDtype.parse(config.kv_store_dtype)
+        storage = StorageDtype.parse(
+            str(cache_dtype).removeprefix("torch.")
+            if store.kv_store_dtype == "auto"
+            else store.kv_store_dtype
         )
         mc = loaded.config
         weights_id = sources.fingerprint(loaded.path)  # quantized weights compute other KV
-        if config.quantization != "none":
-            weights_id += f"+{config.quantization}"
+        if ms.quantization != "none":
+            weights_id += f"+{ms.quantization}"
         self.layout = KVLayout(
-            weights_id, storage.name.lower(), BLOCK_SIZE,
+            weights_id, storage.name.lower(), settings.engine.block_size,
             mc.num_layers, mc.num_kv_heads, mc.head_dim,
         )  # fmt: skip
         self.namespace = self.layout.namespace()
-        engine_config = EngineConfig(
-            block_size=self.layout.block_size,
-            num_blocks=config.num_blocks,
-            kv_cache_bytes=config.kv_cache_bytes,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            prefill_chunk_size=config.prefill_chunk_size,
-            model_id=self.layout.model_id,
-            namespace=self.namespace,  # block names in the engine = keys in the store
-            speculative=config.speculative,
-            cuda_graph_max_batch=config.cuda_graph_max_batch,
-        )
         draft = None
-        if config.speculative is not None and config.speculative.draft_model is not None:
+        if settings.engine.speculative.draft_model is not None:
             draft = load_model(
-                config.speculative.draft_model, config.dtype, config.device, kernels=config.kernels
+                settings.engine.speculative.draft_model, ms.dtype, ms.device, kernels=ms.kernels
             ).model
-        self.engine = Engine(loaded.model, loaded.tokenizer, engine_config, draft)
+        self.link = KVLink(
+            self.layout, storage, store, cached_hashes=lambda: self.driver.cached_hashes
+        )
+        # block names in the engine = keys in the store; the link moves the requests' KV
+        self.engine = Engine(
+            loaded.model, loaded.tokenizer, settings.engine, draft, self.namespace, self.link
+        )
         self.cache_dtype: torch.dtype = cache_dtype
         release_this_threads_team()  # the engine thread computes from here on (openmp.py)
         self.driver = AsyncEngine(self.engine)
-        self.link = KVLink(
-            self.layout, storage, config.kv_store, key=config.kv_key,
-            timeout=config.store_timeout, max_bytes=config.kv_store_max_bytes,
-            cache=self.engine.kv, cached_hashes=lambda: self.driver.cached_hashes,
-        )  # fmt: skip
         self.store = self.link.store
         self.counters = Counters()
-        self.tracer = Tracer(f"pdserve-{self.role}", config.trace_file)  # None: no-ops
+        self.tracer = Tracer(f"pdserve-{self.role}", settings.server.trace_file)  # None: no-ops
         self.serving = False  # between start and drain
         self.exit_code = 0  # 1 once the engine is found dead or stalled
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -234,14 +148,15 @@ class Worker:
         self.driver.start()
         server = grpc.aio.server()
         self.add_to_server(server)
-        address = f"{self.config.host}:{self.config.port}"
+        address = f"{self.settings.server.host}:{self.settings.port}"
         server.add_insecure_port(address)
         await server.start()
         side_door = None
-        if self.config.metrics_port is not None:
+        metrics_port = self.settings.worker.metrics_port
+        if metrics_port is not None:
             from services.worker.http import serve_http
 
-            side_door = serve_http(self, self.config.host, self.config.metrics_port)
+            side_door = serve_http(self, self.settings.server.host, metrics_port)
         self.serving = True
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -262,8 +177,9 @@ class Worker:
         if self.exit_code:  # the engine cannot finish anything: no grace, no aborts
             await server.stop(0)
         else:
-            log.warning("draining", extra={"fields": {"grace_seconds": self.config.grace_period}})
-            await server.stop(self.config.grace_period)
+            grace = self.settings.worker.grace_period
+            log.warning("draining", extra={"fields": {"grace_seconds": grace}})
+            await server.stop(grace)
             await self.driver.abort_all()
             await self.driver.stop()
         with contextlib.suppress(StoreUnavailable):
@@ -273,13 +189,13 @@ class Worker:
         return self.exit_code
 
     async def _watch(self, stop: asyncio.Event) -> None:
-        """The watchdog: an engine thread that died, or made no step for `stall_timeout`
-        seconds with work queued, stops the worker (exit code 1)."""
+        """The watchdog: an engine thread that died, or made no step for
+        `engine_stall_timeout` seconds with work queued, stops the worker (exit code 1)."""
         while True:
             await asyncio.sleep(WATCH_INTERVAL)
             why = self.driver.failure
             stalled = self.driver.stalled_for()
-            if why is None and stalled > self.config.stall_timeout:
+            if why is None and stalled > self.settings.worker.engine_stall_timeout:
                 why = f"no engine step for {stalled:.0f}s with requests queued"
             if why is not None:
                 log.critical("engine down: exiting for a restart", extra={"fields": {"why": why}})

@@ -10,6 +10,7 @@ import grpc
 import pytest
 import torch
 
+from kvstore.block_hash import BLOCK_SIZE, block_hashes
 from services.engine.engine import Engine, EngineConfig
 from services.engine.params import SamplingParams
 from services.rpc import worker_pb2 as pb
@@ -79,7 +80,7 @@ def test_aborting_a_stream_frees_its_blocks_on_both_workers(workers):
                                                         params=params, seed=1))  # fmt: skip
         call = decode.Decode(pb.DecodeRequest(
             request_id="abort-me", prompt_token_ids=ids, output_token_ids=[reply.first_token],
-            block_hashes=reply.block_hashes, params=params, seed=1,
+            params=params, seed=1,
         ))  # fmt: skip
         received = 0
         async for chunk in call:
@@ -117,8 +118,10 @@ def test_a_block_lost_or_corrupted_in_the_store_is_recomputed(
             request_id=f"lost-{damage}", prompt_token_ids=ids, params=params, seed=3
         )
         reply = await prefill.Prefill(request)
+        namespace = (await prefill.Health(pb.HealthRequest())).namespace
+        sixth = block_hashes(ids, BLOCK_SIZE, namespace)[5]  # as the workers name it
         keys = redis_server.redis_cli("keys", "pdserve:kv:*").split()
-        victim = next(k for k in keys if k.endswith(reply.block_hashes[5][:16].hex()))
+        victim = next(k for k in keys if k.endswith(sixth[:16].hex()))
         if damage == "delete":
             redis_server.redis_cli("del", victim)
         else:
@@ -126,7 +129,7 @@ def test_a_block_lost_or_corrupted_in_the_store_is_recomputed(
         tokens = [reply.first_token]
         async for chunk in decode.Decode(pb.DecodeRequest(
             request_id=f"lost-{damage}", prompt_token_ids=ids, output_token_ids=tokens[:1],
-            block_hashes=reply.block_hashes, params=params, seed=3,
+            params=params, seed=3,
         )):  # fmt: skip
             tokens += chunk.token_ids
         after = await decode.Load(pb.LoadRequest())

@@ -1,4 +1,4 @@
-"""The block hash chain, byte for byte as DESIGN.md defines it."""
+"""The block hash chain, byte for byte as docs/design.md defines it."""
 
 from __future__ import annotations
 

@@ -11,12 +11,12 @@ import weakref
 import pytest
 
 from router.api import Replies, stream_events
-from router.config import RouterConfig
 from router.errors import APIError
 from router.generation import Job
 from router.openai_format import Envelope
 from router.state import RouterState
 from services.rpc import worker_pb2 as pb
+from services.settings import RouterSettings, Settings
 
 
 def jobs(prompts: int = 1, n: int = 1) -> list[Job]:
@@ -24,7 +24,7 @@ def jobs(prompts: int = 1, n: int = 1) -> list[Job]:
 
 
 def test_places_are_given_back_once_even_by_unstarted_streams():
-    state = RouterState.create(RouterConfig(max_pending=2))
+    state = RouterState.create(Settings(router=RouterSettings(max_pending=2)))
     first, second = state.admit(jobs()), state.admit(jobs())
     with pytest.raises(APIError) as refused:
         state.admit(jobs())
@@ -44,7 +44,7 @@ def test_places_are_given_back_once_even_by_unstarted_streams():
 
 
 def test_a_finished_run_gives_its_place_back():
-    state = RouterState.create(RouterConfig())
+    state = RouterState.create(Settings(router=RouterSettings()))
     admission = state.admit(jobs())
 
     async def drain() -> None:
@@ -56,7 +56,7 @@ def test_a_finished_run_gives_its_place_back():
 
 
 def test_a_request_holds_a_place_per_sequence():
-    state = RouterState.create(RouterConfig(max_pending=16))
+    state = RouterState.create(Settings(router=RouterSettings(max_pending=16)))
     big = state.admit(jobs(prompts=2, n=4))  # 8 sequences
     assert state.pending == 8
     with pytest.raises(APIError) as refused:
@@ -69,7 +69,7 @@ def test_a_request_holds_a_place_per_sequence():
 
 
 def test_a_request_larger_than_the_server_admits_is_400():
-    state = RouterState.create(RouterConfig(max_pending=256))
+    state = RouterState.create(Settings(router=RouterSettings(max_pending=256)))
     with pytest.raises(APIError) as refused:
         state.admit(jobs(prompts=64, n=16))  # 1,024 sequences could never be admitted
     assert refused.value.status == 400 and refused.value.param == "n"

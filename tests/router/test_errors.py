@@ -217,10 +217,10 @@ def test_an_unexpected_exception_is_a_500_in_openai_shape_logged_with_its_id(cap
     import uvicorn
 
     from router.app import create_app
-    from router.config import RouterConfig
     from services.launcher import free_port
+    from services.settings import Settings
 
-    app = create_app(RouterConfig())
+    app = create_app(Settings(role="router"))
 
     def broken(*args, **kwargs):
         raise RuntimeError("tokenizer bug")

@@ -16,6 +16,7 @@ from router.workers import Registry
 from services.launcher import free_port
 from services.rpc import worker_pb2 as pb
 from services.rpc import worker_pb2_grpc as pbg
+from services.settings import RouterSettings
 
 
 class StandIn(pbg.PrefillWorkerServicer):
@@ -44,7 +45,7 @@ def test_health_tolerates_late_answers_and_needs_several_misses():
         server.add_insecure_port(f"127.0.0.1:{port}")
         await server.start()
         metrics = Metrics()
-        registry = Registry(1.0, 3, 5.0, health_timeout=0.5, health_failures=3,
+        registry = Registry(RouterSettings(health_interval=1.0, health_timeout=0.5),
                             on_health=metrics.health_changed)  # fmt: skip
         worker = registry.add("prefill", f"127.0.0.1:{port}")
         try:

@@ -17,7 +17,7 @@ import redis as redis_py
 
 from kvstore import local
 from kvstore.keyfile import read_key
-from services.launcher import free_port, wait_for_port
+from services.launcher import PDSERVE, free_port, wait_for_port
 from tests.support.cluster import greedy_chat_in_process
 from tests.support.redis_servers import require_binaries
 from tests.support.up import Up
@@ -84,14 +84,14 @@ def test_up_serves_a_chat_restarts_a_dead_child_and_stops_everything(tmp_path):
 
 
 def test_children_get_the_resolved_settings_and_other_variables(monkeypatch, tmp_path):
-    from services.settings import Settings
+    from services.settings import build as settings_of
     from services.up import Stack
 
     monkeypatch.setattr(local, "RAM_DIR", tmp_path)
     monkeypatch.setenv("PDSERVE_CACHE_DIR", "/somewhere/cache")  # not a setting: passed on
     monkeypatch.setenv("PDSERVE_NUM_BLOCKS", "5")  # a setting: as resolved, not as raw
     stack = Stack(
-        Settings(num_blocks=77, num_decode=2, port=9999, policy="least_load", colocated=False)
+        settings_of(num_blocks=77, num_decode=2, port=9999, policy="least_load", colocated=False)
     )
     store = stack.build(tmp_path / "work")
     private = tmp_path / f"pdserve-{os.getuid()}" / "up-127.0.0.1-9999"
@@ -117,26 +117,26 @@ def test_children_get_the_resolved_settings_and_other_variables(monkeypatch, tmp
 
 
 def test_a_users_openmp_setting_reaches_the_workers_unchanged(monkeypatch, tmp_path):
-    from services.settings import Settings
+    from services.settings import build as settings_of
     from services.up import Stack
 
     monkeypatch.setattr(local, "RAM_DIR", tmp_path)
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
-    stack = Stack(Settings(port=9998))
+    stack = Stack(settings_of(port=9998))
     stack.build(tmp_path / "work")
     decode = next(c for c in stack.children if c.name == "decode-0").env
     assert decode["OMP_WAIT_POLICY"] == "PASSIVE" and "GOMP_SPINCOUNT" not in decode
 
 
 def test_each_stack_has_a_private_store_and_key_that_a_restart_keeps(monkeypatch, tmp_path):
-    from services.settings import Settings
+    from services.settings import build as settings_of
     from services.up import Stack
 
     monkeypatch.setattr(local, "RAM_DIR", tmp_path)
     mine = tmp_path / f"pdserve-{os.getuid()}"
 
     def build(port: int) -> tuple[str, str]:
-        stack = Stack(Settings(port=port))
+        stack = Stack(settings_of(port=port))
         store = stack.build(tmp_path / f"work-{port}")
         return store, stack.children[0].env["PDSERVE_KV_KEY_FILE"]
 
@@ -154,18 +154,20 @@ def test_each_stack_has_a_private_store_and_key_that_a_restart_keeps(monkeypatch
 
     given = tmp_path / "given.key"
     given.write_text("g" * 32)
-    stack = Stack(Settings(port=8100, kv_key_file=str(given), kv_store=f"local://{tmp_path}/kv"))
+    stack = Stack(settings_of(port=8100, kv_key_file=str(given), kv_store=f"local://{tmp_path}/kv"))
     assert stack.build(tmp_path / "work") == f"local://{tmp_path}/kv"
     assert stack.children[0].env["PDSERVE_KV_KEY_FILE"] == str(given)
     assert not (tmp_path / "kv" / "kv.key").exists()
 
 
 def test_redis_child_has_a_password_and_a_memory_cap_from_a_private_config(tmp_path):
-    from services.settings import Settings
+    from services.settings import build as settings_of
     from services.up import Stack
 
     require_binaries()
-    stack = Stack(Settings(redis=True, redis_max_memory="64mb", kv_key_file="/k", colocated=False))
+    stack = Stack(
+        settings_of(redis=True, redis_max_memory="64mb", kv_key_file="/k", colocated=False)
+    )
     work = tmp_path / "work"
     work.mkdir(mode=0o700)
     store = stack.build(work)
@@ -208,19 +210,19 @@ def test_redis_child_has_a_password_and_a_memory_cap_from_a_private_config(tmp_p
 
 @pytest.mark.parametrize("cap", ["lots", "2 gb", "-1"])
 def test_a_bad_redis_memory_cap_is_refused(tmp_path, cap):
-    from services.settings import Settings, SettingsError
-    from services.up import Stack
+    from services.settings import SettingsError, check
+    from services.settings import build as settings_of
 
     require_binaries()
     with pytest.raises(SettingsError, match=r"redis_max_memory: .* is not a size like 512mb"):
-        Stack(Settings(redis=True, redis_max_memory=cap)).build(tmp_path)
+        check(settings_of(redis=True, redis_max_memory=cap))
 
 
 def test_colocated_stack_has_no_prefill_worker_and_serves_the_same_answer(tmp_path):
-    from services.settings import Settings
+    from services.settings import build as settings_of
     from services.up import Stack
 
-    stack = Stack(Settings(colocated=True, port=9997, kv_store=f"local://{tmp_path}/kv"))
+    stack = Stack(settings_of(colocated=True, port=9997, kv_store=f"local://{tmp_path}/kv"))
     stack.build(tmp_path / "work")
     children = {c.name: c for c in stack.children}
     assert set(children) == {"decode-0", "router"}
@@ -247,18 +249,59 @@ def test_colocated_stack_has_no_prefill_worker_and_serves_the_same_answer(tmp_pa
 
 
 def test_unset_colocation_is_chosen_by_the_cores_and_said():
-    from services.settings import Settings
+    from services.settings import build as settings_of
     from services.up import Stack
 
-    small = Stack(Settings(port=9996), cores=2)
+    small = Stack(settings_of(port=9996), cores=2)
     assert small.colocated
     assert small.topology() == (
         "colocated: decode x1 computing prompts too (chosen for 2 cores: faster than prefill "
         "and decode processes sharing them; --no-colocated to run prefill workers)"
     )
-    assert not Stack(Settings(port=9996), cores=16).colocated
-    assert Stack(Settings(port=9996), cores=16).topology() == "prefill x1, decode x1"
-    asked = Stack(Settings(port=9996, num_prefill=2), cores=2)  # prefill workers by number
+    assert not Stack(settings_of(port=9996), cores=16).colocated
+    assert Stack(settings_of(port=9996), cores=16).topology() == "prefill x1, decode x1"
+    asked = Stack(settings_of(port=9996, num_prefill=2), cores=2)  # prefill workers by number
     assert not asked.colocated and asked.topology() == "prefill x2, decode x1"
-    assert not Stack(Settings(port=9996, colocated=False), cores=2).colocated
-    assert Stack(Settings(port=9996, colocated=True), cores=64).colocated
+    assert not Stack(settings_of(port=9996, colocated=False), cores=2).colocated
+    assert Stack(settings_of(port=9996, colocated=True), cores=64).colocated
+
+
+def test_settings_a_role_would_refuse_stop_up_before_any_child_starts(tmp_path):
+    """Every role's settings are checked in up's own process: the model's architecture, a
+    store directory anyone may write to. Exit code 2 with the error, nothing started."""
+    model = tmp_path / "gpt2"
+    model.mkdir()
+    (model / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    for args, error in (
+        (("--model", str(model)), "unsupported architecture ['GPT2LMHeadModel']"),
+        (("--kv-store", f"local://{shared}"), "is writable by every user"),
+    ):
+        done = subprocess.run(
+            [PDSERVE, "up", "--port", str(free_port()), *args],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert done.returncode == 2, done.stdout + done.stderr
+        assert error in done.stderr and "pdserve: error:" in done.stderr
+        assert "started (pid" not in done.stdout
+
+
+def test_a_child_refusing_its_settings_before_ready_stops_up_and_later_is_restarted():
+    from services.settings import SettingsError
+    from services.settings import build as settings_of
+    from services.up import Child, Stack
+
+    stack = Stack(settings_of(port=9995))
+    refusing = ["sh", "-c", "echo 'pdserve: error: num_blocks: must be at least 1'; exit 2"]
+    stack.children = [Child("decode-0", refusing, dict(os.environ))]
+    stack.children[0].start()
+    stack.children[0].process.wait()
+    with pytest.raises(SettingsError, match="decode-0 refused its settings: pdserve: error: "
+                       "num_blocks: must be at least 1"):  # fmt: skip
+        stack.supervise_once()
+    child = stack.children[0]
+    child.ever_ready = True  # it once served: a later exit, whatever its code, is restarted
+    stack.supervise_once()
+    assert child.restart_at is not None

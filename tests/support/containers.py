@@ -1,7 +1,7 @@
 """A container engine for `make test-deploy`: found running, or installed and started (and
 then stopped by whoever started it); the base images the Dockerfile and compose file name,
 pulled or built locally from a Debian root file system (no registry is reachable on the CI
-machines, ../shared/DOCKER.md); compose v2 as a CLI plugin where the host has none; and the
+machines); compose v2 as a CLI plugin where the host has none; and the
 offline wheelhouse the Dockerfile installs from (`make wheels`)."""
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ async def disaggregated(
         return tokens, text, reply
     request = pb.DecodeRequest(
         request_id=request_id, prompt_token_ids=prompt, output_token_ids=[reply.first_token],
-        block_hashes=reply.block_hashes, params=params, seed=seed, text_sent=len(reply.text),
+        params=params, seed=seed, text_sent=len(reply.text),
     )  # fmt: skip
     async for chunk in decode.Decode(request):
         tokens += chunk.token_ids

@@ -6,7 +6,8 @@ from __future__ import annotations
 from services.engine.block_manager import BlockManager
 from services.engine.params import SamplingParams
 from services.engine.request import Sequence
-from services.engine.scheduler import Scheduler, SchedulerConfig
+from services.engine.scheduler import Scheduler
+from services.settings import EngineConfig
 
 
 def seq(rid: str, n: int, arrival: int) -> Sequence:
@@ -26,7 +27,7 @@ def step(s: Scheduler) -> list[tuple[str, int, int]]:
 
 
 def test_prompt_chunks_fill_the_budget_left_by_decodes():
-    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=18, prefill_chunk_size=8)
+    config = EngineConfig(max_num_seqs=8, max_num_batched_tokens=18, prefill_chunk_size=8)
     s = Scheduler(config, BlockManager(64, 4, "ns"))
     for i, n in enumerate((3, 3, 3)):  # three short prompts: decoding after one step
         s.add(seq(f"d{i}", n, i))
@@ -41,7 +42,7 @@ def test_prompt_chunks_fill_the_budget_left_by_decodes():
 
 
 def test_a_full_step_leaves_the_next_prompt_waiting():
-    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=8, prefill_chunk_size=8)
+    config = EngineConfig(max_num_seqs=8, max_num_batched_tokens=8, prefill_chunk_size=8)
     s = Scheduler(config, BlockManager(64, 4, "ns"))
     s.add(seq("a", 8, 0))
     s.add(seq("b", 5, 1))

@@ -20,8 +20,9 @@ from services.engine.outputs import RequestOutput
 from services.engine.params import SamplingParams
 from services.engine.proposers import NgramIndex, OutputIndex, Proposal, SuffixLookup
 from services.engine.request import EngineRequest, Sequence
-from services.engine.speculative import SpeculativeConfig, accepted_run
+from services.engine.speculative import accepted_run
 from services.model.loader import LoadedModel, load_model
+from services.settings import SpeculativeConfig
 from tests.support.dtypes import COMPUTE_DTYPES
 
 CODE = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n"
@@ -50,8 +51,8 @@ def model(request, embedded, embedded_dir) -> LoadedModel:
 
 
 def engine(model: LoadedModel, spec: SpeculativeConfig | None, num_blocks: int = 400) -> Engine:
-    return Engine(model.model, model.tokenizer, EngineConfig(num_blocks=num_blocks,
-                                                             speculative=spec))  # fmt: skip
+    config = EngineConfig(num_blocks=num_blocks, speculative=spec or SpeculativeConfig())
+    return Engine(model.model, model.tokenizer, config)
 
 
 def grounded(model: LoadedModel, count: int) -> list[list[int]]:
@@ -291,7 +292,7 @@ def test_adaptive_length_follows_acceptance(embedded):
 
 
 def test_bad_configs_are_refused():
-    with pytest.raises(ValueError, match="ngram, suffix, draft"):
+    with pytest.raises(ValueError, match="not none, ngram, suffix or draft:MODEL"):
         SpeculativeConfig("eagle")
     with pytest.raises(ValueError):
         SpeculativeConfig("ngram", num_tokens=0)

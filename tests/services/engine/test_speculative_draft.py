@@ -18,8 +18,8 @@ from services.engine.engine import Engine, EngineConfig
 from services.engine.params import SamplingParams
 from services.engine.proposers import DraftModel
 from services.engine.request import EngineRequest
-from services.engine.speculative import SpeculativeConfig
 from services.model.loader import LoadedModel, load_model
+from services.settings import SpeculativeConfig
 
 VOCAB = 64
 DRAFT = SpeculativeConfig("draft", num_tokens=3, max_batch=1024)
@@ -84,7 +84,7 @@ def test_a_draft_equal_to_the_target_has_everything_accepted(models, temperature
 def test_greedy_with_another_draft_is_token_identical(models):
     target, draft, _ = models
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=2)
-    expected = engine(target, None, spec=None).generate(PROMPTS, params)
+    expected = engine(target, None, spec=SpeculativeConfig()).generate(PROMPTS, params)
     eng = engine(target, draft)
     got = eng.generate(PROMPTS, params)
     key = [(c.token_ids, c.logprobs) for o in expected for c in o.choices]

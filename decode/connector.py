@@ -1,0 +1,65 @@
+"""A decode worker's half of the engine's KV seam (services/engine/kv_connector.py): what a
+request brings from the store and what goes back.
+
+- In: the prompt's blocks from the store, full ones and the partial last one, read gently
+  while the running batch keeps stepping (KVLink.fetch); what the store lacks, or refuses, is
+  computed here. With local prefill (the router sent no Prefill), nothing is read.
+- Out (with write_back): a finished generation's full blocks, prompt and answer, that are not
+  in the store already, so the next turn of a conversation finds both there. Written at the
+  end, not as blocks fill: the encoding stays off the path of the stream's tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+from services.engine.block_manager import BlockManager
+from services.engine.kv_connector import BlockToSave, ImportedKV, full_blocks
+from services.engine.request import Sequence
+from services.worker.kv_link import KVLink
+
+
+class DecodeConnector:
+    def __init__(
+        self, block_hashes: list[bytes], imported: ImportedKV | None, write_back: bool
+    ) -> None:
+        self.block_hashes = block_hashes  # the prompt's full blocks'
+        self.imported = imported
+        self.write_back = write_back
+        self.in_store: dict[int, int] = {}  # choice -> leading full blocks the store holds
+
+    @classmethod
+    async def fetch(
+        cls,
+        link: KVLink,
+        request_id: str,
+        prompt: Seq[int],
+        salt: bytes,
+        local_prefill: bool,
+        write_back: bool,
+    ) -> DecodeConnector:
+        """The connector of a request, with what the store holds of its prompt."""
+        full, partial = link.hashes(prompt, salt)
+        imported = None
+        if not local_prefill:
+            rest = len(prompt) % link.layout.block_size
+            imported = await link.fetch(request_id, full, partial, rest, gentle=True)
+        return cls(full, imported, write_back)
+
+    def prefix(self, seq: Sequence) -> ImportedKV | None:
+        return self.imported
+
+    def admitted(self, blocks: BlockManager, seq: Sequence) -> None:
+        self.in_store[seq.index] = seq.num_computed_tokens // blocks.block_size
+        self.imported = None  # recomputed (or the cache's) if the sequence is preempted
+
+    def computed(self, blocks: BlockManager, seq: Sequence) -> list[BlockToSave]:
+        return []
+
+    def hands_off(self, seq: Sequence) -> bool:
+        return False
+
+    def finished(self, blocks: BlockManager, seq: Sequence) -> list[BlockToSave]:
+        if not self.write_back:
+            return []
+        return full_blocks(blocks, seq, self.in_store.get(seq.index, 0))

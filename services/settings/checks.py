@@ -1,0 +1,93 @@
+"""Settings checked once, before anything starts: what each role would otherwise find wrong
+only after minutes of loading (a key file, a store directory, the model's architecture).
+
+`check` returns the settings as the role runs with them: secret files read into the values
+they add to (API keys, the admin key), so nothing reads them again.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+from services.settings.loading import read_secrets, replace
+from services.settings.sections import ROUTER, WORKER, Settings, SettingsError
+
+MEMORY = re.compile(r"\d+(b|k|kb|m|mb|g|gb)?", re.IGNORECASE)  # redis.conf's memory units
+
+
+def check(settings: Settings) -> Settings:
+    """`settings` ready for their role, or SettingsError / ModelLoadError naming the problem."""
+    role = settings.role
+    _trace_file(settings)
+    if role in ROUTER:
+        settings = _router_secrets(settings)
+    if role in WORKER:
+        _store(settings)
+        if settings.engine.speculative.method == "draft":
+            if settings.engine.speculative.draft_model is None:
+                raise SettingsError("speculative: draft needs a model: draft:MODEL")
+            check_model(settings.engine.speculative.draft_model)
+    if role == "up":
+        _up(settings)
+    check_model(settings.model.model)
+    return settings
+
+
+def check_model(spec: str) -> Path:
+    """The model's Hugging Face directory, its config read: an architecture or a field the
+    engine does not serve is refused here (ModelLoadError). A GGUF is converted, once."""
+    from services.model import hf_config, sources
+
+    path = sources.resolve(spec)
+    hf_config.read_config(path)
+    return path
+
+
+def _trace_file(s: Settings) -> None:
+    if s.server.trace_file is None:
+        return
+    try:
+        with open(s.server.trace_file, "a"):
+            pass
+    except OSError as e:
+        raise SettingsError(f"trace_file: cannot append to {s.server.trace_file}: {e}") from e
+
+
+def _router_secrets(s: Settings) -> Settings:
+    r = s.router
+    api_keys, admin_key = r.api_keys, r.admin_key
+    if r.api_keys_file:
+        api_keys += read_secrets(r.api_keys_file, "--api-keys-file")
+    if r.admin_key_file:
+        admin_key = read_secrets(r.admin_key_file, "--admin-key-file")[0]
+    return replace(s, api_keys=api_keys, admin_key=admin_key)
+
+
+def _store(s: Settings) -> None:
+    """The key file and a local:// store's directory, usable."""
+    from kvstore.keyfile import read_key
+    from kvstore.local import path_of, private_dir
+
+    try:
+        if s.store.kv_key_file:
+            read_key(s.store.kv_key_file)
+        bare = s.role == "up" and s.store.kv_store == "local://"  # up makes its own
+        if s.store.kv_store.startswith("local:") and not bare:
+            private_dir(path_of(s.store.kv_store))
+    except (OSError, ValueError) as e:
+        raise SettingsError(str(e)) from e
+
+
+def _up(s: Settings) -> None:
+    if s.up.redis:
+        if shutil.which("redis-server") is None:
+            raise SettingsError(
+                "--redis: redis-server is not installed (apt-get install redis-server); "
+                "or give --kv-store redis://HOST:PORT"
+            )
+        if not MEMORY.fullmatch(s.up.redis_max_memory):
+            raise SettingsError(
+                f"redis_max_memory: {s.up.redis_max_memory!r} is not a size like 512mb or 2gb"
+            )

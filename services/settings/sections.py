@@ -1,0 +1,280 @@
+"""Every setting of every pdserve service, declared once: its type, default, help and the
+roles that take it, grouped in the sections the code is built from.
+
+A section is the object its user takes whole: the engine an `EngineConfig`, a worker's store
+link a `StoreSettings`, the router a `RouterSettings`; nothing copies a section's fields into
+another object. `Settings` is one role's whole set (services/settings/loading.py fills it
+from defaults, a TOML file, the environment and flags; names are flat there: `max_num_seqs`,
+`PDSERVE_MAX_NUM_SEQS`, `--max-num-seqs`).
+
+A field with `setting(...)` metadata is a setting; other fields (`EngineConfig.block_size`)
+are fixed by the code that builds the section.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from kvstore.block_hash import BLOCK_SIZE
+
+ROLES = ("router", "prefill", "decode", "up")
+WORKER = ("prefill", "decode", "up")
+ROUTER = ("router", "up")
+EVERY = ROLES
+OFFLINE = ("generate",)  # `pdserve generate` takes the model's settings
+DEFAULT_PORTS = {"router": 8000, "prefill": 50051, "decode": 50052, "up": 8000, "generate": 0}
+SECRETS = ("api_keys", "admin_key")  # shown as <set>
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft")
+GIB = 1 << 30
+
+
+class SettingsError(ValueError):
+    """A value that cannot be used; the message names where it came from."""
+
+
+def setting(default: Any, help: str, roles: Sequence[str], **extra: Any) -> Any:
+    """A setting's field. `extra`: `choices`, `minimum`, and `name` where the setting's flat
+    name (flag, variable, file key) is not the field's."""
+    return field(default=default, metadata={"help": help, "roles": tuple(roles), **extra})
+
+
+class Section:
+    """A group of settings; values out of their field's choices or below its minimum are
+    refused however the section is made (the loader names the flag or variable first)."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):  # type: ignore[arg-type]
+            v, choices = getattr(self, f.name), f.metadata.get("choices")
+            minimum = f.metadata.get("minimum")
+            if choices and v not in choices:
+                raise SettingsError(f"{f.name}: {v!r} is not one of {', '.join(choices)}")
+            if minimum is not None and v is not None and v < minimum:
+                raise SettingsError(f"{f.name}: must be at least {minimum}, got {v}")
+
+
+@dataclass(frozen=True)
+class ServerSettings(Section):
+    host: str = setting("127.0.0.1", "address to listen on", EVERY)
+    port: int | None = setting(None, "port (default: router 8000, prefill 50051, decode 50052)",
+                               EVERY)  # fmt: skip
+    trace_file: str | None = setting(None, "append OpenTelemetry spans of every request to this "
+                                     "file (OTLP/JSON lines; bench/timeline.py reads them); "
+                                     "unset: no tracing", EVERY)  # fmt: skip
+    log_level: str = setting("warning", "debug, info, warning or error", EVERY,
+                             choices=("debug", "info", "warning", "error"))  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ModelSettings(Section):
+    model: str = setting("embedded", 'model: "embedded" (SmolLM2-135M-Instruct), a .gguf file '
+                         "or a Hugging Face directory", (*EVERY, *OFFLINE))  # fmt: skip
+    dtype: str = setting("auto", "compute dtype; auto = bfloat16 where the CPU has bf16 units",
+                         (*WORKER, *OFFLINE),
+                         choices=("auto", "float32", "bfloat16", "float16"))  # fmt: skip
+    device: str = setting("auto", "auto, cpu or cuda[:N]", (*WORKER, *OFFLINE))
+    kernels: str = setting("auto", "attention and layer kernels: auto (Triton on CUDA, C on "
+                           "CPUs), c, torch, or triton (on a CPU: Triton's interpreter, for "
+                           "tests)", (*WORKER, *OFFLINE),
+                           choices=("auto", "c", "torch", "triton"))  # fmt: skip
+    quantization: str = setting("none", "int8: the decoder layers' q/k/v, o and gate/up "
+                                "products in int8, weights and activations (CPUs; fast with "
+                                "VNNI or AMX; perplexity +0.3%, docs/benchmarks.md)",
+                                (*WORKER, *OFFLINE), choices=("none", "int8"))  # fmt: skip
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig(Section):
+    """Speculative decoding (services/engine/speculative.py)."""
+
+    speculative: str = setting("none", "speculative decoding: ngram (prompt lookup), suffix "
+                               "(also over recent outputs), draft:MODEL (a smaller model with "
+                               "the same tokenizer: .gguf or Hugging Face directory) or none",
+                               WORKER)  # fmt: skip
+    num_tokens: int = setting(4, "tokens proposed per step, at most", WORKER, minimum=1,
+                              name="num_speculative_tokens")  # fmt: skip
+    max_batch: int = setting(4, "running sequences above which nothing is proposed "
+                             "(verifying costs more than it saves)", WORKER, minimum=0,
+                             name="speculative_max_batch")  # fmt: skip
+    min_n: int = 2  # shortest n-gram matched
+    max_n: int = 4  # longest n-gram matched (the longest match is tried first)
+    index_tokens: int = 1 << 16  # suffix: tokens of recent outputs kept in the index
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.speculative != "none" and self.method not in SPECULATIVE_METHODS:
+            raise SettingsError(
+                f"speculative: {self.speculative!r} is not none, ngram, suffix or draft:MODEL"
+            )
+        if self.method != "draft" and self.draft_model is not None:
+            raise SettingsError(f"speculative: only draft takes a model ({self.speculative!r})")
+        if self.num_tokens < 1 or not 1 <= self.min_n <= self.max_n:
+            raise SettingsError("speculative: num_tokens >= 1 and 1 <= min_n <= max_n")
+
+    @property
+    def enabled(self) -> bool:
+        return self.speculative != "none"
+
+    @property
+    def method(self) -> str:
+        """ngram, suffix or draft (the engine is given the draft model); none: off."""
+        return self.speculative.partition(":")[0]
+
+    @property
+    def draft_model(self) -> str | None:
+        """draft:MODEL's MODEL, which the worker loads."""
+        return self.speculative.partition(":")[2] or None
+
+
+@dataclass(frozen=True)
+class EngineConfig(Section):
+    """The engine's sizes and policies (services/engine/engine.py)."""
+
+    num_blocks: int | None = setting(None, "KV blocks in a worker's pool", WORKER, minimum=1)
+    kv_cache_gb: float = setting(1.0, "KV pool size when --num-blocks is not given", WORKER)
+    max_num_seqs: int = setting(64, "sequences a worker runs at once", WORKER, minimum=1)
+    max_num_batched_tokens: int = setting(512, "tokens per engine step", WORKER, minimum=1)
+    prefill_chunk_size: int | None = setting(None, "a prompt's tokens per engine step, at most "
+                                             "(default: min(256, tokens per step))", WORKER,
+                                             minimum=1)  # fmt: skip
+    cuda_graph_max_batch: int = setting(256, "decode steps of up to this many sequences "
+                                        "replay CUDA graphs captured per batch-size bucket "
+                                        "(CUDA only; 0: off)", WORKER)  # fmt: skip
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    block_size: int = BLOCK_SIZE  # tokens per KV block: part of every block's hash
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.prefill_chunk_size is not None and (
+            self.prefill_chunk_size > self.max_num_batched_tokens
+        ):
+            raise SettingsError(
+                f"prefill_chunk_size ({self.prefill_chunk_size}) must not exceed "
+                f"max_num_batched_tokens ({self.max_num_batched_tokens})"
+            )
+
+    @property
+    def chunk_size(self) -> int:
+        """Tokens of one prompt per step, at most."""
+        return self.prefill_chunk_size or min(256, self.max_num_batched_tokens)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return int(self.kv_cache_gb * GIB)
+
+
+@dataclass(frozen=True)
+class StoreSettings(Section):
+    """A worker's KV store (services/worker/kv_link.py)."""
+
+    kv_store: str = setting("local://", "KV store: local://[PATH], memory://, redis://...",
+                            WORKER)  # fmt: skip
+    kv_store_dtype: str = setting("auto", "stored blocks' dtype: auto, float32, float16, "
+                                  "bfloat16, fp8", WORKER)  # fmt: skip
+    kv_store_max_gb: float = setting(8.0, "size cap of a local:// store (least recently used "
+                                     "blocks go first)", WORKER)  # fmt: skip
+    store_timeout: float = setting(1.0, "seconds per store call before it counts as down",
+                                   WORKER)  # fmt: skip
+    kv_key_file: str | None = setting(None, "file holding the secret every worker of the "
+                                      "deployment shares: stored blocks carry a MAC made with "
+                                      "it (none: a checksum only)", WORKER)  # fmt: skip
+
+    @property
+    def max_bytes(self) -> int:
+        """The cap of a local:// or memory:// store (least recently used blocks go first)."""
+        return int(self.kv_store_max_gb * GIB)
+
+
+@dataclass(frozen=True)
+class WorkerSettings(Section):
+    """A worker process around its engine (services/worker/server.py)."""
+
+    grace_period: float = setting(10.0, "seconds in-flight requests get on SIGTERM", WORKER)
+    engine_stall_timeout: float = setting(60.0, "seconds without an engine step while requests "
+                                          "wait before a worker exits (for a restart)",
+                                          WORKER)  # fmt: skip
+    write_back: bool = setting(True, "decode: write finished generations' blocks to the store",
+                               WORKER)  # fmt: skip
+    metrics_port: int | None = setting(None, "workers: serve Prometheus /metrics and /health "
+                                       "over HTTP on this port (up: worker k on this port + "
+                                       "k, prefill workers first)", WORKER)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class RouterSettings(Section):
+    """The router (router/)."""
+
+    served_model_name: str | None = setting(None, "the model id clients send", ROUTER)
+    prefill: tuple[str, ...] = setting((), "prefill workers, HOST:PORT (router)", ("router",))
+    decode: tuple[str, ...] = setting((), "decode workers, HOST:PORT (router)", ("router",))
+    policy: str = setting("kv_aware", "routing policy", ROUTER,
+                          choices=("round_robin", "least_load", "kv_aware"))  # fmt: skip
+    imbalance: int = setting(8, "kv_aware: requests a cached worker may be busier by", ROUTER)
+    disagg_threshold: int = setting(0, "prompts with fewer uncached tokens skip prefill (0: off)",
+                                    ROUTER)  # fmt: skip
+    api_keys: tuple[str, ...] = setting((), "accepted API keys (none: no authentication); "
+                                        "prefer the variable or --api-keys-file: flags show "
+                                        "in ps", ROUTER)  # fmt: skip
+    api_keys_file: str | None = setting(None, "file of accepted API keys, one per line "
+                                        "(added to --api-keys)", ROUTER)  # fmt: skip
+    admin_key: str | None = setting(None, "key for /admin/workers (none: admin API off)", ROUTER)
+    admin_key_file: str | None = setting(None, "file holding the admin key", ROUTER)
+    max_pending: int = setting(256, "sequences (prompts x n) in flight before 429", ROUTER,
+                               minimum=1)  # fmt: skip
+    max_prompts: int = setting(64, "prompts one completions request may carry", ROUTER,
+                               minimum=1)  # fmt: skip
+    max_n: int = setting(16, "largest n (choices per prompt)", ROUTER, minimum=1)
+    max_body_bytes: int = setting(4 << 20, "largest request body (413 past it)", ROUTER)
+    health_interval: float = setting(1.0, "seconds between worker health checks (a worker not "
+                                     "healthy is asked every 0.25 s)", ROUTER)  # fmt: skip
+    health_timeout: float = setting(5.0, "seconds a worker's health check may take (a busy "
+                                    "worker answers late)", ROUTER)  # fmt: skip
+    health_failures: int = setting(3, "failed health checks in a row before a worker is left "
+                                   "out (one success brings it back)", ROUTER,
+                                   minimum=1)  # fmt: skip
+    prefill_timeout: float = setting(120.0, "seconds a Prefill may take before another worker "
+                                     "is tried", ROUTER)  # fmt: skip
+    retry_wait: float = setting(30.0, "seconds a request waits for a worker to come back when "
+                                "every one has failed it", ROUTER)  # fmt: skip
+    ttft_slo: float = setting(0.0, "seconds a prompt may be expected to wait for its first "
+                              "token: past it, computed by a decode worker with room or refused "
+                              "(429 + Retry-After); 0: no limit", ROUTER, minimum=0)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class UpSettings(Section):
+    """`pdserve up`'s stack (services/up.py)."""
+
+    num_prefill: int = setting(1, "prefill workers to start", ("up",), minimum=1)
+    num_decode: int = setting(1, "decode workers to start", ("up",), minimum=1)
+    colocated: bool | None = setting(None, "no prefill workers: each decode worker computes "
+                                     "prompts too, in one engine; unset: chosen by the host's "
+                                     "cores (colocated below 8, where the two roles' processes "
+                                     "would share cores)", ("up",))  # fmt: skip
+    redis: bool = setting(False, "start a redis-server child as the KV store", ("up",))
+    redis_max_memory: str = setting("2gb", "--redis: the redis-server's memory cap (least "
+                                    "recently used blocks evicted past it)", ("up",))  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What one role runs with: every section (a role reads the ones it uses)."""
+
+    role: str = "up"  # router, prefill, decode or up: whose defaults fill the gaps (port)
+    server: ServerSettings = field(default_factory=ServerSettings)
+    model: ModelSettings = field(default_factory=ModelSettings)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    store: StoreSettings = field(default_factory=StoreSettings)
+    worker: WorkerSettings = field(default_factory=WorkerSettings)
+    router: RouterSettings = field(default_factory=RouterSettings)
+    up: UpSettings = field(default_factory=UpSettings)
+
+    @property
+    def port(self) -> int:
+        """The port set, else the role's own default."""
+        return self.server.port if self.server.port is not None else DEFAULT_PORTS[self.role]
+
+
+DEFAULTS = Settings()  # the defaults, for code that takes one setting as an argument
