@@ -28,6 +28,7 @@ from router.openai_format import (
 )
 from router.protocol import ChatCompletionRequest, CompletionRequest
 from router.state import Admission, RouterState, new_id, read_model, watch_disconnect
+from services.engine.params import DEFAULT_MAX_TOKENS
 from services.tracing import NO_SPAN, RECEIVED, Span
 
 routes = APIRouter()
@@ -45,7 +46,7 @@ async def completions(request: Request) -> Response:
     req = await read_model(request, CompletionRequest, state.config.max_body_bytes)
     state.check_model(req.model)
     prompts = prompt_ids(state, req.prompt)
-    max_tokens = 16 if req.max_tokens is None else req.max_tokens
+    max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     if max_tokens == 0 and not req.echo:
         raise bad_request("max_tokens 0 scores the prompt: it needs echo", "max_tokens")
     score_only = max_tokens == 0  # one token is generated, and dropped

@@ -16,6 +16,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from services.engine.params import (
+    DEFAULT_MAX_TOKENS,
+    LOGIT_BIAS_LIMIT,
+    MAX_LOGPROBS,
+    PENALTY_LIMIT,
+)
+
 log = logging.getLogger("pdserve.router")
 
 
@@ -74,15 +81,17 @@ class SamplingFields(Tolerant):
     """Fields completions and chat share."""
 
     model: str | None = None  # optional, as in vLLM: the one served model
-    n: Annotated[int, Field(ge=1)] = 1  # at most RouterConfig.max_n
+    n: Annotated[int, Field(ge=1)] = 1  # at most RouterSettings.max_n
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     top_k: Annotated[int, Field(ge=-1)] | None = None
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None
-    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
-    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-PENALTY_LIMIT, le=PENALTY_LIMIT)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-PENALTY_LIMIT, le=PENALTY_LIMIT)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0)] | None = None
-    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    logit_bias: (
+        dict[str, Annotated[float, Field(ge=-LOGIT_BIAS_LIMIT, le=LOGIT_BIAS_LIMIT)]] | None
+    ) = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
@@ -101,7 +110,7 @@ class SamplingFields(Tolerant):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     # vLLM's: the prompt's logprobs (each token after the first) with this many top ones
-    prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -111,9 +120,10 @@ class SamplingFields(Tolerant):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: Annotated[int, Field(ge=0)] | None = 16  # 0: with echo, score the prompt
+    # 0: with echo, score the prompt
+    max_tokens: Annotated[int, Field(ge=0)] | None = DEFAULT_MAX_TOKENS
     echo: bool = False
-    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     best_of: Annotated[int, Field(ge=1)] | None = None  # >= n: the n best by cumulative logprob
     suffix: None = None  # accepted only as null: insertion is not supported
 
@@ -181,7 +191,7 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     add_generation_prompt: bool = True
     # tool calling (router/tools.py)
     tools: list[Tool] | None = None

@@ -7,7 +7,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-MAX_LOGPROBS = 20
+# The bounds of the sampling fields, here once: the router's request bodies check the same.
+DEFAULT_MAX_TOKENS = 16  # OpenAI's completions default
+MAX_LOGPROBS = 20  # top alternatives per token, at most
+PENALTY_LIMIT = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI)
+LOGIT_BIAS_LIMIT = 100.0  # a logit bias lies in [-100, 100] (OpenAI)
 
 
 class ValidationError(ValueError):
@@ -23,7 +27,7 @@ class ValidationError(ValueError):
 class SamplingParams:
     """What to generate and how. Defaults follow the OpenAI API (and vLLM) where they differ."""
 
-    max_tokens: int = 16
+    max_tokens: int = DEFAULT_MAX_TOKENS
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0  # in (0, 1]
     top_k: int = -1  # -1 (or 0) = all tokens
@@ -74,7 +78,11 @@ class SamplingParams:
         _check(_finite(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            _check(_finite(value) and -2 <= value <= 2, name, "must be in [-2, 2]")
+            _check(
+                _finite(value) and -PENALTY_LIMIT <= value <= PENALTY_LIMIT,
+                name,
+                f"must be in [-{PENALTY_LIMIT:g}, {PENALTY_LIMIT:g}]",
+            )
         _check(
             _finite(self.repetition_penalty) and self.repetition_penalty > 0,
             "repetition_penalty",
@@ -105,7 +113,9 @@ class SamplingParams:
                 f"token id {token} is outside the vocabulary",
             )
             _check(
-                _finite(bias) and -100 <= bias <= 100, "logit_bias", "biases must be in [-100, 100]"
+                _finite(bias) and -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT,
+                "logit_bias",
+                f"biases must be in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]",
             )
         for token in self.stop_token_ids:
             _check(

@@ -15,6 +15,7 @@ from router.errors import APIError
 from router.generation import Job
 from router.openai_format import Envelope
 from router.state import RouterState
+from services.engine.params import SamplingParams
 from services.rpc import worker_pb2 as pb
 from services.settings import RouterSettings, Settings
 
@@ -74,3 +75,30 @@ def test_a_request_larger_than_the_server_admits_is_400():
         state.admit(jobs(prompts=64, n=16))  # 1,024 sequences could never be admitted
     assert refused.value.status == 400 and refused.value.param == "n"
     assert "1024 sequences" in refused.value.message and state.pending == 0
+
+
+def test_a_prompts_block_hashes_are_computed_once_per_request(monkeypatch):
+    """Once per prompt when the request is read; routing, backlogs, the TTFT SLO's spill and
+    shedding, and every choice then use the job's own."""
+    from router import generation
+
+    calls = []
+    counted = generation.block_hashes
+
+    def counting(*args, **kwargs):
+        calls.append(args[0])
+        return counted(*args, **kwargs)
+
+    monkeypatch.setattr(generation, "block_hashes", counting)
+    settings = RouterSettings(ttft_slo=1.0, disagg_threshold=4)
+    state = RouterState.create(Settings(router=settings))
+    prompts = [list(range(100, 150)), list(range(200, 240))]
+    made = state.jobs("r", prompts, SamplingParams(n=3), None, b"tenant")
+    assert calls == prompts  # once each
+    assert [len(job.block_hashes) for job in made] == [4, 3]  # 3 full + 1 partial; 2 + 1
+    state.shed(made)
+    for job in made:
+        assert not state.pipeline._compute_on_decode(job)
+        assert not state.pipeline._spill(job)
+    state.pipeline.expected_wait(made)
+    assert calls == prompts

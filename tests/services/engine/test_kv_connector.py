@@ -137,3 +137,34 @@ def test_unfetched_leading_blocks_come_from_the_cache_or_are_recomputed(embedded
     # cached: 2 blocks from the cache + 2 from the store; evicted: the import stops at once
     assert deltas[-1].num_cached_tokens == (64 if still_cached else 0)
     assert deltas[-1].num_external_tokens == (32 if still_cached else 0)
+
+
+class CountingHashes:
+    """kvstore.block_hash's hashlib, counting the SHA-256s it makes."""
+
+    def __init__(self) -> None:
+        import hashlib
+
+        self.calls = 0
+        self._sha256 = hashlib.sha256
+
+    def sha256(self, data: bytes = b""):
+        self.calls += 1
+        return self._sha256(data)
+
+
+@pytest.mark.parametrize("given", [True, False])
+def test_a_prompts_block_hashes_given_with_the_request_are_not_computed_again(
+    embedded, monkeypatch, given
+):
+    ids = prompt(70)  # 4 full blocks
+    prefill = engine(embedded, InMemory())
+    full = block_hashes(ids, 16, prefill.blocks.namespace)
+    partial = block_hashes(ids, 16, prefill.blocks.namespace, include_partial=True)[-1]
+    counting = CountingHashes()
+    monkeypatch.setattr("kvstore.block_hash.hashlib", counting)
+    request = EngineRequest("r", ids, PARAMS, block_hashes=full if given else ())
+    prefill.add_request(request, PrefillConnector(full, partial, None))
+    while prefill.has_unfinished:
+        prefill.step()
+    assert counting.calls == (0 if given else 4)
