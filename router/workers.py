@@ -68,10 +68,11 @@ class WorkerState:
     open_until: float = 0.0  # circuit breaker: left out until then
     cached: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
     backlog: Backlog = field(default_factory=Backlog)  # prompt tokens sent, not yet answered
+    clock: Callable[[], float] = time.monotonic  # what `open_until` is read on (tests: a fake)
 
     @property
     def available(self) -> bool:
-        return self.healthy and time.monotonic() >= self.open_until
+        return self.healthy and self.clock() >= self.open_until
 
     @property
     def busy(self) -> int:
@@ -171,7 +172,7 @@ class Registry:
     def failed(self, worker: WorkerState, why: str) -> None:
         worker.failures += 1
         if worker.failures >= self.breaker_failures:
-            worker.open_until = time.monotonic() + self.breaker_cooldown
+            worker.open_until = worker.clock() + self.breaker_cooldown
             self._set_health(worker, False, f"circuit open: {why}")
         log.warning(
             "worker call failed",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,10 +82,11 @@ async def send(
     turn: int,
     tokenizer: Tokenizer,
     clock: float,
+    now: Callable[[], float] = time.perf_counter,
 ) -> RequestRecord:
-    """Send one turn; the record's times are seconds since `clock` (a perf_counter value)."""
+    """Send one turn; the record's times are seconds since `clock` (a value of `now`)."""
     request = body(target, conversation, turn)
-    record = RequestRecord(start=time.perf_counter() - clock, input_tokens=0, turn=turn)
+    record = RequestRecord(start=now() - clock, input_tokens=0, turn=turn)
     usage: dict[str, Any] | None = None
     text: list[str] = []
     try:
@@ -108,7 +110,7 @@ async def send(
                     usage = event.get("usage") or usage
                     piece = _text(event)
                     if piece:
-                        record.chunk_times.append(time.perf_counter() - clock)
+                        record.chunk_times.append(now() - clock)
                         text.append(piece)
                 if not done and record.error is None:
                     record.error = "stream ended before [DONE]"
@@ -118,7 +120,7 @@ async def send(
         record.error = f"connection dropped: {type(e).__name__}"
     except json.JSONDecodeError:
         record.error = "malformed event"
-    record.end = time.perf_counter() - clock
+    record.end = now() - clock
     record.output_text = "".join(text)
     if usage is not None:
         record.usage_reported = True

@@ -15,7 +15,7 @@ import math
 import random
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import httpx
@@ -88,8 +88,10 @@ async def run(
     conversations: list[Conversation],
     tokenizer: Tokenizer,
     load: LoadConfig,
+    now: Callable[[], float] = time.perf_counter,
 ) -> tuple[list[RequestRecord], float]:
-    """Every request's record, and the run's duration in seconds (warmup excluded)."""
+    """Every request's record, and the run's duration in seconds (warmup excluded), on the
+    clock `now` (a test's fake one)."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     timeout = httpx.Timeout(load.timeout, connect=30)
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as http:
@@ -97,19 +99,19 @@ async def run(
             warm = [
                 copy.deepcopy(conversations[i % len(conversations)]) for i in range(load.warmup)
             ]
-            clock = time.perf_counter()
-            await asyncio.gather(*(send(http, target, c, 0, tokenizer, clock) for c in warm))
+            clock = now()
+            await asyncio.gather(*(send(http, target, c, 0, tokenizer, clock, now) for c in warm))
         slots = asyncio.Semaphore(load.max_concurrency or 1 << 30)
         records: list[RequestRecord] = []
         total = None if load.duration else sum(len(c.turns) for c in conversations)
         progress = Progress(total, load.progress)
-        clock = time.perf_counter()
+        clock = now()
 
         async def converse(conversation: Conversation, at: float) -> None:
-            await asyncio.sleep(max(0.0, at - (time.perf_counter() - clock)))
+            await asyncio.sleep(max(0.0, at - (now() - clock)))
             for turn in range(len(conversation.turns)):
                 async with slots:
-                    record = await send(http, target, conversation, turn, tokenizer, clock)
+                    record = await send(http, target, conversation, turn, tokenizer, clock, now)
                 records.append(record)
                 progress.update(record)
                 if not record.ok:
@@ -120,7 +122,7 @@ async def run(
         if load.duration is not None and not math.isfinite(load.request_rate):
             # closed loop for a while: each slot starts the next conversation when it is free
             async def slot_loop() -> None:
-                while time.perf_counter() - clock < (load.duration or 0):
+                while now() - clock < (load.duration or 0):
                     await converse(next(source), 0.0)
 
             await asyncio.gather(*(slot_loop() for _ in range(load.max_concurrency or 1)))

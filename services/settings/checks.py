@@ -26,8 +26,8 @@ def check(settings: Settings) -> Settings:
     if role in WORKER:
         _store(settings)
         if settings.engine.speculative.method == "draft":
-            if settings.engine.speculative.draft_model is None:
-                raise SettingsError("speculative: draft needs a model: draft:MODEL")
+            if settings.engine.speculative.draft_model is None:  # the worker loads it
+                raise SettingsError(settings.engine.speculative.malformed)
             check_model(settings.engine.speculative.draft_model)
     if role == "up":
         _up(settings)

@@ -103,14 +103,15 @@ class SpeculativeConfig(Section):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.speculative != "none" and self.method not in SPECULATIVE_METHODS:
-            raise SettingsError(
-                f"speculative: {self.speculative!r} is not none, ngram, suffix or draft:MODEL"
-            )
-        if self.method != "draft" and self.draft_model is not None:
-            raise SettingsError(f"speculative: only draft takes a model ({self.speculative!r})")
+        known = self.speculative == "none" or self.method in SPECULATIVE_METHODS
+        if not known or (self.method != "draft" and self.draft_model is not None):
+            raise SettingsError(self.malformed)
         if self.num_tokens < 1 or not 1 <= self.min_n <= self.max_n:
             raise SettingsError("speculative: num_tokens >= 1 and 1 <= min_n <= max_n")
+
+    @property
+    def malformed(self) -> str:
+        return f"speculative: {self.speculative!r} is not none, ngram, suffix or draft:MODEL"
 
     @property
     def enabled(self) -> bool:

@@ -2,7 +2,9 @@
 autoscalers, and `/health` (200 when serving, 503 otherwise) for probes that speak HTTP.
 
 It runs on a thread of its own and reads what the gRPC side already keeps: the engine's
-load snapshot, the store's counters and the worker's own.
+load snapshot, the store's counters and the worker's own. It sees the worker as `WorkerView`,
+not as the server's `Worker` class: the server starts this side door, so importing it back would
+make a cycle.
 """
 
 from __future__ import annotations
@@ -10,13 +12,15 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 if TYPE_CHECKING:
-    from services.worker.server import Worker
+    from kvstore.store import StoreStats
+    from services.engine.driver import EngineLoad
+    from services.engine.speculative import SpecStats
 
 GAUGES = {  # EngineLoad field -> (metric, help)
     "waiting": ("pdserve_engine_waiting", "Requests queued, not yet running (queue depth)"),
@@ -29,8 +33,56 @@ GAUGES = {  # EngineLoad field -> (metric, help)
 }
 
 
+class _Driver(Protocol):
+    @property
+    def load(self) -> EngineLoad: ...
+
+
+class _Store(Protocol):
+    def stats(self) -> StoreStats: ...
+
+
+class _Counters(Protocol):
+    @property
+    def recomputed_tokens(self) -> int: ...
+
+
+class _Speculator(Protocol):
+    @property
+    def stats(self) -> SpecStats: ...
+
+
+class _Engine(Protocol):
+    @property
+    def speculator(self) -> _Speculator | None: ...
+
+
+class WorkerView(Protocol):
+    """What the side door reads of a worker (services.worker.server.Worker is one). Contract:
+    it reads on its own thread while the worker runs, and writes nothing; each value is a
+    snapshot or a counter, and may be one engine step behind."""
+
+    @property
+    def role(self) -> str: ...
+
+    @property
+    def ready(self) -> bool: ...  # serving, with an engine that is alive
+
+    @property
+    def driver(self) -> _Driver: ...
+
+    @property
+    def store(self) -> _Store: ...
+
+    @property
+    def counters(self) -> _Counters: ...
+
+    @property
+    def engine(self) -> _Engine: ...
+
+
 class WorkerCollector:
-    def __init__(self, worker: Worker) -> None:
+    def __init__(self, worker: WorkerView) -> None:
         self.worker = worker
 
     def collect(self) -> Iterator[Metric]:
@@ -71,7 +123,7 @@ class WorkerCollector:
             yield counter
 
 
-def serve_http(worker: Worker, host: str, port: int) -> ThreadingHTTPServer:
+def serve_http(worker: WorkerView, host: str, port: int) -> ThreadingHTTPServer:
     """Start the side door on a daemon thread; shut it down with .shutdown()."""
     registry = CollectorRegistry()
     registry.register(WorkerCollector(worker))

@@ -9,6 +9,8 @@ import json
 import socket
 import threading
 import time
+from collections.abc import Callable
+from itertools import takewhile
 
 import pytest
 import uvicorn
@@ -17,7 +19,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from bench.load.cli import main as bench
 from bench.load.client import Target
-from bench.load.runner import LoadConfig, run
+from bench.load.runner import LoadConfig, arrivals_forever, run
 from bench.load.workloads import WorkloadConfig, build
 from services.launcher import free_port
 from tests.support.cluster import metrics
@@ -79,9 +81,12 @@ def test_multi_turn_finds_more_cached_prefix_than_random(stack):
     assert multi > random_ + 0.2
 
 
-def faulty_server(faults: bool = True) -> tuple[str, uvicorn.Server]:
+def faulty_server(
+    faults: bool = True, answered: Callable[[], None] = lambda: None
+) -> tuple[str, uvicorn.Server]:
     """An OpenAI-style server where (with `faults`) every third request fails with a 500,
-    every third drops the connection mid-stream, and the rest stream properly."""
+    every third drops the connection mid-stream, and the rest stream properly (`answered` is
+    called as each of those ends, before its last event)."""
     app = FastAPI()
     count = {"n": 0}
 
@@ -101,6 +106,7 @@ def faulty_server(faults: bool = True) -> tuple[str, uvicorn.Server]:
                 yield f"data: {json.dumps({'choices': [{'index': 0, 'text': ' x'}]})}\n\n"
                 await asyncio.sleep(0.001)
             usage = {"prompt_tokens": 3, "completion_tokens": body["max_tokens"]}
+            answered()
             yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
@@ -160,18 +166,41 @@ def test_rate_sweep_and_compare(stack, tmp_path, capsys):
     assert completed == ["completed", "6", "6", "(1.00x)", "6", "(1.00x)"]
 
 
+class AnswerClock:
+    """A run's clock that moves a second each time the server finishes an answer, and not
+    otherwise: what a run does by its duration does not depend on how fast the machine is."""
+
+    def __init__(self) -> None:
+        self.answers = 0
+
+    def answered(self) -> None:
+        self.answers += 1
+
+    def __call__(self) -> float:
+        return float(self.answers)
+
+
 def test_duration_bounds_open_and_closed_loops(embedded):
-    base, server = faulty_server(faults=False)
+    clock = AnswerClock()
+    base, server = faulty_server(faults=False, answered=clock.answered)
     target = Target(base, "completions", "fake")
     conversations = build(WorkloadConfig("random", 4, 8, 3), embedded.tokenizer)
     try:
         open_loop = LoadConfig(request_rate=40, duration=1.0, progress=False)
+        due = list(takewhile(lambda t: t < 1.0, arrivals_forever(conversations, open_loop)))
         records, _ = asyncio.run(run(target, conversations, embedded.tokenizer, open_loop))
-        assert 20 < len(records) < 60  # ~40 arrivals in the second, the 4 prompts cycled
-        assert all(r.ok and r.start < 1.1 for r in records)
-        closed = LoadConfig(max_concurrency=2, duration=0.5, progress=False)
-        records, _ = asyncio.run(run(target, conversations, embedded.tokenizer, closed))
-        assert len(records) > 4 and all(r.ok and r.start < 0.6 for r in records)
+        # every arrival in the second (the seed's gaps, the 4 prompts cycled) and no other
+        assert len(records) == len(due) == 33 and all(r.ok for r in records)
+        starts = sorted(r.start for r in records)
+        assert all(start >= at - 1e-3 for start, at in zip(starts, due, strict=True))  # paced
+
+        closed = LoadConfig(max_concurrency=2, duration=5.0, progress=False)
+        closed_run = run(target, conversations, embedded.tokenizer, closed, clock)
+        records, _ = asyncio.run(asyncio.wait_for(closed_run, 120))  # 120 s: only bounds a hang
+        # both slots start at 0 s; each of the first four answers (1-4 s) lets its slot start
+        # the next, unless the fifth answer (5 s) comes before that slot looks
+        assert len(records) in (5, 6) and all(r.ok for r in records)
+        assert max(r.start for r in records) <= 5.0
         in_flight = max(sum(o.start <= r.start < o.end for o in records) for r in records)
         assert in_flight <= 2
     finally:

@@ -6,6 +6,7 @@ back in a new epoch, and every change is counted for /metrics."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -18,16 +19,24 @@ from services.rpc import worker_pb2 as pb
 from services.rpc import worker_pb2_grpc as pbg
 from services.settings import RouterSettings
 
+# A stand-in that answers is given all the time it needs, one that says nothing a short
+# timeout: whether a check is missed never depends on how loaded the machine is.
+ANSWERED = RouterSettings(health_interval=1.0, health_timeout=30.0)
+SILENT = replace(ANSWERED, health_timeout=0.2)
+
 
 class StandIn(pbg.PrefillWorkerServicer):
-    """Answers Health and Load after `delay` seconds, saying `ready`."""
+    """Answers Health and Load after `delay` seconds (None: never), saying `ready`."""
 
     def __init__(self) -> None:
-        self.delay = 0.0
+        self.delay: float | None = 0.0
         self.ready = True
 
     async def Health(self, request: pb.HealthRequest, context: Any) -> pb.HealthReply:
-        await asyncio.sleep(self.delay)
+        if self.delay is None:
+            await asyncio.Event().wait()  # until the caller gives up
+        else:
+            await asyncio.sleep(self.delay)
         return pb.HealthReply(
             role="prefill", model="m", ready=self.ready, namespace="ns", block_size=BLOCK_SIZE
         )
@@ -45,38 +54,39 @@ def test_health_tolerates_late_answers_and_needs_several_misses():
         server.add_insecure_port(f"127.0.0.1:{port}")
         await server.start()
         metrics = Metrics()
-        registry = Registry(RouterSettings(health_interval=1.0, health_timeout=0.5),
-                            on_health=metrics.health_changed)  # fmt: skip
+        registry = Registry(ANSWERED, on_health=metrics.health_changed)
         worker = registry.add("prefill", f"127.0.0.1:{port}")
+
+        async def check(delay: float | None) -> None:
+            """One round of health checks, the stand-in answering after `delay` s or never."""
+            stand_in.delay = delay
+            registry.settings = SILENT if delay is None else ANSWERED
+            await asyncio.wait_for(registry.check_all(), 60)  # 60 s: only bounds a hang
+
         try:
-            await registry.check_all()
+            await check(0.0)
             assert worker.healthy and worker.epoch == 1 and worker.load.running == 2
 
-            stand_in.delay = 0.3  # busy: late, but within the timeout
-            await registry.check_all()
+            await check(0.3)  # busy: late, but within the timeout
             assert worker.healthy and worker.check_failures == 0
 
-            stand_in.delay = 0.8  # past the timeout: two misses are not yet enough
-            for misses in (1, 2):
-                await registry.check_all()
+            for misses in (1, 2):  # no answer: two misses are not yet enough
+                await check(None)
                 assert worker.healthy and worker.check_failures == misses
-            stand_in.delay = 0.0  # an answer in between starts the count again
-            await registry.check_all()
+            await check(0.0)  # an answer in between starts the count again
             assert worker.check_failures == 0
-            stand_in.delay = 0.8
             for _ in range(3):
-                await registry.check_all()
+                await check(None)
             assert not worker.healthy and registry.available("prefill") == []
 
-            stand_in.delay = 0.0  # one good answer: back, in a new epoch
-            await registry.check_all()
+            await check(0.0)  # one good answer: back, in a new epoch
             assert worker.healthy and worker.epoch == 2
 
             stand_in.ready = False  # draining or engine dead: out at once
-            await registry.check_all()
+            await check(0.0)
             assert not worker.healthy
             stand_in.ready = True
-            await registry.check_all()
+            await check(0.0)
             assert worker.healthy and worker.epoch == 3
 
             text = metrics.render(registry).decode()

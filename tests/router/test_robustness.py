@@ -1,7 +1,10 @@
 """What clients throw at a running cluster (2 prefill + 2 decode worker processes behind a
 router): a storm of streams cancelled after their first chunk, bad sampling parameters mixed
 with good requests, clients that leave while their prompt computes, and steady load that
-must not make a healthy worker look unhealthy."""
+must not make a healthy worker look unhealthy.
+
+What is asserted is what the workers did (their logs, their caches), never how fast: a
+loaded machine is slower, not wrong. Deadlines only bound a hang."""
 
 from __future__ import annotations
 
@@ -12,15 +15,30 @@ import random
 import socket
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import httpx
 import openai
 import pytest
 
 from services.engine.params import SamplingParams
-from services.launcher import RouterProcess
-from tests.support.cluster import MODEL, addresses, load, metrics, reference, wait_idle
+from services.launcher import RouterProcess, WorkerProcess
+from services.rpc import worker_pb2 as pb
+from services.rpc import worker_pb2_grpc as pbg
+from services.worker.convert import to_proto_params
+from tests.support.cluster import (
+    MODEL,
+    addresses,
+    load,
+    log_events,
+    log_size,
+    logged,
+    metrics,
+    reference,
+    wait_idle,
+)
 
 FLAP_SECONDS = float(os.environ.get("PDSERVE_FLAP_TEST_SECONDS", "20"))
 FLAP_HEALTH_INTERVAL = 0.1  # 10 health checks of each worker a second: 200 in 20 s
@@ -71,15 +89,21 @@ def test_200_streams_cancelled_after_their_first_chunk_leave_nothing_behind(
         engine, embedded.tokenizer.encode(prompt), SamplingParams(max_tokens=8, temperature=0)
     )[0]
     for round_ in range(2):
+        since = [log_size(w) for w in decode]
         assert asyncio.run(storm(round_)) == 200
+        idle = wait_idle([*prefill, *decode], timeout=300)  # only bounds a hang
         start = time.monotonic()
         r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
-                                      timeout=30)  # fmt: skip
+                                      timeout=120)  # fmt: skip
         answered = time.monotonic() - start
         assert r.choices[0].text == expected
-        assert answered < 5, f"answered in {answered:.1f}s after the storm"
-        idle = wait_idle([*prefill, *decode], timeout=10)
-        print(f"round {round_}: answered in {answered:.2f}s, workers idle after {idle:.2f}s")
+        # of the storm's streams that reached a decode worker none ran on to its 200th token:
+        # the one Decode since the storm that ended with its last token is this answer's
+        begun = logged(decode, since, "decode")
+        finished = [rid for _, rid in logged(decode, since, "decoded")]
+        assert len(begun) > 1 and len(finished) == 1 and finished[0].startswith(r.id), finished
+        print(f"round {round_}: workers idle {idle:.2f}s after the storm ({len(begun) - 1} "
+              f"decodes begun, none finished), answered in {answered:.2f}s")  # fmt: skip
         gauges = metrics(fresh_router.url)
         assert gauges[("pdserve_requests_running", ())] == 0
         assert gauges[("pdserve_requests_waiting", ())] == 0
@@ -130,9 +154,9 @@ def test_bad_parameters_are_refused_alone_and_good_requests_answer_exactly(
     assert len(healthy) == 4 and all(healthy.values())
 
 
-def leave_mid_prefill(router: RouterProcess, body: dict, prefill) -> float:
-    """Send `body` on a raw socket, hang up once a prefill worker runs it; seconds until
-    every prefill worker reports it gone."""
+def leave_mid_prefill(router: RouterProcess, body: dict, prefill) -> tuple[WorkerProcess, float]:
+    """Send `body` on a raw socket, hang up once a prefill worker runs it; that worker, and the
+    seconds until every prefill worker reports it gone."""
     host, port = router.url.removeprefix("http://").split(":")
     raw = json.dumps(body).encode()
     with socket.create_connection((host, int(port))) as sock:
@@ -141,27 +165,53 @@ def leave_mid_prefill(router: RouterProcess, body: dict, prefill) -> float:
             + f"Content-Length: {len(raw)}\r\n\r\n".encode()
             + raw
         )
-        deadline = time.monotonic() + 30
-        while not any(load(w).running for w in prefill):
+        deadline = time.monotonic() + 60
+        while not (running := [w for w in prefill if load(w).running]):
             assert time.monotonic() < deadline, "the prompt never started computing"
             time.sleep(0.01)
     left = time.monotonic()  # the socket is closed: the client is gone
-    while any(load(w).running or load(w).waiting for w in prefill):
-        assert time.monotonic() - left < 10, "the prefill kept running"
-        time.sleep(0.01)
-    return time.monotonic() - left
+    wait_idle(prefill, timeout=120)  # a prefill left running would end well within it too
+    return running[0], time.monotonic() - left
+
+
+def blocks_held(worker: WorkerProcess, prompt: list[int]) -> tuple[int, int]:
+    """How many of the prompt's blocks the worker holds or its store has, of those it would
+    look for: the `fetched` line a Prefill of the prompt logs before it computes anything
+    (that Prefill is then cancelled)."""
+    rid, since = f"probe-{uuid.uuid4().hex}", log_size(worker)
+
+    async def probe() -> dict[str, str]:
+        async with grpc.aio.insecure_channel(worker.address) as channel:
+            params = to_proto_params(SamplingParams(max_tokens=1))
+            request = pb.PrefillRequest(request_id=rid, prompt_token_ids=prompt, params=params)
+            call = pbg.PrefillWorkerStub(channel).Prefill(request)
+            deadline = time.monotonic() + 60
+            try:
+                while True:
+                    for e in log_events(worker, since):
+                        if e.get("msg") == "fetched" and e.get("request_id") == rid:
+                            return e
+                    assert time.monotonic() < deadline, "the probe fetched nothing"
+                    await asyncio.sleep(0.02)
+            finally:
+                call.cancel()
+
+    fetched = asyncio.run(probe())
+    return int(fetched["cached"]) + int(fetched["blocks"]), int(fetched["of"])
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_client_leaving_mid_prefill_is_gone_from_the_worker_within_2s(pool, fresh_router, stream):
+def test_a_client_leaving_mid_prefill_stops_its_prefill(pool, fresh_router, stream):
     prefill, decode = pool
     rng = random.Random(f"{time.time()}-{stream}")  # a fresh prompt: nothing cached anywhere
     prompt = [rng.randrange(100, 49000) for _ in range(4000)]  # seconds of prefill on 2 cores
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "stream": stream}
-    seconds = leave_mid_prefill(fresh_router, body, prefill)
-    print(f"prefill gone {seconds * 1000:.0f} ms after the client left (stream={stream})")
-    assert seconds < 2
-    wait_idle([*prefill, *decode], timeout=5)
+    worker, seconds = leave_mid_prefill(fresh_router, body, prefill)
+    held, of = blocks_held(worker, prompt)
+    print(f"prefill gone {seconds * 1000:.0f} ms after the client left, {held} of {of} blocks "
+          f"computed (stream={stream})")  # fmt: skip
+    assert held < of  # stopped part way: a prefill run to its end leaves every block behind
+    wait_idle([*prefill, *decode], timeout=60)
 
 
 def test_no_unhealthy_flap_under_steady_load(pool, tmp_path):
@@ -177,12 +227,13 @@ def test_no_unhealthy_flap_under_steady_load(pool, tmp_path):
     finally:
         router.stop()
     print(f"{len(outcomes)} requests in {FLAP_SECONDS:.0f}s; unhealthy marks: {marks}")
-    assert len(outcomes) >= 4 and [o for o in outcomes if o != "ok"] == []  # 7-9 here
+    assert [o for o in outcomes if o != "ok"] == []  # 7-9 here, 4 at least
     assert not any(marks.values()), marks
 
 
 def steady_load(router_url: str) -> tuple[list[str], dict[str, float]]:
-    """Two clients' requests for FLAP_SECONDS: each one's outcome, then the unhealthy marks."""
+    """Two clients' requests for FLAP_SECONDS (two at least each, however slow the machine):
+    each one's outcome, then the unhealthy marks."""
     url = f"{router_url}/v1/completions"
     stop = time.monotonic() + FLAP_SECONDS
     outcomes: list[str] = []  # "ok", or what went wrong
@@ -190,7 +241,9 @@ def steady_load(router_url: str) -> tuple[list[str], dict[str, float]]:
     def client(k: int) -> None:
         rng = random.Random(k)
         with httpx.Client(timeout=120) as http:
-            while time.monotonic() < stop:
+            sent = 0
+            while sent < 2 or time.monotonic() < stop:
+                sent += 1
                 prompt = [rng.randrange(100, 49000) for _ in range(rng.randrange(200, 1200))]
                 body = {"model": MODEL, "prompt": prompt, "max_tokens": 48, "ignore_eos": True,
                         "stream": True}  # fmt: skip

@@ -4,9 +4,11 @@ single in-process engine gives for the same request (the reference)."""
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
 import httpx
@@ -21,6 +23,8 @@ from services.rpc import worker_pb2 as pb
 from services.rpc import worker_pb2_grpc as pbg
 
 MODEL = "SmolLM2-135M-Instruct"
+T = TypeVar("T")
+FIELD = re.compile(r'(\w+)=("[^"]*"|\S*)')  # a services/logs.py field: key=value or key="v a l"
 Output = tuple[str, list[float]]  # a greedy choice's text and each token's logprob
 
 
@@ -112,6 +116,43 @@ def wait_idle(workers: Sequence[WorkerProcess], timeout: float) -> float:
         if time.monotonic() - start > timeout:
             raise AssertionError(f"workers still busy after {timeout}s: {loads}")
         time.sleep(0.02)
+
+
+def log_size(worker: WorkerProcess) -> int:
+    """Where the worker's next log line will start (for `log_events(worker, since=...)`)."""
+    return worker.log_path.stat().st_size
+
+
+def log_events(worker: WorkerProcess, since: int = 0) -> list[dict[str, str]]:
+    """The worker's whole log lines from byte `since` on, each as its key=value fields."""
+    with open(worker.log_path, "rb") as f:
+        f.seek(since)
+        text = f.read().decode(errors="replace")
+    lines = text[: text.rfind("\n") + 1].splitlines()  # a line still being written waits
+    return [{k: v.strip('"') for k, v in FIELD.findall(line)} for line in lines]
+
+
+def logged(
+    workers: Sequence[WorkerProcess], since: Sequence[int], *msgs: str
+) -> list[tuple[str, str]]:
+    """(message, request id) of the workers' lines with one of these messages, logged after
+    their logs' sizes `since`."""
+    return [
+        (e["msg"], e["request_id"])
+        for w, at in zip(workers, since, strict=True)
+        for e in log_events(w, at)
+        if e.get("msg") in msgs
+    ]
+
+
+def wait_until(value: Callable[[], T], timeout: float) -> T:
+    """`value()` once it is true; `timeout` only bounds a hang."""
+    deadline = time.monotonic() + timeout
+    while not (result := value()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"nothing after {timeout}s")
+        time.sleep(0.05)
+    return result
 
 
 def metrics(base_url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
