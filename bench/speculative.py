@@ -30,7 +30,7 @@ import torch
 from services.engine.engine import Engine, EngineConfig
 from services.engine.params import SamplingParams
 from services.model import hf_config, hf_dir
-from services.model.llama import LlamaModel
+from services.model.decoder import DecoderModel
 from services.model.loader import LoadedModel, load_model
 from services.settings import SpeculativeConfig
 
@@ -133,7 +133,7 @@ class Run:
         return self.tokens / self.seconds
 
 
-def layer_skip_draft(loaded: LoadedModel, layers: int) -> LlamaModel:
+def layer_skip_draft(loaded: LoadedModel, layers: int) -> DecoderModel:
     """A draft made of the target's own first `layers` layers, its final norm and head (no
     other small model shares SmolLM2-135M's tokenizer here)."""
     config = hf_config.read_config(loaded.path)
@@ -143,7 +143,7 @@ def layer_skip_draft(loaded: LoadedModel, layers: int) -> LlamaModel:
         if not name.startswith("model.layers.") or int(name.split(".")[2]) < layers
     }  # fmt: skip
     small = dataclasses.replace(config, num_layers=layers)
-    return LlamaModel(small, kept, loaded.model.dtype, loaded.model.device)
+    return DecoderModel(small, kept, loaded.model.dtype, loaded.model.device)
 
 
 def run(
@@ -152,7 +152,7 @@ def run(
     prompts: Sequence[list[int]],
     tokens: int,
     concurrent: bool,
-    draft: LlamaModel | None = None,
+    draft: DecoderModel | None = None,
 ) -> Run:
     engine = Engine(loaded.model, loaded.tokenizer,
                     EngineConfig(num_blocks=2048, speculative=spec), draft)  # fmt: skip

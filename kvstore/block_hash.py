@@ -34,8 +34,13 @@ class KVLayout:
     block_size: int
     num_layers: int
     num_kv_heads: int
-    head_dim: int
-    codec_version: int = 1
+    head_dim: int  # K's (MLA: latent + rotary key)
+    v_head_dim: int | None = None  # V's, where it differs from K's (MLA: 0, no V)
+    codec_version: int = 2
+
+    @property
+    def v_dim(self) -> int:
+        return self.head_dim if self.v_head_dim is None else self.v_head_dim
 
     def namespace(self) -> str:
         """32 hex characters fingerprinting the layout; part of every block's hash and key."""

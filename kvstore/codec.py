@@ -1,10 +1,11 @@
 """The block codec: one store value per KV block, safe to read from an untrusted store.
 
     value = header | scales | payload | mac
-    header  fixed 96 bytes, little-endian (FORMAT below)
+    header  fixed 88 bytes, little-endian (FORMAT below)
     scales  fp8 only: float32 [layers, 2] (K, V), the factor each layer's values were divided by
-    payload per layer: K [kv_heads, head_dim, block_size] then V [kv_heads, block_size, head_dim]
-            in the storage dtype (the worker's cache layout, services/model/kv_cache.py)
+    payload per layer: K [kv_heads, head_dim, block_size] then V [kv_heads, block_size,
+            v_head_dim] in the storage dtype (the worker's cache layout,
+            services/model/kv_cache.py); MLA's blocks: K [1, latent + rope, block_size], no V
     mac     keyed codecs only (header flag FLAG_MAC): HMAC-SHA256 of everything before it
 
 Decoding checks every header field against what the reader expects (namespace, block hash,
@@ -49,12 +50,13 @@ from kvstore.block_hash import HASH_BYTES, KVLayout
 from kvstore.keyfile import MIN_KEY_BYTES
 
 MAGIC = b"PDKV"
-CODEC_VERSION = 1
-# magic, version, dtype, flags, layers, block_size, num_tokens, kv_heads, head_dim, reserved
-# (6 zero bytes), namespace (16 bytes), block hash (32), payload length (scales + payload),
-# checksum of the payload (xxh3-64). Every byte of the header is checked on decode.
-FORMAT = struct.Struct("<4sHBBHHHHH6s16s32sQQ")
-RESERVED = bytes(6)
+CODEC_VERSION = 2  # 2: V's head dim in the header (MLA's latent blocks have none)
+# magic, version, dtype, flags, layers, block_size, num_tokens, kv_heads, head_dim (K's),
+# v_head_dim, reserved (4 zero bytes), namespace (16 bytes), block hash (32), payload length
+# (scales + payload), checksum of the payload (xxh3-64). Every byte of the header is checked
+# on decode.
+FORMAT = struct.Struct("<4sHBBHHHHHH4s16s32sQQ")
+RESERVED = bytes(4)
 FLAG_MAC = 0x01  # the value ends with a MAC_BYTES MAC (keyed codec)
 MAC_BYTES = 32  # HMAC-SHA256
 FP8_MAX = 448.0  # largest finite float8 e4m3fn
@@ -100,7 +102,7 @@ class StorageDtype(enum.IntEnum):
 @dataclass(frozen=True)
 class DecodedBlocks:
     k: torch.Tensor  # [n, layers, kv_heads, head_dim, block_size]
-    v: torch.Tensor  # [n, layers, kv_heads, block_size, head_dim]
+    v: torch.Tensor  # [n, layers, kv_heads, block_size, v_head_dim]
     num_tokens: list[int]
 
 
@@ -121,8 +123,9 @@ class BlockCodec:
         self.key = key
         self.flags = FLAG_MAC if key is not None else 0
         self.namespace = bytes.fromhex(layout.namespace())
-        per_layer = layout.num_kv_heads * layout.head_dim * layout.block_size  # K (or V)
-        self.elements = 2 * layout.num_layers * per_layer
+        self.k_elements = layout.num_kv_heads * layout.head_dim * layout.block_size  # a layer's
+        self.v_elements = layout.num_kv_heads * layout.v_dim * layout.block_size
+        self.elements = layout.num_layers * (self.k_elements + self.v_elements)
         self.scales_bytes = 8 * layout.num_layers if dtype is StorageDtype.FP8_E4M3 else 0
         self.payload_bytes = self.scales_bytes + self.elements * dtype.itemsize
         self.body_end = FORMAT.size + self.payload_bytes  # where the MAC starts, if any
@@ -145,23 +148,25 @@ class BlockCodec:
         n, layers = k.shape[0], self.layout.num_layers
         buf = np.empty((n, self.value_bytes), dtype=np.uint8)
         payload = torch.from_numpy(buf[:, FORMAT.size + self.scales_bytes : self.body_end])
-        dest = payload.view(self.dtype.torch).view(n, layers, 2, -1)  # [n, L, K|V, elements]
+        dest = payload.view(self.dtype.torch).view(n, layers, -1)  # [n, L, K then V]
         scales = torch.from_numpy(buf[:, FORMAT.size : FORMAT.size + self.scales_bytes])
-        for j, x in enumerate((k, v)):
+        for j, (x, part) in enumerate(zip((k, v), self._parts(dest), strict=True)):
             x = x.flatten(2)  # a view, also for blocks gathered layer-major and transposed
             if self.dtype is StorageDtype.FP8_E4M3:
-                scale = (x.abs().amax(dim=-1).float() / FP8_MAX).clamp_min(1e-12)  # [n, L]
+                scale = torch.ones(n, layers)  # a part with no elements (MLA's V) keeps 1
+                if x.shape[-1]:
+                    scale = (x.abs().amax(dim=-1).float() / FP8_MAX).clamp_min(1e-12)  # [n, L]
                 scales.view(torch.float32).view(n, layers, 2)[:, :, j] = scale
                 x = (x.float() / scale[..., None]).clamp_(-FP8_MAX, FP8_MAX)
-            dest[:, :, j].copy_(x)
+            part.copy_(x)
         views = []
         for i in range(n):
             body = buf[i, FORMAT.size : self.body_end].data  # the row's bytes, no copy
             FORMAT.pack_into(
                 buf[i], 0, MAGIC, CODEC_VERSION, int(self.dtype), self.flags, layers,
                 self.layout.block_size, num_tokens[i], self.layout.num_kv_heads,
-                self.layout.head_dim, RESERVED, self.namespace, hashes[i], self.payload_bytes,
-                xxhash.xxh3_64_intdigest(body),
+                self.layout.head_dim, self.layout.v_dim, RESERVED, self.namespace, hashes[i],
+                self.payload_bytes, xxhash.xxh3_64_intdigest(body),
             )  # fmt: skip
             if self.key is not None:
                 tag = mac(self.key, buf[i, : self.body_end].data)
@@ -177,7 +182,7 @@ class BlockCodec:
             raise CodecError(f"truncated: {len(value)} bytes, header alone is {FORMAT.size}")
         fields = FORMAT.unpack_from(value, 0)
         (magic, version, dtype, flags, layers, block_size, num_tokens, kv_heads, head_dim,
-         reserved, namespace, stored_hash, payload_len, checksum) = fields  # fmt: skip
+         v_dim, reserved, namespace, stored_hash, payload_len, checksum) = fields  # fmt: skip
         lay, keyed = self.layout, bool(flags & FLAG_MAC)
         expect = [
             (magic == MAGIC, "bad magic"),
@@ -190,6 +195,7 @@ class BlockCodec:
             (block_size == lay.block_size, f"block size {block_size}, expected {lay.block_size}"),
             (kv_heads == lay.num_kv_heads, f"{kv_heads} kv heads, expected {lay.num_kv_heads}"),
             (head_dim == lay.head_dim, f"head dim {head_dim}, expected {lay.head_dim}"),
+            (v_dim == lay.v_dim, f"V head dim {v_dim}, expected {lay.v_dim}"),
             (1 <= num_tokens <= lay.block_size, f"token count {num_tokens}"),
             (namespace == self.namespace, "namespace does not match"),
             (stored_hash == block_hash[:HASH_BYTES], "block hash does not match"),
@@ -232,15 +238,19 @@ class BlockCodec:
             rows[i] = np.frombuffer(value, dtype=np.uint8, count=self.payload_bytes,
                                     offset=FORMAT.size)  # fmt: skip
         payload = torch.from_numpy(rows[:, self.scales_bytes :])
-        kv = payload.view(self.dtype.torch).view(n, lay.num_layers, 2, -1)
+        k, v = self._parts(payload.view(self.dtype.torch).view(n, lay.num_layers, -1))
         if self.scales_bytes:
             scales = torch.from_numpy(rows[:, : self.scales_bytes].copy().view("<f4"))
-            kv = kv.float() * scales.view(n, lay.num_layers, 2, 1)
-        kv = kv.to(dtype)
-        heads, dim, bs = lay.num_kv_heads, lay.head_dim, lay.block_size
-        k = kv[:, :, 0].reshape(n, lay.num_layers, heads, dim, bs)
-        v = kv[:, :, 1].reshape(n, lay.num_layers, heads, bs, dim)
+            scales = scales.view(n, lay.num_layers, 2, 1)
+            k, v = k.float() * scales[:, :, 0], v.float() * scales[:, :, 1]
+        heads, bs = lay.num_kv_heads, lay.block_size
+        k = k.to(dtype).reshape(n, lay.num_layers, heads, lay.head_dim, bs)
+        v = v.to(dtype).reshape(n, lay.num_layers, heads, bs, lay.v_dim)
         return DecodedBlocks(k, v, counts)
+
+    def _parts(self, payload: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[..., layers, K then V elements] -> views of K and of V."""
+        return payload[..., : self.k_elements], payload[..., self.k_elements :]
 
     def decode_into(self, value: bytes | memoryview, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write a checked value into one cache block: k and v views into the cache indexed in
@@ -253,9 +263,11 @@ class BlockCodec:
             raw = torch.frombuffer(
                 memoryview(value)[FORMAT.size : self.body_end], dtype=torch.uint8
             )
-        kv = raw[self.scales_bytes :].view(self.dtype.torch).view(layers, 2, -1)
+        stored_k, stored_v = self._parts(
+            raw[self.scales_bytes :].view(self.dtype.torch).view(layers, -1)
+        )
         if self.scales_bytes:
             scales = raw[: self.scales_bytes].view(torch.float32).view(layers, 2, 1)
-            kv = kv.float() * scales
-        k.copy_(kv[:, 0].view(k.shape))
-        v.copy_(kv[:, 1].view(v.shape))
+            stored_k, stored_v = stored_k.float() * scales[:, 0], stored_v.float() * scales[:, 1]
+        k.copy_(stored_k.reshape(k.shape))
+        v.copy_(stored_v.reshape(v.shape))

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvstore.block_hash import KVLayout
 from services.engine.block_manager import BlockManager
 from services.engine.kv_connector import BlockToSave, KVConnector, KVConnectorWorker
 from services.engine.outputs import (
@@ -44,9 +43,10 @@ from services.engine.scheduler import ScheduledChunk, Scheduler
 from services.engine.seeds import choice_seed
 from services.engine.speculative import Speculator
 from services.engine.structured import Grammars
+from services.model import kv_cache
 from services.model.batch import ForwardBatch, SeqChunk
+from services.model.decoder import DecoderModel
 from services.model.gpu.graphs import DecodeGraphs
-from services.model.llama import LlamaModel
 from services.settings import EngineConfig
 from services.tokenizer.detokenize import IncrementalDetokenizer
 from services.tokenizer.tokenizer import Tokenizer
@@ -77,10 +77,10 @@ class _Request:
 class Engine:
     def __init__(
         self,
-        model: LlamaModel,
+        model: DecoderModel,
         tokenizer: Tokenizer,
         config: EngineConfig | None = None,
-        draft: LlamaModel | None = None,
+        draft: DecoderModel | None = None,
         namespace: str | None = None,
         kv_connector: KVConnectorWorker | None = None,
     ) -> None:
@@ -98,10 +98,12 @@ class Engine:
         on_gpu = model.kernels == "triton" and model.device.type == "cuda"
         if on_gpu and config.cuda_graph_max_batch > 0:
             self.graphs = DecodeGraphs(model, self.kv, config.cuda_graph_max_batch)
-        namespace = namespace or KVLayout(
-            "model", str(model.dtype).removeprefix("torch."), config.block_size,
-            mc.num_layers, mc.num_kv_heads, mc.head_dim,
-        ).namespace()  # fmt: skip
+        namespace = (
+            namespace
+            or kv_cache.layout(
+                "model", str(model.dtype).removeprefix("torch."), config.block_size, mc
+            ).namespace()
+        )
         self.blocks = BlockManager(
             num_blocks, config.block_size, namespace, config.enable_prefix_caching
         )
@@ -122,7 +124,7 @@ class Engine:
     def _blocks_for(self, nbytes: int) -> int:
         mc = self.model.config
         itemsize = self.model.embed.element_size()
-        per_block = 2 * mc.num_layers * self.config.block_size * mc.kv_size * itemsize
+        per_block = mc.num_layers * self.config.block_size * mc.cache_elements * itemsize
         return max(1, nbytes // per_block)
 
     # -- requests --------------------------------------------------------------------

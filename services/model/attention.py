@@ -302,7 +302,7 @@ def default_attention(
 ) -> Attention:
     """`kernels` (resolve_kernels): the C kernels on CPUs where they build, for float32 and
     bfloat16 caches and the shapes they take (`group`: query heads per KV head), else torch's.
-    (Triton's are in services/model/gpu/; LlamaModel takes them for `--kernels triton`.)"""
+    (Triton's are in services/model/gpu/; DecoderModel takes them for `--kernels triton`.)"""
     chosen = resolve_kernels(kernels, device)
     supported = (
         dtype in (torch.float32, torch.bfloat16)

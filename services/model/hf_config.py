@@ -7,14 +7,28 @@ import json
 from pathlib import Path
 from typing import Any
 
-from services.model.config import ModelConfig, RopeScaling
+from services.model.config import (
+    SCORING,
+    TOPK_METHODS,
+    MlaShape,
+    ModelConfig,
+    MoeShape,
+    RopeScaling,
+)
 from services.model.errors import ModelLoadError, read_json_object
 
 HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
+DEEPSEEK = ("deepseek_v2", "deepseek_v3")
 
 
 def read_config(path: Path) -> ModelConfig:
@@ -44,6 +58,7 @@ def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
         raise ModelLoadError("config.json", f"unsupported hidden_act {raw['hidden_act']!r}")
     if raw.get("mlp_bias"):
         raise ModelLoadError("config.json", "unsupported mlp_bias=true")
+    _refuse_unimplemented(arch, raw)
     heads = int(raw["num_attention_heads"])
     rope = dict(raw.get("rope_parameters") or {})
     # transformers 5 writes rope_parameters; older configs rope_theta and rope_scaling
@@ -51,8 +66,10 @@ def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
     eos = raw.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
     window = raw.get("sliding_window")
-    if arch == "qwen2" and not raw.get("use_sliding_window", False):
+    if arch in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and not raw.get("use_sliding_window"):
         window = None
+    mla = _mla(raw) if arch in DEEPSEEK else None
+    head_dim = int(raw.get("head_dim") or raw["hidden_size"] // heads)
     return ModelConfig(
         architecture=arch,
         vocab_size=int(raw["vocab_size"]),
@@ -61,16 +78,23 @@ def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
         num_layers=int(raw["num_hidden_layers"]),
         num_heads=heads,
         num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-        head_dim=int(raw.get("head_dim") or raw["hidden_size"] // heads),
+        head_dim=mla.nope_dim + mla.rope_dim if mla else head_dim,
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         rope_theta=float(raw.get("rope_theta") or rope.get("rope_theta") or 10000.0),
         max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        attention_bias=arch == "qwen2" or bool(raw.get("attention_bias", False)),
+        attention_bias=bool(
+            raw.get("qkv_bias", True)
+            if arch in ("qwen2", "qwen2_moe")
+            else raw.get("attention_bias")
+        ),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=tuple(int(e) for e in eos_ids),
         rope_scaling=_rope_scaling(scaling),
         sliding_window=int(window) if window else None,
+        qk_norm=arch in ("qwen3", "qwen3_moe"),
+        mla=mla,
+        moe=_moe(arch, raw),
         name=str(raw.get("_name_or_path") or arch),
     )
 
@@ -83,6 +107,18 @@ def _rope_scaling(raw: dict[str, Any] | None) -> RopeScaling | None:
         return None
     if kind == "linear":
         return RopeScaling("linear", float(raw["factor"]))
+    if kind == "yarn":
+        return RopeScaling(
+            "yarn",
+            float(raw["factor"]),
+            original_max_position_embeddings=int(raw["original_max_position_embeddings"]),
+            beta_fast=float(raw.get("beta_fast") or 32.0),
+            beta_slow=float(raw.get("beta_slow") or 1.0),
+            mscale=float(raw.get("mscale") or 0.0),
+            mscale_all_dim=float(raw.get("mscale_all_dim") or 0.0),
+            attention_factor=_optional_float(raw.get("attention_factor")),
+            truncate=bool(raw.get("truncate", True)),
+        )
     if kind == "llama3":
         return RopeScaling(
             "llama3",
@@ -92,6 +128,107 @@ def _rope_scaling(raw: dict[str, Any] | None) -> RopeScaling | None:
             int(raw.get("original_max_position_embeddings", 8192)),
         )
     raise ModelLoadError("config.json", f"unsupported rope_scaling type {kind!r}")
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def _mla(raw: dict[str, Any]) -> MlaShape:
+    q_lora = raw.get("q_lora_rank")
+    return MlaShape(
+        q_lora_rank=None if q_lora is None else int(q_lora),
+        kv_lora_rank=int(raw["kv_lora_rank"]),
+        nope_dim=int(raw["qk_nope_head_dim"]),
+        rope_dim=int(raw["qk_rope_head_dim"]),
+        v_dim=int(raw["v_head_dim"]),
+        # V2 rotates pairs always; V3 where rope_interleave (its default) says so
+        rope_pairs=raw.get("model_type") == "deepseek_v2"
+        or "rope_interleave" not in raw
+        or bool(raw["rope_interleave"]),
+    )
+
+
+def _moe(arch: str, raw: dict[str, Any]) -> MoeShape | None:
+    """The MoE layers of each family, as transformers builds them."""
+    layers = range(int(raw["num_hidden_layers"]))
+    if arch == "mixtral":
+        return MoeShape(
+            num_experts=int(raw["num_local_experts"]),
+            top_k=int(raw["num_experts_per_tok"]),
+            intermediate_size=int(raw["intermediate_size"]),
+            layers=tuple(layers),
+            norm_topk_prob=True,
+            prefix="block_sparse_moe",
+        )
+    if arch in ("qwen2_moe", "qwen3_moe"):
+        experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
+        step = int(raw.get("decoder_sparse_step", 1))
+        dense = set(raw.get("mlp_only_layers") or [])
+        moe = [i for i in layers if i not in dense and experts > 0 and (i + 1) % step == 0]
+        shared = int(raw.get("shared_expert_intermediate_size") or 0) if arch == "qwen2_moe" else 0
+        return MoeShape(
+            num_experts=experts,
+            top_k=int(raw["num_experts_per_tok"]),
+            intermediate_size=int(raw["moe_intermediate_size"]),
+            layers=tuple(moe),
+            norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+            shared_intermediate_size=shared,
+            shared_gate=shared > 0,
+        )
+    if arch in DEEPSEEK:
+        experts = int(raw.get("n_routed_experts") or 0)
+        first_dense = int(raw.get("first_k_dense_replace") or 0)
+        freq = int(raw.get("moe_layer_freq") or 1)
+        moe = [i for i in layers if experts and i >= first_dense and i % freq == 0]
+        v3 = arch == "deepseek_v3"
+        return MoeShape(
+            num_experts=experts,
+            top_k=int(raw.get("num_experts_per_tok") or 1),
+            intermediate_size=int(raw["moe_intermediate_size"]),
+            layers=tuple(moe),
+            scoring=raw.get("scoring_func") or ("sigmoid" if v3 else "softmax"),
+            topk_method=raw.get("topk_method") or ("noaux_tc" if v3 else "greedy"),
+            n_group=int(raw.get("n_group") or 1),
+            topk_group=int(raw.get("topk_group") or 1),
+            # transformers' DeepSeek-V2 router never renormalizes; V3's does where asked
+            norm_topk_prob=v3 and bool(raw.get("norm_topk_prob", True)),
+            routed_scaling_factor=float(raw.get("routed_scaling_factor") or 1.0),
+            shared_intermediate_size=int(raw["moe_intermediate_size"])
+            * int(raw.get("n_shared_experts") or 0),
+            float32_router=True,
+        )
+    return None
+
+
+def _refuse_unimplemented(arch: str, raw: dict[str, Any]) -> None:
+    """A field value the engine does not implement stops the load, named: never mis-run."""
+
+    def refuse(field: str, why: str) -> None:
+        raise ModelLoadError("config.json", f"unsupported {field}={raw.get(field)!r}: {why}")
+
+    if arch in DEEPSEEK:
+        v3 = arch == "deepseek_v3"
+        scoring = raw.get("scoring_func") or ("sigmoid" if v3 else "softmax")
+        method = raw.get("topk_method") or ("noaux_tc" if v3 else "greedy")
+        if scoring not in SCORING:
+            refuse("scoring_func", f"the engine scores experts by {' or '.join(SCORING)}")
+        if method not in TOPK_METHODS:
+            refuse("topk_method", f"the engine implements {', '.join(TOPK_METHODS)}")
+        if v3 and (method, scoring) != ("noaux_tc", "sigmoid"):
+            refuse("topk_method", "DeepSeek-V3 routes by noaux_tc over sigmoid scores")
+        if not v3 and method == "noaux_tc":
+            refuse("topk_method", "DeepSeek-V2 routes greedily or group-limited, by softmax")
+        if raw.get("n_routed_experts") and int(raw.get("n_group") or 1) > 1:
+            experts, groups = int(raw["n_routed_experts"]), int(raw["n_group"])
+            if experts % groups:
+                refuse("n_group", f"{experts} experts do not split into {groups} groups")
+        if raw.get("ep_size", 1) != 1:
+            refuse("ep_size", "expert parallelism is not implemented")
+    if arch == "mixtral" and raw.get("router_jitter_noise"):
+        refuse("router_jitter_noise", "noise is for training")
+    if arch in ("qwen3", "qwen2_moe", "qwen3_moe") and raw.get("use_sliding_window"):
+        refuse("use_sliding_window", "sliding-window layers are served for Mistral only")
 
 
 def _generation_eos(path: Path) -> dict[str, Any]:

@@ -16,6 +16,9 @@ two products):
     K: [.., head_dim / 2, block_size, 2]   (dimensions 2j and 2j + 1 of a token side by side)
     V: [.., block_size / 2, head_dim, 2]   (tokens 2j and 2j + 1 of a dimension side by side)
 
+MLA's cache (config.cache_shape) is K alone: one "head" of latent + rotary key per token, and
+a V of no dimensions.
+
 A slot is a flat token index: block * block_size + offset. This module is the only one that
 knows the layouts (the C kernel in kernels/paged_attention.c mirrors them): `plain_views`
 indexes either as the plain one. Who owns which block is the block manager's business.
@@ -30,7 +33,7 @@ import sys
 
 import torch
 
-from kvstore.block_hash import BLOCK_SIZE
+from kvstore.block_hash import BLOCK_SIZE, KVLayout
 from services.model.config import ModelConfig
 
 
@@ -43,9 +46,9 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
-        layers, heads, dim = config.num_layers, config.num_kv_heads, config.head_dim
-        self.k = _allocate((layers, num_blocks, heads, dim, block_size), dtype, device)
-        self.v = _allocate((layers, num_blocks, heads, block_size, dim), dtype, device)
+        layers, (heads, k_dim, v_dim) = config.num_layers, config.cache_shape
+        self.k = _allocate((layers, num_blocks, heads, k_dim, block_size), dtype, device)
+        self.v = _allocate((layers, num_blocks, heads, block_size, v_dim), dtype, device)
         self.k_plain, self.v_plain = plain_views(self.k, self.v)  # for whole-block copies
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -57,7 +60,16 @@ class KVCache:
 
     @property
     def bytes_per_block(self) -> int:
-        return 2 * self.k[:, 0].numel() * self.k.element_size()
+        return (self.k[:, 0].numel() + self.v[:, 0].numel()) * self.k.element_size()
+
+
+def layout(model_id: str, kv_dtype: str, block_size: int, config: ModelConfig) -> KVLayout:
+    """The layout of this model's blocks as the store and the seam know them."""
+    heads, k_dim, v_dim = config.cache_shape
+    return KVLayout(
+        model_id, kv_dtype, block_size, config.num_layers, heads, k_dim,
+        None if v_dim == k_dim else v_dim,  # named only where V differs (MLA's latent: none)
+    )  # fmt: skip
 
 
 def _allocate(
@@ -91,11 +103,12 @@ def plain_views(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Ten
     indexed as the plain layout, one dimension split in two: K [..., D / 2, 2, bs] (dimension d
     at d // 2, d % 2) and V [..., bs / 2, 2, D] (token t at t // 2, t % 2)."""
     *lead, dim, bs = k_cache.shape
+    v_dim = v_cache.shape[-1]
     if paired(k_cache.dtype):
         k = k_cache.view(*lead, dim // 2, bs, 2).transpose(-1, -2)
-        v = v_cache.view(*lead, bs // 2, dim, 2).transpose(-1, -2)
+        v = v_cache.view(*lead, bs // 2, v_dim, 2).transpose(-1, -2)
         return k, v
-    return k_cache.view(*lead, dim // 2, 2, bs), v_cache.view(*lead, bs // 2, 2, dim)
+    return k_cache.view(*lead, dim // 2, 2, bs), v_cache.view(*lead, bs // 2, 2, v_dim)
 
 
 def select_plain(
@@ -127,15 +140,17 @@ def write(
 def gather(
     k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Copies of the blocks of `table` ([..., n]), token-major: K, V [..., n * bs, kv_heads, D]."""
+    """Copies of the blocks of `table` ([..., n]), token-major: K [..., n * bs, kv_heads, D],
+    V [..., n * bs, kv_heads, D_v]."""
     lead, n = table.shape[:-1], table.shape[-1]
     flat = table.flatten()  # index_select on a flat index is ~10x faster than fancy indexing
     _, heads, dim, bs = k_cache.shape
+    v_dim = v_cache.shape[-1]
     k, v = select_plain(k_cache, v_cache, 0, flat)
     k = k.view(*lead, n, heads, dim, bs).transpose(-1, -3)
-    v = v.view(*lead, n, heads, bs, dim).transpose(-2, -3)
-    shape = (*lead, n * bs, heads, dim)
-    return k.transpose(-1, -2).reshape(shape), v.reshape(shape)
+    v = v.view(*lead, n, heads, bs, v_dim).transpose(-2, -3)
+    k = k.transpose(-1, -2).reshape(*lead, n * bs, heads, dim)
+    return k, v.reshape(*lead, n * bs, heads, v_dim)
 
 
 def gather_blocks(cache: KVCache, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -124,6 +124,8 @@ class CpuLayerOps(TorchLayerOps):
         return q, k, v
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if gate_up.shape[1] % (2 * KERNEL_LANES):  # an expert's width the kernel does not take
+            return super().silu_mul(gate_up)
         gate_up = _contiguous(gate_up)
         rows, ff = gate_up.shape[0], gate_up.shape[1] // 2
         out = gate_up.new_empty(rows, ff)
@@ -156,7 +158,7 @@ def default_layer_ops(
     otherwise."""
     from services.model.attention import resolve_kernels
 
-    chosen = resolve_kernels(kernels, device)  # "triton": LlamaModel takes services/model/gpu's
+    chosen = resolve_kernels(kernels, device)  # "triton": DecoderModel takes services/model/gpu's
     supported = (
         dtype in (torch.float32, torch.bfloat16)
         and config.hidden_size % KERNEL_LANES == 0

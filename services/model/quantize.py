@@ -170,12 +170,25 @@ class Observer:
         return self.inner(x)
 
 
-# each quantized product of a layer: its LayerWeights field and the checkpoint's matrices in it
+# each quantized product of a layer: where it is in LayerWeights (part, field) and the
+# checkpoint's matrices in it (Llama-family attention and dense MLPs: load_model refuses int8
+# for the others)
 QUANTIZED = {
-    "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "o": ("self_attn.o_proj",),
-    "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
+    ("attention", "qkv"): ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    ("attention", "o"): ("self_attn.o_proj",),
+    ("mlp", "gate_up"): ("mlp.gate_proj", "mlp.up_proj"),
 }
+
+
+def _replaced(layer: Any, products: dict[tuple[str, str], Any]) -> Any:
+    """`layer` with the given products replaced in its parts."""
+    parts: dict[str, dict[str, Any]] = {}
+    for (part, field), product in products.items():
+        parts.setdefault(part, {})[field] = product
+    return dataclasses.replace(
+        layer,
+        **{part: dataclasses.replace(getattr(layer, part), **f) for part, f in parts.items()},
+    )
 
 
 def quantize_int8(model: Any, weights: dict[str, torch.Tensor], calibration: list[int]) -> None:
@@ -184,7 +197,7 @@ def quantize_int8(model: Any, weights: dict[str, torch.Tensor], calibration: lis
     assert model.device.type == "cpu", "int8 products are oneDNN's: CPUs only (load_model checks)"
     config: ModelConfig = model.config
     observed = [
-        dataclasses.replace(layer, **{f: Observer(getattr(layer, f)) for f in QUANTIZED})
+        _replaced(layer, {(p, f): Observer(getattr(getattr(layer, p), f)) for p, f in QUANTIZED})
         for layer in model.layers
     ]
     model.layers = observed
@@ -194,16 +207,18 @@ def quantize_int8(model: Any, weights: dict[str, torch.Tensor], calibration: lis
         log.warning("int8 products are not exact in this torch on this CPU: computing in float64")
     quantized = []
     for i, layer in enumerate(observed):
-        fields = {}
-        for field, names in QUANTIZED.items():
-            observer = getattr(layer, field)
+        fields: dict[tuple[str, str], Any] = {}
+        for (part, field), names in QUANTIZED.items():
+            observer = getattr(getattr(layer, part), field)
             prefix = f"model.layers.{i}."
             w = torch.cat([weights[prefix + n + ".weight"].float() for n in names])
             bias = None
             if config.attention_bias and field == "qkv":
                 bias = torch.cat([weights[prefix + n + ".bias"] for n in names]).to(model.dtype)
-            fields[field] = Int8Linear(w, smoothing(observer.amax, w), model.dtype, bias, kernels)
-        quantized.append(dataclasses.replace(layer, **fields))
+            fields[part, field] = Int8Linear(
+                w, smoothing(observer.amax, w), model.dtype, bias, kernels
+            )
+        quantized.append(_replaced(layer, fields))
     model.layers = quantized
     model.quantization = "int8"
 

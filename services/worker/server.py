@@ -20,14 +20,13 @@ from typing import Any
 import grpc
 import torch
 
-from kvstore.block_hash import KVLayout
 from kvstore.codec import StorageDtype
 from kvstore.store import StoreUnavailable
 from services.engine.driver import AsyncEngine
 from services.engine.engine import Engine
 from services.engine.outputs import SequenceDelta
 from services.engine.params import ValidationError
-from services.model import sources
+from services.model import kv_cache, sources
 from services.model.loader import load_model
 from services.model.openmp import release_this_threads_team
 from services.rpc import worker_pb2 as pb
@@ -64,10 +63,9 @@ class Worker:
         weights_id = sources.fingerprint(loaded.path)  # quantized weights compute other KV
         if ms.quantization != "none":
             weights_id += f"+{ms.quantization}"
-        self.layout = KVLayout(
-            weights_id, storage.name.lower(), settings.engine.block_size,
-            mc.num_layers, mc.num_kv_heads, mc.head_dim,
-        )  # fmt: skip
+        self.layout = kv_cache.layout(
+            weights_id, storage.name.lower(), settings.engine.block_size, mc
+        )
         self.namespace = self.layout.namespace()
         draft = None
         if settings.engine.speculative.draft_model is not None:

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import torch
 
 from services.model.batch import ForwardBatch
+from services.model.decoder import DecoderModel
 from services.model.kv_cache import KVCache
-from services.model.llama import LlamaModel
 
 MAX_CONTEXT = 8192  # tokens a captured step covers per sequence, at most
 
@@ -41,7 +41,7 @@ class _Graph:
 
 
 class DecodeGraphs:
-    def __init__(self, model: LlamaModel, kv: KVCache, max_batch: int) -> None:
+    def __init__(self, model: DecoderModel, kv: KVCache, max_batch: int) -> None:
         assert model.device.type == "cuda" and model.kernels == "triton"
         self.model = model
         self.kv = kv

@@ -99,7 +99,8 @@ def test_int8_stays_within_2_percent_of_the_unquantized_perplexity(quantized, em
     base = perplexity(plain.model, ids, 1024)
     ppl = perplexity(quantized.model, ids, 1024)
     assert math.isfinite(ppl) and 1.0 < ppl / base < 1.02, (ppl, base)
-    kinds = {type(getattr(quantized.model.layers[0], f)).__name__ for f in quantize.QUANTIZED}
+    layer = quantized.model.layers[0]
+    kinds = {type(getattr(getattr(layer, p), f)).__name__ for p, f in quantize.QUANTIZED}
     assert kinds == {"Int8Linear"} and quantized.model.quantization == "int8"
 
 

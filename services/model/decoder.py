@@ -1,7 +1,9 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2) over a paged KV cache.
+"""The decoder over a paged KV cache: Llama-family attention (Llama, Mistral, Qwen2/3, Mixtral,
+Qwen-MoE) or DeepSeek's latent attention (mla.py), each layer's MLP dense or a mixture of
+experts (moe.py).
 
 Weights are arranged once at load time: q/k/v fused into one matrix and gate/up into another,
-so a layer runs four matrix multiplies, each in the device's fastest layout (`linear.py`).
+so a dense layer runs four matrix multiplies, each in the device's fastest layout (`linear.py`).
 
 Determinism: on CPUs with the C kernels and oneDNN (the default wherever they build), in
 float32 and bfloat16, every row of a forward pass is computed as if it were alone: a token's
@@ -12,10 +14,12 @@ outputs repeat exactly: cold or warm, alone or batched, before or after a stream
 (tests/services/engine/test_determinism.py, tests/decode/test_determinism_e2e.py). With a
 torch fallback (GPUs, no C compiler, no oneDNN, float16) a run repeats itself, but rows move
 in the last bits with the batch, and greedy outputs can differ where two logits are close.
+MLA's attention runs the torch reference (mla.py) for now.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -25,28 +29,38 @@ from services.model.attention import Attention, default_attention, resolve_kerne
 from services.model.batch import ForwardBatch
 from services.model.config import ModelConfig
 from services.model.kv_cache import KVCache
-from services.model.layer_ops import LayerOps, default_layer_ops
+from services.model.layer_ops import LayerOps, default_layer_ops, rms_norm
 from services.model.linear import (
     Linear,
     amx_linear_library,
     make_linear,
     packed_linear_available,
 )
+from services.model.mla import MlaAttention, MlaWeights, split_kv_b
+from services.model.moe import DenseMlp, Moe
 from services.model.rope import Rotary
 from services.settings import DEFAULTS
 
 
 @dataclass(frozen=True)
-class LayerWeights:
-    input_norm: torch.Tensor  # [hidden]
+class GqaWeights:
+    """Llama-family attention: one K and V per KV head."""
+
     qkv: Linear  # hidden -> q + 2 kv
     o: Linear  # q -> hidden
+    q_norm: torch.Tensor | None = None  # [head_dim] (Qwen3)
+    k_norm: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    input_norm: torch.Tensor  # [hidden]
+    attention: GqaWeights | MlaWeights
     post_norm: torch.Tensor  # [hidden]
-    gate_up: Linear  # hidden -> 2 ff
-    down: Linear  # ff -> hidden
+    mlp: DenseMlp | Moe
 
 
-class LlamaModel:
+class DecoderModel:
     def __init__(
         self,
         config: ModelConfig,
@@ -81,13 +95,22 @@ class LlamaModel:
         amx = amx_linear_library() if packed and dtype == torch.bfloat16 else None
         self.amx = amx is not None
 
-        def w(name: str) -> torch.Tensor:
-            return weights[name].to(device=self.device, dtype=dtype)
+        def w(name: str, keep_float32: bool = False) -> torch.Tensor:
+            # keep_float32: a router's weights, kept at least as precise as float32
+            want = torch.promote_types(dtype, torch.float32) if keep_float32 else dtype
+            return weights[name].to(device=self.device, dtype=want)
 
-        def linear(*names: str, bias: bool = False) -> Linear:
-            # several [out, in] matrices stacked into one [sum(out), in]
+        def linear(*names: str, bias: bool = False, missing_bias_ok: bool = False) -> Linear:
+            # several [out, in] matrices stacked into one [sum(out), in]; a matrix without a
+            # bias of its own (where `missing_bias_ok`) adds zeros
             weight = torch.cat([w(n + ".weight") for n in names], dim=0)
-            b = torch.cat([w(n + ".bias") for n in names]) if bias else None
+            b = None
+            if bias:
+                b = torch.cat([
+                    w(n + ".bias") if n + ".bias" in weights or not missing_bias_ok
+                    else weight.new_zeros(w(n + ".weight").shape[0])
+                    for n in names
+                ])  # fmt: skip
             return make_linear(weight, b, packed, amx)
 
         self.embed = w("model.embed_tokens.weight")  # [vocab, hidden]
@@ -100,13 +123,11 @@ class LlamaModel:
             self.layers.append(
                 LayerWeights(
                     input_norm=w(p + "input_layernorm.weight"),
-                    qkv=linear(
-                        *(p + f"self_attn.{x}_proj" for x in "qkv"), bias=config.attention_bias
-                    ),
-                    o=linear(p + "self_attn.o_proj"),
+                    attention=self._attention_weights(p + "self_attn.", w, linear),
                     post_norm=w(p + "post_attention_layernorm.weight"),
-                    gate_up=linear(p + "mlp.gate_proj", p + "mlp.up_proj"),
-                    down=linear(p + "mlp.down_proj"),
+                    mlp=self._moe(p, w, linear)
+                    if config.is_moe_layer(i)
+                    else _mlp(p + "mlp.", linear),
                 )
             )
         rotary = Rotary(config, dtype, self.device)
@@ -114,6 +135,64 @@ class LlamaModel:
             _triton_layer_ops(config, rotary)
             if self.kernels == "triton"
             else default_layer_ops(config, rotary, self.device, dtype, self.kernels)
+        )
+        self.mla = MlaAttention(config) if config.mla is not None else None
+        # MLA rotates its rope_dim only, with tables of its own
+        self.mla_rotary = (
+            Rotary(config, dtype, self.device, config.mla.rope_dim) if config.mla else None
+        )
+
+    def _attention_weights(self, p: str, w: WeightFn, linear: LinearFn) -> GqaWeights | MlaWeights:
+        c = self.config
+        if c.mla is None:
+            return GqaWeights(
+                qkv=linear(*(p + f"{x}_proj" for x in "qkv"), bias=c.attention_bias),
+                o=linear(p + "o_proj"),
+                q_norm=w(p + "q_norm.weight") if c.qk_norm else None,
+                k_norm=w(p + "k_norm.weight") if c.qk_norm else None,
+            )
+        m, bias = c.mla, c.attention_bias
+        k_up, v_up = split_kv_b(w(p + "kv_b_proj.weight"), c.num_heads, m)
+        lora = m.q_lora_rank is not None
+        return MlaWeights(
+            qkv_a=linear(
+                p + ("q_a_proj" if lora else "q_proj"),
+                p + "kv_a_proj_with_mqa",
+                bias=bias,
+                missing_bias_ok=not lora,
+            ),
+            q_a_norm=w(p + "q_a_layernorm.weight") if lora else None,
+            q_b=linear(p + "q_b_proj") if lora else None,
+            kv_a_norm=w(p + "kv_a_layernorm.weight"),
+            kv_b=linear(p + "kv_b_proj"),
+            k_up=k_up,
+            v_up=v_up,
+            o=linear(p + "o_proj", bias=bias),
+        )
+
+    def _moe(self, p: str, w: WeightFn, linear: LinearFn) -> Moe:
+        moe = self.config.moe
+        assert moe is not None
+        p += moe.prefix + "."
+        mixtral = moe.prefix == "block_sparse_moe"
+        experts = [
+            DenseMlp(linear(e + "w1", e + "w3"), linear(e + "w2")) if mixtral else _mlp(e, linear)
+            for e in (f"{p}experts.{j}." for j in range(moe.num_experts))
+        ]
+        shared = None
+        if moe.shared_intermediate_size:
+            shared = _mlp(p + ("shared_expert." if moe.shared_gate else "shared_experts."), linear)
+        return Moe(
+            moe,
+            gate=w(p + "gate.weight", keep_float32=moe.float32_router),
+            correction_bias=(
+                w(p + "gate.e_score_correction_bias", keep_float32=True)
+                if moe.topk_method == "noaux_tc"
+                else None
+            ),
+            experts=experts,
+            shared=shared,
+            shared_gate=linear(p + "shared_expert_gate") if moe.shared_gate else None,
         )
 
     def new_kv_cache(self, num_blocks: int, block_size: int = BLOCK_SIZE) -> KVCache:
@@ -126,15 +205,17 @@ class LlamaModel:
         The residual stream h is updated in place; each add is fused with the norm after it.
         """
         c, ops = self.config, self.ops
-        plan = self.attention.plan(batch)
+        plan = (self.mla or self.attention).plan(batch)
         at = ops.positions(batch.positions)
+        if self.mla_rotary is not None:
+            at = self.mla_rotary.tables(batch.positions)
         h = self.embed.index_select(0, batch.token_ids)  # [T, hidden]
         x = ops.add_rms_norm(h, None, self.layers[0].input_norm, c.rms_norm_eps)
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = kv.layer(i)
-            attended = self._attention(layer, x, at, k_cache, v_cache, plan)
+            attended = self._attention(layer.attention, x, at, k_cache, v_cache, plan)
             x = ops.add_rms_norm(h, attended, layer.post_norm, c.rms_norm_eps)
-            mlp = layer.down(ops.silu_mul(layer.gate_up(x)))
+            mlp = layer.mlp(x, ops.silu_mul)
             last = i + 1 == len(self.layers)
             norm = self.norm if last else self.layers[i + 1].input_norm
             x = ops.add_rms_norm(h, mlp, norm, c.rms_norm_eps)
@@ -142,16 +223,39 @@ class LlamaModel:
 
     def _attention(
         self,
-        layer: LayerWeights,
+        layer: GqaWeights | MlaWeights,
         x: torch.Tensor,
         at: object,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         plan: object,
     ) -> torch.Tensor:
-        q, k, v = self.ops.rotary(layer.qkv(x), at)
+        if isinstance(layer, MlaWeights):
+            assert self.mla is not None and isinstance(at, tuple)
+            return self.mla.forward(layer, x, at, k_cache, v_cache, plan)
+        qkv = layer.qkv(x)
+        if layer.q_norm is not None:
+            qkv = self._qk_norm(qkv, layer)
+        q, k, v = self.ops.rotary(qkv, at)
         out = self.attention.forward(q, k, v, k_cache, v_cache, plan)  # [T, heads, D]
         return layer.o(out.reshape(-1, self.config.q_size))
+
+    def _qk_norm(self, qkv: torch.Tensor, layer: GqaWeights) -> torch.Tensor:
+        """Qwen3: each head's q and k RMS-normed (before rotary)."""
+        c = self.config
+        assert layer.q_norm is not None and layer.k_norm is not None
+        q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q = rms_norm(q.reshape(-1, c.num_heads, c.head_dim), layer.q_norm, c.rms_norm_eps)
+        k = rms_norm(k.reshape(-1, c.num_kv_heads, c.head_dim), layer.k_norm, c.rms_norm_eps)
+        return torch.cat((q.flatten(1), k.flatten(1), v), dim=-1)
+
+
+WeightFn = Callable[..., torch.Tensor]
+LinearFn = Callable[..., Linear]
+
+
+def _mlp(p: str, linear: LinearFn) -> DenseMlp:
+    return DenseMlp(linear(p + "gate_proj", p + "up_proj"), linear(p + "down_proj"))
 
 
 def _triton_attention() -> Attention:

@@ -1,0 +1,194 @@
+"""Checkpoints of the MoE and latent-attention families, made by transformers, load and match it
+token for token: DeepSeek-V3 with and without MoE layers, DeepSeek-V2 (no q LoRA), Mixtral,
+Qwen2-MoE, Qwen3-MoE and Qwen3."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+import transformers
+
+from services.engine.engine import Engine, EngineConfig
+from services.engine.params import SamplingParams
+from services.model.batch import ForwardBatch, SeqChunk
+from services.model.errors import ModelLoadError
+from services.model.hf_config import read_config
+from services.model.loader import load_model
+from tests.support.dtypes import COMPUTE_DTYPES
+
+VOCAB = 49152  # the embedded tokenizer's, so its files can be reused
+BASE = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
+# DeepSeek's latent attention, small: 4 heads of 16 + 8 rotary dims, a 32-wide latent
+MLA = dict(
+    BASE, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+    v_head_dim=16, moe_intermediate_size=32,
+)  # fmt: skip
+# YaRN with a short original context, so that it changes the result
+YARN = {
+    "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+    "original_max_position_embeddings": 64, "mscale": 0.707, "mscale_all_dim": 0.707,
+    "beta_fast": 32, "beta_slow": 1,
+}  # fmt: skip
+
+FAMILIES = {
+    "deepseek_v3": lambda: transformers.DeepseekV3Config(
+        **MLA, q_lora_rank=48, n_routed_experts=8, n_group=4, topk_group=2,
+        num_experts_per_tok=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
+        rope_parameters=YARN,
+    ),
+    # every layer dense, rotate-half rotary
+    "deepseek_v3_dense": lambda: transformers.DeepseekV3Config(
+        **MLA, q_lora_rank=48, n_routed_experts=8, n_group=2, topk_group=1,
+        num_experts_per_tok=2, first_k_dense_replace=3, rope_interleave=False,
+    ),
+    "deepseek_v2": lambda: transformers.DeepseekV2Config(
+        **MLA, q_lora_rank=None, n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=2,
+        first_k_dense_replace=1, topk_method="group_limited_greedy", n_group=4, topk_group=2,
+        routed_scaling_factor=1.5,
+    ),
+    "mixtral": lambda: transformers.MixtralConfig(
+        **BASE, num_local_experts=4, num_experts_per_tok=2
+    ),
+    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
+        **BASE, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, mlp_only_layers=[1],
+    ),
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+        **BASE, head_dim=32, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+        norm_topk_prob=True,
+    ),
+    "qwen3": lambda: transformers.Qwen3Config(**BASE, head_dim=32, tie_word_embeddings=True),
+}  # fmt: skip
+ARCHITECTURE = {"deepseek_v3_dense": "deepseek_v3"}
+
+
+def save_tiny(name: str, path, embedded_dir) -> transformers.PreTrainedModel:
+    """A random checkpoint of family `name` saved at `path` with the embedded tokenizer; biases
+    and correction biases drawn too, so that they matter."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(FAMILIES[name](), dtype=torch.float32)
+    with torch.no_grad():
+        for param_name, p in model.named_parameters():
+            if param_name.endswith("bias"):
+                p.normal_(0, 0.5)
+        for buffer_name, b in model.named_buffers():
+            if buffer_name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.1)
+    model.save_pretrained(path)
+    for file in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(embedded_dir / file, path / file)
+    return model.eval()
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def checkpoint(request, tmp_path_factory, embedded_dir):
+    path = tmp_path_factory.mktemp(request.param)
+    return request.param, path, save_tiny(request.param, path, embedded_dir)
+
+
+def prompts() -> list[list[int]]:
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randint(0, VOCAB, (n,), generator=generator).tolist() for n in (40, 17, 5)]
+
+
+def reference_tokens(reference, prompt: list[int], n: int):
+    with torch.inference_mode():
+        return reference.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+
+
+def test_config_reads_the_family(checkpoint):
+    name, path, reference = checkpoint
+    cfg = read_config(path)
+    assert cfg.architecture == ARCHITECTURE.get(name, name)
+    assert (cfg.mla is not None) == name.startswith("deepseek")
+    moe_layers = {"deepseek_v3": (1, 2), "deepseek_v3_dense": (), "deepseek_v2": (1, 2),
+                  "mixtral": (0, 1, 2), "qwen2_moe": (0, 2), "qwen3_moe": (0, 1, 2)}  # fmt: skip
+    assert (cfg.moe.layers if cfg.moe else ()) == moe_layers.get(name, ())
+    assert cfg.num_parameters == sum(p.numel() for p in reference.parameters()) + sum(
+        b.numel() for n, b in reference.named_buffers() if n.endswith("e_score_correction_bias")
+    )
+
+
+def test_greedy_tokens_equal_transformers_over_24_tokens_on_3_prompts(checkpoint):
+    name, path, reference = checkpoint
+    loaded = load_model(str(path), dtype="float32", device="cpu")
+    engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(num_blocks=32))
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    batched = [o.choices[0].token_ids for o in engine.generate(prompts(), params)]
+    for prompt, ours in zip(prompts(), batched, strict=True):
+        expected = reference_tokens(reference, prompt, 24)
+        assert ours == expected.sequences[0, len(prompt) :].tolist(), name
+    # the first step's logits, from a block table out of order
+    prompt = prompts()[0]
+    kv = loaded.model.new_kv_cache(3, 16)
+    logits = loaded.model.forward(ForwardBatch.build([SeqChunk(prompt, 0, [2, 0, 1])], 16), kv)
+    first = reference_tokens(reference, prompt, 1).logits[0][0]
+    assert torch.allclose(logits[0], first, atol=1e-4, rtol=0), name
+
+
+@pytest.mark.parametrize("dtype", [d for d in COMPUTE_DTYPES if d.id == "bfloat16"])
+def test_bfloat16_logits_follow_transformers(checkpoint, dtype):
+    """In bfloat16 both round differently; the logits agree as the Llama kernels' tests ask
+    (2e-2 of their scale) and the first token is the same."""
+    name, path, reference = checkpoint
+    loaded = load_model(str(path), dtype=dtype, device="cpu")
+    prompt = prompts()[0]
+    kv = loaded.model.new_kv_cache(3, 16)
+    ours = loaded.model.forward(ForwardBatch.build([SeqChunk(prompt, 0, [0, 1, 2])], 16), kv)[0]
+    bf16 = reference.to(torch.bfloat16)
+    try:
+        theirs = reference_tokens(bf16, prompt, 1).logits[0][0].float()
+    finally:
+        reference.to(torch.float32)
+    scale = theirs.abs().max()
+    assert (ours - theirs).abs().max() <= 2e-2 * scale + 2e-2, name
+    assert int(ours.argmax()) == int(theirs.argmax()), name
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "arch"),
+    [
+        ("scoring_func", "sqrtsoftplus", "DeepseekV3ForCausalLM"),
+        ("topk_method", "group_limited_greedy", "DeepseekV3ForCausalLM"),
+        ("topk_method", "noaux_tc", "DeepseekV2ForCausalLM"),
+        ("topk_method", "random", "DeepseekV2ForCausalLM"),
+        ("n_group", 3, "DeepseekV3ForCausalLM"),
+        ("ep_size", 4, "DeepseekV3ForCausalLM"),
+        ("router_jitter_noise", 0.1, "MixtralForCausalLM"),
+        ("use_sliding_window", True, "Qwen3MoeForCausalLM"),
+        ("hidden_act", "gelu", "DeepseekV3ForCausalLM"),
+    ],
+)
+def test_a_field_value_the_engine_does_not_implement_is_refused_by_name(
+    tmp_path, field, value, arch
+):
+    families = {
+        "DeepseekV3ForCausalLM": "deepseek_v3",
+        "DeepseekV2ForCausalLM": "deepseek_v2",
+        "MixtralForCausalLM": "mixtral",
+        "Qwen3MoeForCausalLM": "qwen3_moe",
+    }
+    config = FAMILIES[families[arch]]().to_dict() | {field: value}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=field):
+        read_config(tmp_path)
