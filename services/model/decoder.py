@@ -36,7 +36,7 @@ from services.model.linear import (
     make_linear,
     packed_linear_available,
 )
-from services.model.mla import MlaAttention, MlaWeights, split_kv_b
+from services.model.mla import MlaWeights, default_mla_attention, split_kv_b
 from services.model.moe import DenseMlp, Moe
 from services.model.rope import Rotary
 from services.settings import DEFAULTS
@@ -100,10 +100,12 @@ class DecoderModel:
             want = torch.promote_types(dtype, torch.float32) if keep_float32 else dtype
             return weights[name].to(device=self.device, dtype=want)
 
-        def linear(*names: str, bias: bool = False, missing_bias_ok: bool = False) -> Linear:
+        def linear(
+            *names: str, bias: bool = False, missing_bias_ok: bool = False, keep_float32=False
+        ) -> Linear:
             # several [out, in] matrices stacked into one [sum(out), in]; a matrix without a
             # bias of its own (where `missing_bias_ok`) adds zeros
-            weight = torch.cat([w(n + ".weight") for n in names], dim=0)
+            weight = torch.cat([w(n + ".weight", keep_float32) for n in names], dim=0)
             b = None
             if bias:
                 b = torch.cat([
@@ -136,7 +138,11 @@ class DecoderModel:
             if self.kernels == "triton"
             else default_layer_ops(config, rotary, self.device, dtype, self.kernels)
         )
-        self.mla = MlaAttention(config) if config.mla is not None else None
+        self.mla = (
+            default_mla_attention(config, self.ops, self.device, dtype, self.kernels)
+            if config.mla is not None
+            else None
+        )
         # MLA rotates its rope_dim only, with tables of its own
         self.mla_rotary = (
             Rotary(config, dtype, self.device, config.mla.rope_dim) if config.mla else None
@@ -184,7 +190,10 @@ class DecoderModel:
             shared = _mlp(p + ("shared_expert." if moe.shared_gate else "shared_experts."), linear)
         return Moe(
             moe,
-            gate=w(p + "gate.weight", keep_float32=moe.float32_router),
+            gate=linear(p + "gate", keep_float32=moe.float32_router),
+            router_dtype=torch.promote_types(self.dtype, torch.float32)
+            if moe.float32_router
+            else self.dtype,
             correction_bias=(
                 w(p + "gate.e_score_correction_bias", keep_float32=True)
                 if moe.topk_method == "noaux_tc"
@@ -215,7 +224,7 @@ class DecoderModel:
             k_cache, v_cache = kv.layer(i)
             attended = self._attention(layer.attention, x, at, k_cache, v_cache, plan)
             x = ops.add_rms_norm(h, attended, layer.post_norm, c.rms_norm_eps)
-            mlp = layer.mlp(x, ops.silu_mul)
+            mlp = layer.mlp(x, ops)
             last = i + 1 == len(self.layers)
             norm = self.norm if last else self.layers[i + 1].input_norm
             x = ops.add_rms_norm(h, mlp, norm, c.rms_norm_eps)

@@ -12,6 +12,8 @@ Contract of a `LayerOps`:
   projection [T, (heads + 2 kv_heads) * D] into q [T, heads, D] and k [T, kv_heads, D], both
   rotated to the positions, and v [T, kv_heads, D] (possibly a view of qkv).
 - `silu_mul(gate_up)` is silu(gate) * up for gate_up [T, 2 ff] = [gate | up].
+- `router_scores(logits, sigmoid)`: a MoE router's scores, float32 [T, experts]: sigmoid, or
+  softmax over each row. Row by row, as the norm.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ class LayerOps(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+
+    def router_scores(self, logits: torch.Tensor, sigmoid: bool) -> torch.Tensor: ...
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -77,6 +81,9 @@ class TorchLayerOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def router_scores(self, logits: torch.Tensor, sigmoid: bool) -> torch.Tensor:
+        return logits.sigmoid() if sigmoid else logits.softmax(dim=-1)
+
 
 KERNEL_LANES = 16  # every row length the C kernels see is a multiple of this
 
@@ -90,11 +97,14 @@ class CpuLayerOps(TorchLayerOps):
         self._norm = _bind(library.add_rms_norm, [p] * 4 + [i64] * 2 + [f32, ctypes.c_int])
         self._rotary = _bind(library.rotary, [p] * 6 + [i64] * 4 + [ctypes.c_int])
         self._silu_mul = _bind(library.silu_mul, [p] * 2 + [i64] * 2 + [ctypes.c_int])
+        self._router = _bind(library.router_scores, [p] * 2 + [i64] * 2 + [ctypes.c_int])
         self.bf16 = int(rotary.cos.dtype == torch.bfloat16)
 
     def add_rms_norm(
         self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
     ) -> torch.Tensor:
+        if h.shape[1] % KERNEL_LANES:  # a width the kernel does not take (a LoRA rank)
+            return super().add_rms_norm(h, delta, weight, eps)
         out = torch.empty_like(h)
         rows, dim = h.shape
         self._norm(
@@ -132,6 +142,12 @@ class CpuLayerOps(TorchLayerOps):
         self._silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, ff, self.bf16)
         return out
 
+    def router_scores(self, logits: torch.Tensor, sigmoid: bool) -> torch.Tensor:
+        logits = _contiguous(logits.float())
+        out = torch.empty_like(logits)
+        self._router(logits.data_ptr(), out.data_ptr(), *logits.shape, int(sigmoid))
+        return out
+
 
 def _bind(fn: Any, argtypes: list[type]) -> Any:
     """A library function, typed for ctypes; it returns nothing."""
@@ -163,8 +179,8 @@ def default_layer_ops(
         dtype in (torch.float32, torch.bfloat16)
         and config.hidden_size % KERNEL_LANES == 0
         and config.intermediate_size % KERNEL_LANES == 0
-        and config.head_dim % (2 * KERNEL_LANES) == 0
-    )
+        and (config.head_dim % (2 * KERNEL_LANES) == 0 or config.mla is not None)
+    )  # (MLA rotates its rope dims itself: the rotary kernel is not called)
     if chosen == "c" and supported:
         from services.model import kernels as libraries
 

@@ -22,16 +22,25 @@ Two forms compute the same attention:
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from services.model import kernels as libraries
 from services.model import kv_cache
-from services.model.attention import DecodePlan, PrefillPlan, TorchAttention, TorchPlan
+from services.model.attention import (
+    KERNEL_BLOCK_SIZE,
+    DecodePlan,
+    PrefillPlan,
+    TorchAttention,
+    TorchPlan,
+)
 from services.model.batch import ForwardBatch
 from services.model.config import MlaShape, ModelConfig
-from services.model.layer_ops import rms_norm
+from services.model.layer_ops import LayerOps
 from services.model.linear import Linear
 from services.model.rope import apply_rotary, apply_rotary_pairs, yarn_mscale
 
@@ -49,7 +58,7 @@ class MlaWeights:
     kv_a_norm: torch.Tensor  # [kv_lora_rank]
     kv_b: Linear  # kv_lora_rank -> heads * (nope + v): the expanded form
     k_up: torch.Tensor  # [heads, nope, kv_lora_rank]: W_UK, absorbed into the query
-    v_up: torch.Tensor  # [heads, v, kv_lora_rank]: W_UV, applied to the attended latent
+    v_up: torch.Tensor  # [heads, kv_lora_rank, v]: W_UV^T, applied to the attended latent
     o: Linear  # heads * v -> hidden
 
 
@@ -66,24 +75,26 @@ def softmax_scale(config: ModelConfig) -> float:
 
 def split_kv_b(kv_b: torch.Tensor, heads: int, mla: MlaShape) -> tuple[torch.Tensor, torch.Tensor]:
     """kv_b_proj's weight [heads * (nope + v), kv_lora] -> W_UK [heads, nope, kv_lora] and
-    W_UV [heads, v, kv_lora]."""
+    W_UV^T [heads, kv_lora, v]."""
     per_head = kv_b.view(heads, mla.nope_dim + mla.v_dim, mla.kv_lora_rank)
     k_up, v_up = per_head.split([mla.nope_dim, mla.v_dim], dim=1)
-    return k_up.contiguous(), v_up.contiguous()
+    return k_up.contiguous(), v_up.transpose(1, 2).contiguous()
 
 
 class MlaAttention:
     """The torch reference: decode rows in the absorbed form, batched over a padded window of
     gathered latents; prefill chunks one at a time in the expanded form through SDPA."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, ops: LayerOps) -> None:
+        """`ops`: the model's layer ops; the latent's and the query's norms are theirs."""
         assert config.mla is not None
         self.config = config
+        self.ops = ops
         self.mla = config.mla
         self.scale = softmax_scale(config)
         self._plans = TorchAttention()
 
-    def plan(self, batch: ForwardBatch) -> TorchPlan:
+    def plan(self, batch: ForwardBatch) -> object:
         return self._plans.plan(batch)
 
     def forward(
@@ -120,7 +131,7 @@ class MlaAttention:
         q, kv = a.split([a.shape[1] - m.latent_dim, m.latent_dim], dim=-1)
         if layer.q_b is not None:
             assert layer.q_a_norm is not None
-            q = layer.q_b(rms_norm(q, layer.q_a_norm, LORA_NORM_EPS))
+            q = layer.q_b(self._norm(q, layer.q_a_norm))
         q = q.reshape(-1, heads, m.nope_dim + m.rope_dim)
         q_nope, q_pe = q.split([m.nope_dim, m.rope_dim], dim=-1)
         c, k_pe = kv.split([m.kv_lora_rank, m.rope_dim], dim=-1)
@@ -128,8 +139,11 @@ class MlaAttention:
         cos, sin = cos_sin
         q_pe = rotate(q_pe, cos, sin)
         k_pe = rotate(k_pe[:, None, :], cos, sin)[:, 0]
-        latent = torch.cat((rms_norm(c, layer.kv_a_norm, LORA_NORM_EPS), k_pe), dim=-1)
+        latent = torch.cat((self._norm(c, layer.kv_a_norm), k_pe), dim=-1)
         return q_nope, q_pe, latent
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return self.ops.add_rms_norm(x.contiguous(), None, weight, LORA_NORM_EPS)
 
     def decode(
         self,
@@ -150,7 +164,7 @@ class MlaAttention:
         weights = scores.softmax(dim=-1)
         c = latents[..., : self.mla.kv_lora_rank].float()
         attended = torch.einsum("bhl,blc->bhc", weights, c).to(q_nope.dtype)
-        return torch.einsum("bhc,hvc->bhv", attended, layer.v_up)
+        return torch.einsum("bhc,hcv->bhv", attended, layer.v_up)
 
     def prefill(
         self,
@@ -181,3 +195,103 @@ class MlaAttention:
             scale=self.scale,
         )
         return out[0].transpose(0, 1)
+
+
+@dataclass(frozen=True)
+class CpuMlaPlan:
+    slots: torch.Tensor  # [T]
+    tables: torch.Tensor  # [S, W] the batch's block tables
+    row_seq: torch.Tensor  # [T] each row's sequence (row of tables)
+    lens: torch.Tensor  # [T] tokens each row attends to: its position + 1
+
+
+class CpuMlaAttention(MlaAttention):
+    """The absorbed form for every row, decode and prefill alike, in C
+    (kernels/mla_attention.c): a row's result does not depend on the batch or the chunk, so a
+    token gets the same bits decoded or prefilled."""
+
+    def __init__(self, config: ModelConfig, ops: LayerOps, library: ctypes.CDLL) -> None:
+        super().__init__(config, ops)
+        p, i64, flag = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        self._matmul = _bind(
+            library.mla_heads_matmul, None, [p, flag, p, flag, p, flag] + [i64] * 4
+        )
+        self._attend = _bind(
+            library.mla_attend, flag, [p, p, flag, p, p, p, p] + [i64] * 5 + [ctypes.c_float]
+        )
+
+    def plan(self, batch: ForwardBatch) -> object:
+        row_seq = torch.repeat_interleave(
+            torch.arange(len(batch.seqs), device=batch.token_ids.device), batch.query_lens
+        )
+        return CpuMlaPlan(
+            batch.slot_mapping, batch.block_tables.contiguous(), row_seq, batch.positions + 1
+        )
+
+    def forward(
+        self,
+        layer: MlaWeights,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        plan: object,
+    ) -> torch.Tensor:
+        assert isinstance(plan, CpuMlaPlan)
+        if k_cache.shape[-1] != KERNEL_BLOCK_SIZE:
+            raise ValueError(f"the MLA kernel reads {KERNEL_BLOCK_SIZE}-token blocks")
+        m = self.mla
+        q_nope, q_pe, latent = self.project(layer, x, cos_sin)
+        none = latent.new_empty(latent.shape[0], 1, 0)
+        kv_cache.write(k_cache, v_cache, plan.slots, latent[:, None, :], none)
+        q_lat = self.heads_matmul(q_nope.contiguous(), layer.k_up, torch.float32)
+        query = torch.cat((q_lat, q_pe.float()), dim=-1)  # [T, heads, latent_dim]
+        rows, heads = query.shape[:2]
+        attended = query.new_empty(rows, heads, m.kv_lora_rank)
+        status = self._attend(
+            query.data_ptr(), k_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16),
+            plan.tables.data_ptr(), plan.row_seq.data_ptr(), plan.lens.data_ptr(),
+            attended.data_ptr(), rows, heads, m.latent_dim, m.kv_lora_rank,
+            plan.tables.shape[1], self.scale,
+        )  # fmt: skip
+        if status != 0:
+            raise RuntimeError("MLA attention kernel failed (sizes out of range or no memory)")
+        out = self.heads_matmul(attended, layer.v_up, x.dtype)  # [T, heads, v]
+        return layer.o(out.flatten(1))
+
+    def heads_matmul(self, x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """x [T, H, N] times w [H, N, C] per head -> [T, H, C] in `dtype`."""
+        rows, heads, n = x.shape
+        out = x.new_empty(rows, heads, w.shape[2], dtype=dtype)
+        self._matmul(
+            x.data_ptr(), int(x.dtype == torch.bfloat16), w.data_ptr(),
+            int(w.dtype == torch.bfloat16), out.data_ptr(), int(dtype == torch.bfloat16),
+            rows, heads, n, w.shape[2],
+        )  # fmt: skip
+        return out
+
+
+def _bind(fn: Any, restype: Any, argtypes: list[Any]) -> Any:
+    fn.restype = restype
+    fn.argtypes = argtypes
+    return fn
+
+
+def default_mla_attention(
+    config: ModelConfig, ops: LayerOps, device: torch.device, dtype: torch.dtype, kernels: str
+) -> MlaAttention:
+    """The C kernels on CPUs where they build, for float32 and bfloat16 and the shapes they
+    take (latent and value widths in whole vectors, 16-token blocks); else the torch
+    reference (GPUs included: there the torch forms run on the device)."""
+    from services.model.attention import resolve_kernels
+
+    m = config.mla
+    assert m is not None
+    if resolve_kernels(kernels, device) == "c" and dtype in (torch.float32, torch.bfloat16):
+        library = libraries.load("mla_attention")
+        if library is not None:
+            lanes = library.mla_attention_lanes()
+            fits = m.kv_lora_rank % lanes == 0 and m.v_dim % lanes == 0 and m.latent_dim <= 1024
+            if fits:
+                return CpuMlaAttention(config, ops, library)
+    return MlaAttention(config, ops)

@@ -11,13 +11,12 @@ a token sums its experts' outputs in its own choice order, in float32, whoever e
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from services.model.config import MoeShape
+from services.model.layer_ops import LayerOps
 from services.model.linear import Linear
 
 
@@ -28,22 +27,24 @@ class DenseMlp:
     gate_up: Linear  # hidden -> 2 ff
     down: Linear  # ff -> hidden
 
-    def __call__(self, x: torch.Tensor, silu_mul: Callable[[torch.Tensor], torch.Tensor]):
-        return self.down(silu_mul(self.gate_up(x)))
+    def __call__(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
+        return self.down(ops.silu_mul(self.gate_up(x)))
 
 
 class Moe:
     def __init__(
         self,
         shape: MoeShape,
-        gate: torch.Tensor,  # [experts, hidden]
+        gate: Linear,  # hidden -> experts, in `router_dtype`
+        router_dtype: torch.dtype,
         correction_bias: torch.Tensor | None,  # [experts] (noaux_tc)
         experts: list[DenseMlp],
         shared: DenseMlp | None,
         shared_gate: Linear | None,  # hidden -> 1 (Qwen2-MoE)
     ) -> None:
         self.shape = shape
-        self.gate = gate.float() if shape.float32_router else gate
+        self.gate = gate  # prepacked like every product: a row's logits never depend on the batch
+        self.router_dtype = router_dtype
         self.correction_bias = None if correction_bias is None else correction_bias.float()
         self.experts = experts
         self.shared = shared
@@ -51,24 +52,22 @@ class Moe:
         # tokens routed to each expert since start (metrics; the balancer's input)
         self.counts = torch.zeros(shape.num_experts, dtype=torch.int64)
 
-    def __call__(
-        self, x: torch.Tensor, silu_mul: Callable[[torch.Tensor], torch.Tensor]
-    ) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
-        weights, ids = self.route(x)  # [T, k] float32, [T, k]
-        out = self.routed(x, weights, ids, silu_mul)
+        weights, ids = self.route(x, ops)  # [T, k] float32, [T, k]
+        out = self.routed(x, weights, ids, ops)
         if self.shared is not None:
-            shared = self.shared(x, silu_mul)
+            shared = self.shared(x, ops)
             if self.shared_gate is not None:
                 shared = torch.sigmoid(self.shared_gate(x)) * shared
             out = out + shared
         return out
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, x: torch.Tensor, ops: LayerOps) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's chosen experts [T, k] and their weights [T, k] (float32)."""
         s = self.shape
-        logits = F.linear(x.to(self.gate.dtype), self.gate).float()  # [T, experts]
-        scores = logits.sigmoid() if s.scoring == "sigmoid" else logits.softmax(dim=-1)
+        logits = self.gate(x.to(self.router_dtype)).float()  # [T, experts]
+        scores = ops.router_scores(logits, sigmoid=s.scoring == "sigmoid")
         choice = scores if self.correction_bias is None else scores + self.correction_bias
         if s.topk_method in ("group_limited_greedy", "noaux_tc") and s.n_group > 1:
             choice = self._best_groups(choice)
@@ -97,7 +96,7 @@ class Moe:
         x: torch.Tensor,
         weights: torch.Tensor,
         ids: torch.Tensor,
-        silu_mul: Callable[[torch.Tensor], torch.Tensor],
+        ops: LayerOps,
     ) -> torch.Tensor:
         """sum_j weights[t, j] * expert[ids[t, j]](x[t]), grouped by expert."""
         tokens, k = ids.shape
@@ -111,7 +110,7 @@ class Moe:
         for expert, n in enumerate(counts.tolist()):
             if n:
                 rows = slice(start, start + n)
-                outputs[rows] = self.experts[expert](grouped[rows], silu_mul)
+                outputs[rows] = self.experts[expert](grouped[rows], ops)
                 start += n
         per_choice = torch.empty_like(outputs)
         per_choice[order] = outputs  # back in (token, choice) order

@@ -34,12 +34,11 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 # are fused where the source says so (vectors.h fmadd), so its shared per-block functions
 # compile the same wherever they are inlined. The layer ops keep IEEE rounding (-std=c11
 # contracts nothing) to match torch's.
-EXTRA_FLAGS = {
-    "paged_attention": [
-        "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-ffinite-math-only",
-        "-fno-signed-zeros",
-    ]
-}  # fmt: skip
+ATTENTION_FLAGS = [
+    "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-ffinite-math-only",
+    "-fno-signed-zeros",
+]  # fmt: skip
+EXTRA_FLAGS = {"paged_attention": ATTENTION_FLAGS, "mla_attention": ATTENTION_FLAGS}
 
 
 def flags(name: str) -> list[str]:

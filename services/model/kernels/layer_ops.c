@@ -108,3 +108,30 @@ void silu_mul(const void *gate_up, void *out, int64_t rows, int64_t ff, int bf16
             store(out, r * ff + c, s * u, bf16);
         }
 }
+
+/* A router's scores, per row of logits ([rows, experts], float32): sigmoid (sigmoid = 1) or
+ * softmax over the row, lane by lane with vexp (experts padded to whole vectors with the
+ * row's first logit, then dropped), so that an expert's score depends on its own row only,
+ * whatever else the call holds: torch's sigmoid and softmax took other bits for a row alone
+ * than for the same row among others. The softmax's sum runs over the experts in order. */
+void router_scores(const float *logits, float *out, int64_t rows, int64_t experts,
+                   int sigmoid) {
+#pragma omp parallel for schedule(static) if (rows * experts >= PARALLEL_ELEMS)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *x = logits + r * experts;
+        float *y = out + r * experts, top = x[0], sum = 0.0f;
+        for (int64_t e = 1; e < experts; e++) top = x[e] > top ? x[e] : top;
+        for (int64_t c = 0; c < experts; c += LANES) {
+            float lane[LANES], score[LANES];
+            for (int j = 0; j < LANES; j++) lane[j] = c + j < experts ? x[c + j] : x[0];
+            vf v;
+            memcpy(&v, lane, sizeof v);
+            v = sigmoid ? 1.0f / (1.0f + vexp(-v)) : vexp(v - top);
+            memcpy(score, &v, sizeof v);
+            for (int j = 0; j < LANES && c + j < experts; j++) y[c + j] = score[j];
+        }
+        if (sigmoid) continue;
+        for (int64_t e = 0; e < experts; e++) sum += y[e];
+        for (int64_t e = 0; e < experts; e++) y[e] = y[e] / sum;
+    }
+}

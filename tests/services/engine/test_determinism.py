@@ -1,7 +1,10 @@
 """Exact results in every dtype `--dtype auto` picks here: a request's tokens, their logprobs
 and the KV bytes behind them do not depend on the requests batched with it, on how its prompt
 was chunked, on whether its prefix came from the cache, or on whether its output was decoded
-or recomputed (a migrated stream). Bitwise comparisons throughout, float32 and bfloat16 alike.
+or recomputed (a migrated stream). Bitwise comparisons throughout, float32 and bfloat16 alike,
+for Llama-style attention (the embedded model) and for DeepSeek-V3's latent attention with
+mixture-of-experts layers (a tiny random checkpoint: the cache holds latents, and tokens that
+share an expert in a step must not change each other's results).
 
 Logprobs are compared with the tokens: a logit that moved shows there even when the argmax
 (or the draw) happens not to change."""
@@ -19,7 +22,9 @@ from services.engine.request import EngineRequest, TokenLogprobs
 from services.model.attention import CpuAttention
 from services.model.kv_cache import gather_blocks
 from services.model.loader import LoadedModel, load_model
+from services.model.mla import CpuMlaAttention
 from tests.support.dtypes import COMPUTE_DTYPES
+from tests.support.tiny_models import save_tiny
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2)
 SEEDED = SamplingParams(
@@ -39,14 +44,27 @@ def with_(params: SamplingParams, **changes) -> SamplingParams:
     return SamplingParams(**{**params.__dict__, **changes})
 
 
+@pytest.fixture(scope="module")
+def deepseek_dir(tmp_path_factory, embedded_dir):
+    path = tmp_path_factory.mktemp("deepseek_v3")
+    save_tiny("deepseek_v3", path, embedded_dir)
+    return path
+
+
+@pytest.fixture(scope="module", params=["embedded", "deepseek_v3"])
+def family(request):
+    return request.param
+
+
 @pytest.fixture(scope="module", params=COMPUTE_DTYPES)
-def model(request, embedded_dir, embedded) -> LoadedModel:
-    loaded = (
-        embedded
-        if request.param == "float32"
-        else load_model(str(embedded_dir), dtype=request.param, device="cpu")
-    )
-    if not isinstance(loaded.model.attention, CpuAttention) or not loaded.model.packed:
+def model(request, family, embedded_dir, embedded, deepseek_dir) -> LoadedModel:
+    if family == "embedded" and request.param == "float32":
+        loaded = embedded
+    else:
+        path = embedded_dir if family == "embedded" else deepseek_dir
+        loaded = load_model(str(path), dtype=request.param, device="cpu")
+    kernel = loaded.model.mla if loaded.config.mla else loaded.model.attention
+    if not isinstance(kernel, CpuAttention | CpuMlaAttention) or not loaded.model.packed:
         pytest.skip("bitwise guarantees hold for the C attention kernels and oneDNN products")
     return loaded
 

@@ -1,0 +1,81 @@
+"""Tiny random checkpoints of the MoE and latent-attention families, made and saved by
+transformers (no hub): what tests serve and compare with transformers token for token."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+import transformers
+
+VOCAB = 49152  # the embedded tokenizer's, so its files can be reused
+BASE = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
+# DeepSeek's latent attention, small: 4 heads of 16 + 8 rotary dims, a 32-wide latent
+MLA = dict(
+    BASE, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+    v_head_dim=16, moe_intermediate_size=32,
+)  # fmt: skip
+# YaRN with a short original context, so that it changes the result
+YARN = {
+    "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+    "original_max_position_embeddings": 64, "mscale": 0.707, "mscale_all_dim": 0.707,
+    "beta_fast": 32, "beta_slow": 1,
+}  # fmt: skip
+
+FAMILIES = {
+    "deepseek_v3": lambda: transformers.DeepseekV3Config(
+        **MLA, q_lora_rank=48, n_routed_experts=8, n_group=4, topk_group=2,
+        num_experts_per_tok=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
+        rope_parameters=YARN,
+    ),
+    # every layer dense, rotate-half rotary
+    "deepseek_v3_dense": lambda: transformers.DeepseekV3Config(
+        **MLA, q_lora_rank=48, n_routed_experts=8, n_group=2, topk_group=1,
+        num_experts_per_tok=2, first_k_dense_replace=3, rope_interleave=False,
+    ),
+    "deepseek_v2": lambda: transformers.DeepseekV2Config(
+        **MLA, q_lora_rank=None, n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=2,
+        first_k_dense_replace=1, topk_method="group_limited_greedy", n_group=4, topk_group=2,
+        routed_scaling_factor=1.5,
+    ),
+    "mixtral": lambda: transformers.MixtralConfig(
+        **BASE, num_local_experts=4, num_experts_per_tok=2
+    ),
+    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
+        **BASE, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, mlp_only_layers=[1],
+    ),
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+        **BASE, head_dim=32, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+        norm_topk_prob=True,
+    ),
+    "qwen3": lambda: transformers.Qwen3Config(**BASE, head_dim=32, tie_word_embeddings=True),
+}  # fmt: skip
+ARCHITECTURE = {"deepseek_v3_dense": "deepseek_v3"}
+
+
+def save_tiny(name: str, path: Path, embedded_dir: Path) -> transformers.PreTrainedModel:
+    """A random checkpoint of family `name` saved at `path` with the embedded tokenizer; biases
+    and correction biases drawn too, so that they matter."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(FAMILIES[name](), dtype=torch.float32)
+    with torch.no_grad():
+        for param_name, p in model.named_parameters():
+            if param_name.endswith("bias"):
+                p.normal_(0, 0.5)
+        for buffer_name, b in model.named_buffers():
+            if buffer_name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.1)
+    model.save_pretrained(path)
+    for file in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(embedded_dir / file, path / file)
+    return model.eval()
