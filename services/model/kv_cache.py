@@ -165,5 +165,7 @@ def scatter_blocks(cache: KVCache, block_ids: list[int], k: torch.Tensor, v: tor
     """Write blocks shaped as `gather_blocks` returns them into the given cache blocks."""
     index = torch.tensor(block_ids, dtype=torch.int64, device=cache.k.device)
     k, v = k.transpose(0, 1).to(cache.k.dtype), v.transpose(0, 1).to(cache.v.dtype)
-    cache.k_plain.index_copy_(1, index, k.reshape(*k.shape[:3], -1, 2, k.shape[-1]))
-    cache.v_plain.index_copy_(1, index, v.reshape(*v.shape[:3], -1, 2, v.shape[-1]))
+    # dimension pairs of K, token pairs of V (the plain views' split; sizes spelled out: MLA's
+    # V has no elements)
+    cache.k_plain.index_copy_(1, index, k.reshape(*k.shape[:3], k.shape[3] // 2, 2, k.shape[4]))
+    cache.v_plain.index_copy_(1, index, v.reshape(*v.shape[:3], v.shape[3] // 2, 2, v.shape[4]))

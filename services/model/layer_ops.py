@@ -121,6 +121,8 @@ class CpuLayerOps(TorchLayerOps):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         c = self.config
         assert isinstance(at, torch.Tensor)
+        if c.head_dim % (2 * KERNEL_LANES):  # a head the kernel does not take
+            return super().rotary(qkv, self.tables.tables(at))
         qkv = _contiguous(qkv)
         rows = qkv.shape[0]
         q = qkv.new_empty(rows, c.num_heads, c.head_dim)
@@ -175,12 +177,7 @@ def default_layer_ops(
     from services.model.attention import resolve_kernels
 
     chosen = resolve_kernels(kernels, device)  # "triton": DecoderModel takes services/model/gpu's
-    supported = (
-        dtype in (torch.float32, torch.bfloat16)
-        and config.hidden_size % KERNEL_LANES == 0
-        and config.intermediate_size % KERNEL_LANES == 0
-        and (config.head_dim % (2 * KERNEL_LANES) == 0 or config.mla is not None)
-    )  # (MLA rotates its rope dims itself: the rotary kernel is not called)
+    supported = dtype in (torch.float32, torch.bfloat16)  # shapes: each op checks its own
     if chosen == "c" and supported:
         from services.model import kernels as libraries
 
