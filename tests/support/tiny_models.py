@@ -24,10 +24,10 @@ MLA = dict(
     BASE, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
     v_head_dim=16, moe_intermediate_size=32,
 )  # fmt: skip
-# YaRN with a short original context, so that it changes the result
+# YaRN (a 128-token original context stretched 4x to 512), which changes the result
 YARN = {
     "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-    "original_max_position_embeddings": 64, "mscale": 0.707, "mscale_all_dim": 0.707,
+    "original_max_position_embeddings": 128, "mscale": 0.707, "mscale_all_dim": 0.707,
     "beta_fast": 32, "beta_slow": 1,
 }  # fmt: skip
 

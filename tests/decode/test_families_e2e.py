@@ -1,0 +1,77 @@
+"""A DeepSeek-V3 checkpoint (latent attention, MoE layers) made by transformers, served by
+`pdserve up --no-colocated` over Redis: router -> prefill worker -> latent blocks in the store
+-> decode worker. Its answers equal transformers' token for token, cold and with the prompt's
+blocks found in the store, and the store holds latent blocks (576 elements a token for
+DeepSeek-V3's shape, here the tiny model's 40)."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+import redis
+import torch
+
+from kvstore.codec import FORMAT, MAC_BYTES, BlockCodec, StorageDtype
+from services.launcher import free_port
+from services.model import kv_cache, sources
+from services.model.hf_config import read_config
+from services.tokenizer.tokenizer import Tokenizer
+from tests.support.tiny_models import VOCAB, save_tiny
+from tests.support.up import Up
+
+NAME = "tiny-deepseek"
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory, embedded_dir):
+    path = tmp_path_factory.mktemp("deepseek_v3")
+    return path, save_tiny("deepseek_v3", path, embedded_dir)
+
+
+@pytest.fixture(scope="module")
+def served(deepseek, redis_server):
+    path, _ = deepseek
+    out = Up("--port", str(free_port()), "--model", str(path), "--served-model-name", NAME,
+             "--kv-store", redis_server.url, "--no-colocated", "--dtype", "float32",
+             "--num-blocks", "256")  # fmt: skip
+    try:
+        yield openai.OpenAI(base_url=out.ready(), api_key="none", max_retries=0)
+    finally:
+        out.stop()
+
+
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(11)
+    return [torch.randint(100, VOCAB - 100, (n,), generator=g).tolist() for n in (40, 70, 9)]
+
+
+def test_answers_equal_transformers_cold_and_from_the_store(deepseek, served, redis_server):
+    path, reference = deepseek
+    tokenizer = Tokenizer.from_dir(path)
+    for prompt in prompts():
+        with torch.inference_mode():
+            expected = reference.generate(
+                torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0,
+            )[0, len(prompt) :].tolist()  # fmt: skip
+        text = tokenizer.decode(expected)
+        for _ in ("cold", "warm"):
+            r = served.completions.create(
+                model=NAME, prompt=prompt, max_tokens=24, temperature=0,
+                extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            assert r.choices[0].text == text
+            assert r.usage is not None and r.usage.completion_tokens == 24
+
+    # the store holds latent blocks of this model's layout: one "head" of latent + rotary key
+    config = read_config(path)
+    layout = kv_cache.layout(sources.fingerprint(path), "float32", 16, config)
+    codec = BlockCodec(layout, StorageDtype.FLOAT32)
+    client = redis.Redis.from_url(redis_server.url)
+    keys = [k for k in client.scan_iter(f"*{layout.namespace()}*")]
+    assert keys, "no block of this model in the store"
+    value = client.get(keys[0])
+    assert value is not None and len(value) in (codec.value_bytes, codec.value_bytes + MAC_BYTES)
+    _, _, _, _, layers, _, _, heads, k_dim, v_dim, *_ = FORMAT.unpack_from(value, 0)
+    assert (layers, heads, k_dim, v_dim) == (3, 1, 40, 0)
+    assert codec.value_bytes - FORMAT.size == 3 * 16 * 40 * 4  # layers x tokens x latent
