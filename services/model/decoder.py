@@ -204,6 +204,14 @@ class DecoderModel:
             shared_gate=linear(p + "shared_expert_gate") if moe.shared_gate else None,
         )
 
+    def expert_counts(self) -> dict[int, list[int]]:
+        """Tokens routed to each expert since start, by MoE layer (empty for dense models)."""
+        return {
+            i: layer.mlp.counts.tolist()
+            for i, layer in enumerate(self.layers)
+            if isinstance(layer.mlp, Moe)
+        }
+
     def new_kv_cache(self, num_blocks: int, block_size: int = BLOCK_SIZE) -> KVCache:
         return KVCache(self.config, num_blocks, block_size, self.dtype, self.device)
 

@@ -9,6 +9,7 @@ make a cycle.
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -52,9 +53,16 @@ class _Speculator(Protocol):
     def stats(self) -> SpecStats: ...
 
 
+class _Model(Protocol):
+    def expert_counts(self) -> dict[int, list[int]]: ...
+
+
 class _Engine(Protocol):
     @property
     def speculator(self) -> _Speculator | None: ...
+
+    @property
+    def model(self) -> _Model: ...
 
 
 class WorkerView(Protocol):
@@ -121,6 +129,16 @@ class WorkerCollector:
             counter = CounterMetricFamily(metric, text, labels=["role"])
             counter.add_metric(role, float(value))
             yield counter
+        experts = w.engine.model.expert_counts()
+        if experts:  # MoE models: the load each expert takes, what a balancer works from
+            routed = CounterMetricFamily(
+                "pdserve_moe_expert_tokens", "Tokens routed to each expert, by MoE layer",
+                labels=["role", "layer", "expert"],
+            )  # fmt: skip
+            for layer, counts in experts.items():
+                for expert, count in enumerate(counts):
+                    routed.add_metric([w.role, str(layer), str(expert)], float(count))
+            yield routed
 
 
 def serve_http(worker: WorkerView, host: str, port: int) -> ThreadingHTTPServer:
@@ -132,6 +150,10 @@ def serve_http(worker: WorkerView, host: str, port: int) -> ThreadingHTTPServer:
         def do_GET(self) -> None:
             if self.path == "/metrics":
                 self._send(200, generate_latest(registry), "text/plain; version=0.0.4")
+            elif self.path == "/experts":  # the same counts as JSON, by layer
+                counts = worker.engine.model.expert_counts()
+                body = json.dumps({"role": worker.role, "layers": counts}).encode()
+                self._send(200, body, "application/json")
             elif self.path == "/health":
                 ok = worker.ready
                 self._send(200 if ok else 503, b"ok\n" if ok else b"not ready\n", "text/plain")

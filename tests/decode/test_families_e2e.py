@@ -6,6 +6,7 @@ DeepSeek-V3's shape, here the tiny model's 40)."""
 
 from __future__ import annotations
 
+import httpx
 import openai
 import pytest
 import redis
@@ -31,11 +32,12 @@ def deepseek(tmp_path_factory, embedded_dir):
 @pytest.fixture(scope="module")
 def served(deepseek, redis_server):
     path, _ = deepseek
+    metrics = free_port()
     out = Up("--port", str(free_port()), "--model", str(path), "--served-model-name", NAME,
              "--kv-store", redis_server.url, "--no-colocated", "--dtype", "float32",
-             "--num-blocks", "256")  # fmt: skip
-    try:
-        yield openai.OpenAI(base_url=out.ready(), api_key="none", max_retries=0)
+             "--num-blocks", "256", "--metrics-port", str(metrics))  # fmt: skip
+    try:  # the prefill worker's side door on `metrics`, the decode worker's on the next port
+        yield openai.OpenAI(base_url=out.ready(), api_key="none", max_retries=0), metrics
     finally:
         out.stop()
 
@@ -47,6 +49,7 @@ def prompts() -> list[list[int]]:
 
 def test_answers_equal_transformers_cold_and_from_the_store(deepseek, served, redis_server):
     path, reference = deepseek
+    client, _ = served
     tokenizer = Tokenizer.from_dir(path)
     for prompt in prompts():
         with torch.inference_mode():
@@ -56,7 +59,7 @@ def test_answers_equal_transformers_cold_and_from_the_store(deepseek, served, re
             )[0, len(prompt) :].tolist()  # fmt: skip
         text = tokenizer.decode(expected)
         for _ in ("cold", "warm"):
-            r = served.completions.create(
+            r = client.completions.create(
                 model=NAME, prompt=prompt, max_tokens=24, temperature=0,
                 extra_body={"ignore_eos": True},
             )  # fmt: skip
@@ -75,3 +78,21 @@ def test_answers_equal_transformers_cold_and_from_the_store(deepseek, served, re
     _, _, _, _, layers, _, _, heads, k_dim, v_dim, *_ = FORMAT.unpack_from(value, 0)
     assert (layers, heads, k_dim, v_dim) == (3, 1, 40, 0)
     assert codec.value_bytes - FORMAT.size == 3 * 16 * 40 * 4  # layers x tokens x latent
+
+
+def test_each_worker_counts_the_tokens_routed_to_each_expert(served):
+    """Every token a worker computes goes to top_k = 2 experts in each MoE layer (1 and 2):
+    the layers' counts sum alike, and /metrics says what /experts says."""
+    client, metrics = served
+    client.completions.create(model=NAME, prompt=prompts()[0], max_tokens=4, temperature=0)
+    for port in (metrics, metrics + 1):
+        experts = httpx.get(f"http://127.0.0.1:{port}/experts").json()
+        layers = experts["layers"]
+        assert set(layers) == {"1", "2"} and all(len(c) == 8 for c in layers.values())
+        assert sum(layers["1"]) == sum(layers["2"]) > 0 and sum(layers["1"]) % 2 == 0
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        for layer, counts in layers.items():
+            for expert, count in enumerate(counts):
+                line = (f'pdserve_moe_expert_tokens_total{{expert="{expert}",layer="{layer}",'
+                        f'role="{experts["role"]}"}} {float(count)}')  # fmt: skip
+                assert line in text
