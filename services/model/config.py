@@ -117,6 +117,9 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: q and k RMS-normed per head before rotary
     mla: MlaShape | None = None  # latent attention (head_dim is then nope_dim + rope_dim)
     moe: MoeShape | None = None
+    # DeepSeek's FP8 checkpoints: e4m3 weights with a float32 scale per block of this shape
+    # (weight_scale_inv), dequantized at load
+    fp8_block: tuple[int, int] | None = None
     name: str = field(default="model", compare=False)
 
     @property

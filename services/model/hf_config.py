@@ -95,6 +95,7 @@ def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
         qk_norm=arch in ("qwen3", "qwen3_moe"),
         mla=mla,
         moe=_moe(arch, raw),
+        fp8_block=_fp8_block(raw.get("quantization_config")),
         name=str(raw.get("_name_or_path") or arch),
     )
 
@@ -199,6 +200,29 @@ def _moe(arch: str, raw: dict[str, Any]) -> MoeShape | None:
             float32_router=True,
         )
     return None
+
+
+def _fp8_block(quantization: dict[str, Any] | None) -> tuple[int, int] | None:
+    """The block shape of an FP8 checkpoint's weight scales (DeepSeek's 128 x 128), or None for
+    an unquantized one. Other methods are refused by name."""
+    if not quantization:
+        return None
+    method = quantization.get("quant_method")
+    if method != "fp8":
+        raise ModelLoadError(
+            "config.json", f"unsupported quantization_config.quant_method={method!r} (fp8 only)"
+        )
+    if quantization.get("fmt", "e4m3") != "e4m3":
+        raise ModelLoadError(
+            "config.json", f"unsupported quantization_config.fmt={quantization['fmt']!r}"
+        )
+    block = quantization.get("weight_block_size")
+    if not (isinstance(block, list) and len(block) == 2 and all(int(b) > 0 for b in block)):
+        raise ModelLoadError(
+            "config.json",
+            f"unsupported quantization_config.weight_block_size={block!r} (two block sides)",
+        )
+    return int(block[0]), int(block[1])
 
 
 def _refuse_unimplemented(arch: str, raw: dict[str, Any]) -> None:

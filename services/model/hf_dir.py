@@ -32,10 +32,13 @@ def safetensors_files(path: Path) -> list[Path]:
 
 
 def read_weights(path: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
-    """Every tensor the config calls for, as stored (dtype unchanged), shape-checked."""
+    """Every tensor the config calls for, as stored (dtype unchanged; FP8 weights dequantized
+    to float32 with their block scales), shape-checked."""
     from safetensors import safe_open
 
-    wanted = config.expected_shapes()
+    wanted = set(config.expected_shapes())
+    if config.fp8_block is not None:
+        wanted |= {name + SCALE for name in wanted if name.endswith(".weight")}
     out: dict[str, torch.Tensor] = {}
     for file in safetensors_files(path):
         try:
@@ -47,4 +50,32 @@ def read_weights(path: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
         check_shapes(file, config, {name: t.shape for name, t in tensors.items()})
         out |= tensors
     check_complete(path, config, out)
+    if config.fp8_block is not None:
+        out = dequantized(path, out, config.fp8_block)
+    return out
+
+
+SCALE = "_scale_inv"  # a weight's FP8 block scales: `<name>.weight_scale_inv`
+
+
+def dequantized(
+    path: Path, tensors: dict[str, torch.Tensor], block: tuple[int, int]
+) -> dict[str, torch.Tensor]:
+    """FP8 (e4m3) weights times their block scales [ceil(out / b0), ceil(in / b1)], in float32;
+    the other tensors as they are, the scales dropped."""
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith(SCALE):
+            continue
+        if t.dtype != torch.float8_e4m3fn:
+            out[name] = t
+            continue
+        scale = tensors.get(name + SCALE)
+        rows, cols = t.shape
+        want = (-(-rows // block[0]), -(-cols // block[1]))
+        if scale is None or tuple(scale.shape) != want:
+            got = None if scale is None else tuple(scale.shape)
+            raise ModelLoadError(path, f"{name}{SCALE}: shape {got}, FP8 blocks need {want}")
+        expanded = scale.float().repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+        out[name] = t.float() * expanded[:rows, :cols]
     return out
