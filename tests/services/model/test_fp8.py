@@ -63,8 +63,10 @@ def checkpoints(tmp_path_factory, embedded_dir):
         save_file(weights, path / "model.safetensors")
         dirs.append(path)
     config = json.loads((plain / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
-                                     "activation_scheme": "dynamic", "weight_block_size": [16, 16]}  # fmt: skip
+    config["quantization_config"] = {
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+        "weight_block_size": [16, 16],
+    }  # fmt: skip
     (dirs[0] / "config.json").write_text(json.dumps(config))
     return dirs[0], dirs[1], plain
 
