@@ -18,6 +18,7 @@ from kvstore.block_hash import block_hashes
 from services.engine.engine import Engine, EngineConfig
 from services.engine.outputs import RequestOutput
 from services.engine.params import SamplingParams
+from services.engine.speculative import SpeculativeConfig
 from services.engine.request import EngineRequest, TokenLogprobs
 from services.model.attention import CpuAttention
 from services.model.kv_cache import gather_blocks
@@ -162,3 +163,18 @@ def test_seeded_sampling_repeats_and_depends_on_the_seed(model):
     assert runs[0] == runs[1]
     other_seed = results(engine(model).generate([ids], with_(SEEDED, seed=99)))[0]
     assert other_seed[0] != runs[0][0]
+
+
+def test_speculation_changes_no_token_and_no_logprob(model, family):
+    """Drafts verified several tokens a step, accepted or not: the tokens and logprobs of
+    decoding one at a time (for the embedded model, tests/services/engine/test_speculative.py
+    shows it at length)."""
+    if family == "embedded":
+        pytest.skip("test_speculative.py covers the embedded model")
+    prompts = [prompt(12, seed=20 + i) * 4 for i in range(6)]  # repeats: suffixes to propose
+    params = [with_(GREEDY, max_tokens=24)] * 5 + [with_(SEEDED, max_tokens=24)]
+    expected = results(engine(model, num_blocks=96).generate(prompts, params))
+    spec = SpeculativeConfig("suffix", num_tokens=4, max_batch=64)
+    speculating = engine(model, num_blocks=96, speculative=spec)
+    assert results(speculating.generate(prompts, params)) == expected
+    assert speculating.speculator is not None and speculating.speculator.stats.proposed > 0
