@@ -18,8 +18,8 @@ from kvstore.block_hash import block_hashes
 from services.engine.engine import Engine, EngineConfig
 from services.engine.outputs import RequestOutput
 from services.engine.params import SamplingParams
-from services.engine.speculative import SpeculativeConfig
 from services.engine.request import EngineRequest, TokenLogprobs
+from services.engine.speculative import SpeculativeConfig
 from services.model.attention import CpuAttention
 from services.model.kv_cache import gather_blocks
 from services.model.loader import LoadedModel, load_model
