@@ -20,6 +20,7 @@ run, as Markdown tables:
 from __future__ import annotations
 
 import argparse
+import functools
 import platform
 import shutil
 import sys
@@ -33,7 +34,7 @@ from services.model import kv_cache
 from services.model.batch import ForwardBatch, SeqChunk
 from services.model.config import MlaShape, ModelConfig
 from services.model.loader import cpu_has_bf16_units, load_model
-from services.model.mla import CpuMlaAttention, MlaAttention
+from services.model.mla import CpuMlaAttention, MlaAttention, MlaWeights
 from services.model.moe import Moe
 from services.model.sources import EMBEDDED, cache_root, resolve
 
@@ -86,9 +87,10 @@ def experts_table(path: Path, dtype: str, counts: list[int], repeats: int) -> st
         x = torch.randn(n, SHAPE["hidden_size"], generator=torch.Generator().manual_seed(n))
         x = x.to(forward.DTYPES[dtype])
         weights, ids = ours.route(x, ops)
+        grouped = functools.partial(ours.routed, x, weights, ids, ops)
+        looped = functools.partial(theirs, x, ids, weights.to(x.dtype))
         with torch.inference_mode():
-            mine = forward.best_of(repeats, lambda: ours.routed(x, weights, ids, ops))
-            loop = forward.best_of(repeats, lambda: theirs(x, ids, weights.to(x.dtype)))
+            mine, loop = forward.best_of(repeats, grouped), forward.best_of(repeats, looped)
         lines.append(f"| {n} | {mine * 1e3:.2f} | {loop * 1e3:.2f} | {loop / mine:.2f}x |")
         log(lines[-1])
     return "\n".join(lines)
@@ -103,6 +105,7 @@ def mla_prefill_table(path: Path, dtype: str, chunks: list[int], repeats: int) -
         return "(the MLA C kernel does not build here)"
     expanded = MlaAttention(model.config, model.ops)
     layer = model.layers[0].attention
+    assert isinstance(layer, MlaWeights)
     lines = ["| prompt tokens | absorbed (C) ms | expanded (torch) ms | expanded / absorbed |",
              "| ---: | ---: | ---: | ---: |"]  # fmt: skip
     for n in chunks:
@@ -115,11 +118,9 @@ def mla_prefill_table(path: Path, dtype: str, chunks: list[int], repeats: int) -
         at = model.mla_rotary.tables(batch.positions)
         times = []
         for form in (absorbed, expanded):
-            plan = form.plan(batch)
+            run = functools.partial(form.forward, layer, x, at, k, v, form.plan(batch))
             with torch.inference_mode():
-                times.append(
-                    forward.best_of(repeats, lambda: form.forward(layer, x, at, k, v, plan))
-                )  # noqa: B023
+                times.append(forward.best_of(repeats, run))
         lines.append(f"| {n} | {times[0] * 1e3:.1f} | {times[1] * 1e3:.1f} | "
                      f"{times[1] / times[0]:.2f}x |")  # fmt: skip
         log(lines[-1])

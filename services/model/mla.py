@@ -198,11 +198,22 @@ class MlaAttention:
 
 
 @dataclass(frozen=True)
-class CpuMlaPlan:
+class RowPlan:
+    """A batch as kernels that take each row on its own read it."""
+
     slots: torch.Tensor  # [T]
     tables: torch.Tensor  # [S, W] the batch's block tables
     row_seq: torch.Tensor  # [T] each row's sequence (row of tables)
     lens: torch.Tensor  # [T] tokens each row attends to: its position + 1
+
+
+def row_plan(batch: ForwardBatch) -> RowPlan:
+    row_seq = torch.repeat_interleave(
+        torch.arange(len(batch.seqs), device=batch.token_ids.device), batch.query_lens
+    )
+    return RowPlan(
+        batch.slot_mapping, batch.block_tables.contiguous(), row_seq, batch.positions + 1
+    )
 
 
 class CpuMlaAttention(MlaAttention):
@@ -221,12 +232,7 @@ class CpuMlaAttention(MlaAttention):
         )
 
     def plan(self, batch: ForwardBatch) -> object:
-        row_seq = torch.repeat_interleave(
-            torch.arange(len(batch.seqs), device=batch.token_ids.device), batch.query_lens
-        )
-        return CpuMlaPlan(
-            batch.slot_mapping, batch.block_tables.contiguous(), row_seq, batch.positions + 1
-        )
+        return row_plan(batch)
 
     def forward(
         self,
@@ -237,7 +243,7 @@ class CpuMlaAttention(MlaAttention):
         v_cache: torch.Tensor,
         plan: object,
     ) -> torch.Tensor:
-        assert isinstance(plan, CpuMlaPlan)
+        assert isinstance(plan, RowPlan)
         if k_cache.shape[-1] != KERNEL_BLOCK_SIZE:
             raise ValueError(f"the MLA kernel reads {KERNEL_BLOCK_SIZE}-token blocks")
         m = self.mla
@@ -281,17 +287,22 @@ def default_mla_attention(
     config: ModelConfig, ops: LayerOps, device: torch.device, dtype: torch.dtype, kernels: str
 ) -> MlaAttention:
     """The C kernels on CPUs where they build, for float32 and bfloat16 and the shapes they
-    take (latent and value widths in whole vectors, 16-token blocks); else the torch
-    reference (GPUs included: there the torch forms run on the device)."""
+    take (latent and value widths in whole vectors, 16-token blocks); Triton's for
+    `--kernels triton` (gpu/mla.py); else the torch reference."""
     from services.model.attention import resolve_kernels
 
     m = config.mla
     assert m is not None
-    if resolve_kernels(kernels, device) == "c" and dtype in (torch.float32, torch.bfloat16):
+    chosen = resolve_kernels(kernels, device)
+    if chosen == "triton":
+        from services.model.gpu.mla import TritonMlaAttention  # imports triton: only if asked
+
+        return TritonMlaAttention(config, ops)
+    if chosen == "c" and dtype in (torch.float32, torch.bfloat16):
         library = libraries.load("mla_attention")
         if library is not None:
             lanes = library.mla_attention_lanes()
-            fits = m.kv_lora_rank % lanes == 0 and m.v_dim % lanes == 0 and m.latent_dim <= 1024
+            fits = m.kv_lora_rank % lanes == 0 and m.v_dim % lanes == 0
             if fits:
                 return CpuMlaAttention(config, ops, library)
     return MlaAttention(config, ops)

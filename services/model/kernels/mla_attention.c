@@ -68,17 +68,20 @@ void mla_heads_matmul(const void *x, int x_bf16, const void *w, int w_bf16, void
         }
 }
 
-/* One task's state: GROUP heads of one row. */
+/* One task's state: up to TILE rows of one sequence (consecutive rows of a prefill chunk, or
+ * one decode row), GROUP heads each: R = rows x heads accumulators, sized for the call's D and
+ * C. A block's keys are loaded once for all of them and its latents turned into rows once. */
+#define TILE 4
+#define MAX_R (TILE * GROUP)
 typedef struct {
-    float q[GROUP][1024];            /* the query, times the softmax scale */
-    float m[GROUP], l[GROUP];        /* running maximum and sum of weights */
-    float rescale[GROUP];            /* what the last fold multiplied the outputs by */
-    float p[GROUP][BLOCK];           /* the last block's weights */
-    float values[BLOCK][1024];       /* the last block's latents c, a row per token */
-    vf acc[GROUP][1024 / LANES];     /* the weighted sum so far */
-} __attribute__((aligned(LINE))) task_t;
-
-#define MAX_D 1024
+    float *q;                 /* [D][MAX_R] the queries, times the softmax scale */
+    float m[MAX_R], l[MAX_R]; /* running maximum and sum of weights */
+    float rescale[MAX_R];     /* what the last fold multiplied the outputs by */
+    float p[MAX_R][BLOCK];    /* the last block's weights */
+    int64_t n[MAX_R];         /* the last block's keys each row counts (0: none) */
+    float *values;            /* [BLOCK][C] the last block's latents c, a row per token */
+    vf *acc;                  /* [MAX_R][C / LANES] the weighted sums so far */
+} task_t;
 
 /* K row d of a block (its 16 tokens' dimension d) as float vectors */
 INLINE vb key_row(const void *k, int64_t at, int64_t d, int bf16) {
@@ -96,97 +99,160 @@ INLINE vb key_row(const void *k, int64_t at, int64_t d, int bf16) {
     return x;
 }
 
-/* scores s[g][t] = the sum over d = 0, ..., D-1, in order, of q[g][d] * K[d][t] */
-INLINE void scores(vb *s, const task_t *w, const void *k, int64_t at, int bf16, int64_t G,
+/* scores s[r][t] = the sum over d = 0, ..., D-1, in order, of q[d][r] * K[d][t], for the
+ * accumulators r < R: RB of them at a time held in registers over all of D, the block's key
+ * rows reloaded (from cache) for each RB. */
+#define RB 4
+INLINE void scores(vb *s, const task_t *w, const void *k, int64_t at, int bf16, int64_t R,
                    int64_t D) {
-    for (int64_t g = 0; g < G; g++) s[g] = zero_block();
-    for (int64_t d = 0; d < D; d++) {
-        const vb kd = key_row(k, at, d, bf16);
-        for (int64_t g = 0; g < G; g++) fma_block(&s[g], w->q[g][d], kd);
+    for (int64_t r0 = 0; r0 < R; r0 += RB) {
+        vb a[RB];
+        for (int j = 0; j < RB; j++) a[j] = zero_block();
+        const int64_t width = R - r0 < RB ? R - r0 : RB;
+        if (width == RB) { /* the common case, without a test per product */
+            for (int64_t d = 0; d < D; d++) {
+                const vb kd = key_row(k, at, d, bf16);
+                const float *qd = w->q + d * MAX_R + r0;
+                for (int j = 0; j < RB; j++) fma_block(&a[j], qd[j], kd);
+            }
+        } else {
+            for (int64_t d = 0; d < D; d++) {
+                const vb kd = key_row(k, at, d, bf16);
+                const float *qd = w->q + d * MAX_R + r0;
+                for (int j = 0; j < width; j++) fma_block(&a[j], qd[j], kd);
+            }
+        }
+        for (int64_t j = 0; j < width; j++) s[r0 + j] = a[j];
     }
 }
 
 /* the block's first C dimensions, a row per token: values[t][c] = K[c][t] */
-INLINE void latents(task_t *w, const void *k, int64_t at, int bf16, int64_t n, int64_t C) {
+INLINE void latents(task_t *w, const void *k, int64_t at, int bf16, int64_t C) {
     for (int64_t c = 0; c < C; c++) {
         const vb row = key_row(k, at, c, bf16);
         float flat[BLOCK];
         memcpy(flat, row.v, sizeof flat);
-        for (int64_t t = 0; t < n; t++) w->values[t][c] = flat[t];
+        for (int64_t t = 0; t < BLOCK; t++) w->values[t * C + c] = flat[t];
     }
 }
 
-/* Fold a block's scores (tokens 0..n-1 counted) into each head's running softmax. */
-INLINE void fold(task_t *w, vb *s, int64_t n, int first, int64_t G) {
-    for (int64_t g = 0; g < G; g++) {
-        vb x = n < BLOCK ? where(up_to(n - 1), s[g], -FLT_MAX) : s[g];
-        const float top = hmax(x, first ? -FLT_MAX : w->m[g]);
-        w->rescale[g] = first ? 0.0f : expf(w->m[g] - top);
-        vb e = add_sub(x, zero_block(), top);
-        e = vexp_block(e);
-        if (n < BLOCK) e = where(up_to(n - 1), e, 0.0f);
-        memcpy(w->p[g], e.v, sizeof w->p[g]);
-        w->l[g] = w->l[g] * w->rescale[g] + hsum(e);
-        w->m[g] = top;
+/* Fold accumulator r's scores of a block (its first n[r] keys counted) into its softmax. */
+INLINE void fold(task_t *w, int64_t r, vb s, int first) {
+    const int64_t n = w->n[r];
+    vb x = n < BLOCK ? where(up_to(n - 1), s, -FLT_MAX) : s;
+    const float top = hmax(x, first ? -FLT_MAX : w->m[r]);
+    w->rescale[r] = first ? 0.0f : expf(w->m[r] - top);
+    vb e = vexp_block(add_sub(x, zero_block(), top));
+    if (n < BLOCK) e = where(up_to(n - 1), e, 0.0f);
+    memcpy(w->p[r], e.v, sizeof w->p[r]);
+    w->l[r] = w->l[r] * w->rescale[r] + hsum(e);
+    w->m[r] = top;
+}
+
+/* acc[r] = acc[r] * rescale[r] + the sum over t, in order, of p[r][t] * values[t], for
+ * RB accumulators at a time (each value row loaded once for them). Past a row's n[r] its
+ * weights are 0 and the values finite (the cache is zeroed at allocation), so they add exactly
+ * nothing (acc starts at +0 and never becomes -0): a row's sums are those it has alone. */
+INLINE void accumulate(task_t *w, const int64_t *rs, int64_t count, int64_t C) {
+    int64_t n = 0;
+    for (int64_t j = 0; j < count; j++) n = w->n[rs[j]] > n ? w->n[rs[j]] : n;
+    for (int64_t c = 0; c < C / LANES; c++) {
+        vf a[RB];
+        for (int64_t j = 0; j < count; j++) a[j] = w->acc[rs[j] * (C / LANES) + c] * w->rescale[rs[j]];
+        for (int64_t t = 0; t < n; t++) {
+            vf row;
+            memcpy(&row, &w->values[t * C + c * LANES], sizeof row);
+            for (int64_t j = 0; j < count; j++) a[j] = fmadd((vf){0} + w->p[rs[j]][t], row, a[j]);
+        }
+        for (int64_t j = 0; j < count; j++) w->acc[rs[j] * (C / LANES) + c] = a[j];
     }
 }
 
-/* acc[g] = acc[g] * rescale[g] + the sum over t < n, in order, of p[g][t] * values[t] */
-INLINE void accumulate(task_t *w, int64_t n, int64_t G, int64_t C) {
-    for (int64_t g = 0; g < G; g++)
-        for (int64_t c = 0; c < C / LANES; c++) {
-            vf a = w->acc[g][c] * w->rescale[g];
-            for (int64_t t = 0; t < n; t++) {
-                vf row;
-                memcpy(&row, &w->values[t][c * LANES], sizeof row);
-                a = fmadd((vf){0} + w->p[g][t], row, a);
+/* Rows [first, first + rows) of one sequence, heads [h0, h0 + G): their attention. */
+static void attend_tile(task_t *w, const float *q, const void *k, int bf16, const int64_t *table,
+                        const int64_t *lens, float *out, int64_t first, int64_t rows, int64_t h0,
+                        int64_t G, int64_t H, int64_t D, int64_t C, float scale) {
+    const int64_t R = rows * G;
+    int64_t longest = 0;
+    for (int64_t i = 0; i < rows; i++) longest = lens[first + i] > longest ? lens[first + i] : longest;
+    for (int64_t i = 0; i < rows; i++)
+        for (int64_t g = 0; g < G; g++) {
+            const int64_t r = i * G + g;
+            const float *row = q + ((first + i) * H + h0 + g) * D;
+            for (int64_t d = 0; d < D; d++) w->q[d * MAX_R + r] = row[d] * scale;
+            for (int64_t c = 0; c < C / LANES; c++) w->acc[r * (C / LANES) + c] = (vf){0};
+            w->l[r] = 0.0f;
+        }
+    for (int64_t b = 0; b * BLOCK < longest; b++) {
+        for (int64_t i = 0; i < rows; i++) {
+            const int64_t left = lens[first + i] - b * BLOCK;
+            const int64_t n = left <= 0 ? 0 : left < BLOCK ? left : BLOCK;
+            for (int64_t g = 0; g < G; g++) w->n[i * G + g] = n;
+        }
+        const int64_t at = table[b] * D * BLOCK;
+        vb s[MAX_R];
+        scores(s, w, k, at, bf16, R, D);
+        latents(w, k, at, bf16, C);
+        int64_t counted[RB], count = 0;
+        for (int64_t r = 0; r < R; r++) {
+            if (!w->n[r]) continue;
+            fold(w, r, s[r], b == 0);
+            counted[count++] = r;
+            if (count == RB) {
+                accumulate(w, counted, count, C);
+                count = 0;
             }
-            w->acc[g][c] = a;
+        }
+        if (count) accumulate(w, counted, count, C);
+    }
+    for (int64_t i = 0; i < rows; i++)
+        for (int64_t g = 0; g < G; g++) {
+            const int64_t r = i * G + g;
+            for (int64_t c = 0; c < C / LANES; c++) {
+                const vf x = w->acc[r * (C / LANES) + c] / w->l[r];
+                memcpy(out + ((first + i) * H + h0 + g) * C + c * LANES, &x, sizeof x);
+            }
         }
 }
 
-/* Returns 0, or -1 where a size is out of range or memory ran out. */
+/* Returns 0, or -1 where a size is out of range or memory ran out. A row's result is the same
+ * in any tile: its sums run over the same terms in the same order. */
 int mla_attend(const float *q, const void *k, int bf16, const int64_t *tables,
                const int64_t *row_seq, const int64_t *lens, float *out, int64_t T, int64_t H,
                int64_t D, int64_t C, int64_t W, float scale) {
-    if (D > MAX_D || C > D || C % LANES || (bf16 && D % 2)) return -1;
+    if (C > D || C % LANES || (bf16 && D % 2)) return -1;
+    int64_t *tiles = malloc((size_t)(T + 1) * sizeof *tiles); /* first row of each tile */
+    if (tiles == NULL) return -1;
+    int64_t count = 0;
+    for (int64_t t = 0; t < T; t++)
+        if (t == 0 || row_seq[t] != row_seq[t - 1] || t - tiles[count - 1] == TILE)
+            tiles[count++] = t;
+    tiles[count] = T;
     const int64_t groups = (H + GROUP - 1) / GROUP;
     int failed = 0;
 #pragma omp parallel
     {
-        task_t *w = aligned_alloc(LINE, sizeof *w);
-        if (w == NULL) {
+        task_t w;
+        w.q = malloc((size_t)MAX_R * D * sizeof(float));
+        w.values = malloc((size_t)BLOCK * C * sizeof(float));
+        w.acc = aligned_alloc(LINE, ((size_t)MAX_R * C * sizeof(float) + LINE - 1) / LINE * LINE);
+        if (w.q == NULL || w.values == NULL || w.acc == NULL) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for collapse(2) schedule(dynamic)
-        for (int64_t t = 0; t < T; t++)
+        for (int64_t i = 0; i < count; i++)
             for (int64_t group = 0; group < groups; group++) {
-                if (w == NULL) continue;
+                if (w.q == NULL || w.values == NULL || w.acc == NULL) continue;
                 const int64_t h0 = group * GROUP, G = H - h0 < GROUP ? H - h0 : GROUP;
-                for (int64_t g = 0; g < G; g++) {
-                    const float *row = q + (t * H + h0 + g) * D;
-                    for (int64_t d = 0; d < D; d++) w->q[g][d] = row[d] * scale;
-                    for (int64_t c = 0; c < C / LANES; c++) w->acc[g][c] = (vf){0};
-                    w->l[g] = 0.0f;
-                }
-                const int64_t *table = tables + row_seq[t] * W, len = lens[t];
-                for (int64_t b = 0; b * BLOCK < len; b++) {
-                    const int64_t n = len - b * BLOCK < BLOCK ? len - b * BLOCK : BLOCK;
-                    const int64_t at = table[b] * D * BLOCK;
-                    vb s[GROUP];
-                    scores(s, w, k, at, bf16, G, D);
-                    fold(w, s, n, b == 0, G);
-                    latents(w, k, at, bf16, n, C);
-                    accumulate(w, n, G, C);
-                }
-                for (int64_t g = 0; g < G; g++)
-                    for (int64_t c = 0; c < C / LANES; c++) {
-                        const vf x = w->acc[g][c] / w->l[g];
-                        memcpy(out + ((t * H) + h0 + g) * C + c * LANES, &x, sizeof x);
-                    }
+                const int64_t first = tiles[i], rows = tiles[i + 1] - tiles[i];
+                attend_tile(&w, q, k, bf16, tables + row_seq[first] * W, lens, out, first,
+                            rows, h0, G, H, D, C, scale);
             }
-        free(w);
+        free(w.q);
+        free(w.values);
+        free(w.acc);
     }
+    free(tiles);
     return failed ? -1 : 0;
 }
