@@ -149,22 +149,32 @@ INLINE void fold(task_t *w, int64_t r, vb s, int first) {
     w->m[r] = top;
 }
 
-/* acc[r] = acc[r] * rescale[r] + the sum over t, in order, of p[r][t] * values[t], for
- * RB accumulators at a time (each value row loaded once for them). Past a row's n[r] its
- * weights are 0 and the values finite (the cache is zeroed at allocation), so they add exactly
- * nothing (acc starts at +0 and never becomes -0): a row's sums are those it has alone. */
+/* acc[r] = acc[r] * rescale[r] + the block's weighted latents: the even tokens' products
+ * summed in order onto the rescaled output, the odd tokens' apart, then the two added (two
+ * chains of multiply-adds per row keep the FMA units busy), RB rows at a time, each value
+ * row loaded once for them. Past a row's n[r] its weights are 0 and the values finite (the
+ * cache is zeroed at allocation), so they add exactly nothing (sums start at +0 and never
+ * become -0): a row's sums are those it has alone, in a tile or not. */
 INLINE void accumulate(task_t *w, const int64_t *rs, int64_t count, int64_t C) {
     int64_t n = 0;
     for (int64_t j = 0; j < count; j++) n = w->n[rs[j]] > n ? w->n[rs[j]] : n;
+    n += n % 2; /* whole pairs: a token past the last adds nothing */
     for (int64_t c = 0; c < C / LANES; c++) {
-        vf a[RB];
-        for (int64_t j = 0; j < count; j++) a[j] = w->acc[rs[j] * (C / LANES) + c] * w->rescale[rs[j]];
-        for (int64_t t = 0; t < n; t++) {
-            vf row;
-            memcpy(&row, &w->values[t * C + c * LANES], sizeof row);
-            for (int64_t j = 0; j < count; j++) a[j] = fmadd((vf){0} + w->p[rs[j]][t], row, a[j]);
+        vf even[RB], odd[RB];
+        for (int64_t j = 0; j < count; j++) {
+            even[j] = w->acc[rs[j] * (C / LANES) + c] * w->rescale[rs[j]];
+            odd[j] = (vf){0};
         }
-        for (int64_t j = 0; j < count; j++) w->acc[rs[j] * (C / LANES) + c] = a[j];
+        for (int64_t t = 0; t < n; t += 2) {
+            vf row0, row1;
+            memcpy(&row0, &w->values[t * C + c * LANES], sizeof row0);
+            memcpy(&row1, &w->values[(t + 1) * C + c * LANES], sizeof row1);
+            for (int64_t j = 0; j < count; j++) {
+                even[j] = fmadd((vf){0} + w->p[rs[j]][t], row0, even[j]);
+                odd[j] = fmadd((vf){0} + w->p[rs[j]][t + 1], row1, odd[j]);
+            }
+        }
+        for (int64_t j = 0; j < count; j++) w->acc[rs[j] * (C / LANES) + c] = even[j] + odd[j];
     }
 }
 
