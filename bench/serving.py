@@ -202,18 +202,21 @@ def run_scenarios(name: str, command: list[str], args: argparse.Namespace) -> di
     process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
                                start_new_session=True)  # fmt: skip
     url = f"http://127.0.0.1:{port}"
+    # vLLM's client guesses its platform from the version string and, on an AVX2-only CPU,
+    # dies with SIGILL in AVX-512 kernels unless told it runs on a CPU (PEERS.md)
+    client_env = dict(os.environ, VLLM_TARGET_DEVICE="cpu")
     results = {}
     try:
         wait_ready(url, process, args.start_timeout)
         warm = Scenario("warmup", 128, 16, 2, concurrency=1)
         subprocess.run(client_command(args, url, warm, random.getrandbits(30),
                                       args.out / f"{slug}-warmup.json"),
-                       cwd=REPO, check=True, capture_output=True)  # fmt: skip
+                       cwd=REPO, check=True, capture_output=True, env=client_env)  # fmt: skip
         for key in args.scenarios.split(","):
             result = args.out / f"{slug}-{key}.json"
             cmd = client_command(args, url, SCENARIOS[key], random.getrandbits(30), result)
             print(f"{name}: {SCENARIOS[key].label}", flush=True)
-            subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
+            subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL, env=client_env)
             results[key] = result
     finally:
         os.killpg(process.pid, signal.SIGINT)
