@@ -36,7 +36,7 @@ from services.model.linear import (
     make_linear,
     packed_linear_available,
 )
-from services.model.mla import MlaWeights, default_mla_attention, split_kv_b
+from services.model.mla import MlaAttention, MlaWeights, default_mla_attention, split_kv_b
 from services.model.moe import DenseMlp, Moe
 from services.model.rope import Rotary
 from services.settings import DEFAULTS
@@ -138,11 +138,13 @@ class DecoderModel:
             if self.kernels == "triton"
             else default_layer_ops(config, rotary, self.device, dtype, self.kernels)
         )
-        self.mla = (
-            default_mla_attention(config, self.ops, self.device, dtype, self.kernels)
-            if config.mla is not None
-            else None
-        )
+        self.mla: MlaAttention | None = None
+        if config.mla is not None:
+            self.mla = (
+                _triton_mla(config, self.ops)
+                if self.kernels == "triton"
+                else default_mla_attention(config, self.ops, self.device, dtype, self.kernels)
+            )
         # MLA rotates its rope_dim only, with tables of its own
         self.mla_rotary = (
             Rotary(config, dtype, self.device, config.mla.rope_dim) if config.mla else None
@@ -279,6 +281,12 @@ def _triton_attention() -> Attention:
     from services.model.gpu.attention import TritonAttention  # imports triton: only if asked
 
     return TritonAttention()
+
+
+def _triton_mla(config: ModelConfig, ops: LayerOps) -> MlaAttention:
+    from services.model.gpu.mla import TritonMlaAttention
+
+    return TritonMlaAttention(config, ops)
 
 
 def _triton_layer_ops(config: ModelConfig, rotary: Rotary) -> LayerOps:

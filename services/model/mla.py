@@ -287,18 +287,14 @@ def default_mla_attention(
     config: ModelConfig, ops: LayerOps, device: torch.device, dtype: torch.dtype, kernels: str
 ) -> MlaAttention:
     """The C kernels on CPUs where they build, for float32 and bfloat16 and the shapes they
-    take (latent and value widths in whole vectors, 16-token blocks); Triton's for
-    `--kernels triton` (gpu/mla.py); else the torch reference."""
+    take (latent and value widths in whole vectors, 16-token blocks); else the torch
+    reference. (Triton's are in services/model/gpu/mla.py; DecoderModel takes them for
+    `--kernels triton`.)"""
     from services.model.attention import resolve_kernels
 
     m = config.mla
     assert m is not None
-    chosen = resolve_kernels(kernels, device)
-    if chosen == "triton":
-        from services.model.gpu.mla import TritonMlaAttention  # imports triton: only if asked
-
-        return TritonMlaAttention(config, ops)
-    if chosen == "c" and dtype in (torch.float32, torch.bfloat16):
+    if resolve_kernels(kernels, device) == "c" and dtype in (torch.float32, torch.bfloat16):
         library = libraries.load("mla_attention")
         if library is not None:
             lanes = library.mla_attention_lanes()
