@@ -74,7 +74,7 @@ async def measure_stall(prefill: str, decode: str, args: argparse.Namespace) -> 
         p, d = pbg.PrefillWorkerStub(pch), pbg.DecodeWorkerStub(dch)
         reply = await p.Prefill(pb.PrefillRequest(request_id="long", prompt_token_ids=long_prompt,
                                                   params=greedy, seed=1))  # fmt: skip
-        log(f"prefilled the {args.prompt_len}-token prompt ({len(reply.block_hashes)} blocks)")
+        log(f"prefilled the {args.prompt_len}-token prompt ({reply.computed_tokens} computed)")
         running = to_proto_params(SamplingParams(max_tokens=args.stream_tokens, temperature=0,
                                                  ignore_eos=True))  # fmt: skip
         arrivals: list[tuple[int, float]] = []
