@@ -11,8 +11,8 @@ from typing import Any
 from bench.gpu_check.check import REPO, Check, Skip
 from bench.offline import log
 
-FILES = ("tests/services/model/test_triton_layer_ops.py",
-         "tests/services/model/test_triton_attention.py")  # fmt: skip
+FILES = tuple(f"tests/services/model/test_triton_{name}.py"
+              for name in ("layer_ops", "attention", "mla", "fp8"))  # fmt: skip
 
 
 def run(check: Check, numbers: dict[str, Any]) -> bool:

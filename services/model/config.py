@@ -118,7 +118,7 @@ class ModelConfig:
     mla: MlaShape | None = None  # latent attention (head_dim is then nope_dim + rope_dim)
     moe: MoeShape | None = None
     # DeepSeek's FP8 checkpoints: e4m3 weights with a float32 scale per block of this shape
-    # (weight_scale_inv), dequantized at load
+    # (weight_scale_inv): dequantized at load, or kept FP8 on the Triton path (gpu/fp8.py)
     fp8_block: tuple[int, int] | None = None
     name: str = field(default="model", compare=False)
 

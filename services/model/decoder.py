@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from kvstore.block_hash import BLOCK_SIZE
+from services.model import hf_dir
 from services.model.attention import Attention, default_attention, resolve_kernels
 from services.model.batch import ForwardBatch
 from services.model.config import ModelConfig
@@ -95,16 +96,26 @@ class DecoderModel:
         amx = amx_linear_library() if packed and dtype == torch.bfloat16 else None
         self.amx = amx is not None
 
+        fp8 = config.fp8_block
+
         def w(name: str, keep_float32: bool = False) -> torch.Tensor:
             # keep_float32: a router's weights, kept at least as precise as float32
             want = torch.promote_types(dtype, torch.float32) if keep_float32 else dtype
-            return weights[name].to(device=self.device, dtype=want)
+            t = weights[name]
+            if t.dtype == torch.float8_e4m3fn and fp8 is not None:
+                t = hf_dir.dequantize(t, weights[name + hf_dir.SCALE], fp8)
+            return t.to(device=self.device, dtype=want)
 
         def linear(
             *names: str, bias: bool = False, missing_bias_ok: bool = False, keep_float32=False
         ) -> Linear:
             # several [out, in] matrices stacked into one [sum(out), in]; a matrix without a
             # bias of its own (where `missing_bias_ok`) adds zeros
+            if fp8 is not None and self.kernels == "triton" and not keep_float32:
+                kept = _fp8_linear(weights, names, fp8, self.device)
+                if kept is not None:
+                    assert not bias, "FP8 checkpoints (DeepSeek's) have no biases"
+                    return kept
             weight = torch.cat([w(n + ".weight", keep_float32) for n in names], dim=0)
             b = None
             if bias:
@@ -275,6 +286,28 @@ LinearFn = Callable[..., Linear]
 
 def _mlp(p: str, linear: LinearFn) -> DenseMlp:
     return DenseMlp(linear(p + "gate_proj", p + "up_proj"), linear(p + "down_proj"))
+
+
+def _fp8_linear(
+    weights: dict[str, torch.Tensor],
+    names: tuple[str, ...],
+    block: tuple[int, int],
+    device: torch.device,
+) -> Linear | None:
+    """The matrices `names`, stacked, kept in FP8 for the Triton kernel (gpu/fp8.py); None
+    where one of them is not FP8 or the kernel does not take the scale block."""
+    from services.model.gpu import fp8  # imports triton: only on the Triton path
+
+    stored = [weights[n + ".weight"] for n in names]
+    if not fp8.supported(block) or any(t.dtype != torch.float8_e4m3fn for t in stored):
+        return None
+    scales = [
+        fp8.row_scales(weights[n + ".weight" + hf_dir.SCALE], t.shape[0], block[0])
+        for n, t in zip(names, stored, strict=True)
+    ]
+    return fp8.Fp8BlockLinear(
+        torch.cat(stored).to(device), torch.cat(scales).to(device), scale_cols=block[1]
+    )
 
 
 def _triton_attention() -> Attention:

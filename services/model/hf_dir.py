@@ -32,8 +32,9 @@ def safetensors_files(path: Path) -> list[Path]:
 
 
 def read_weights(path: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
-    """Every tensor the config calls for, as stored (dtype unchanged; FP8 weights dequantized
-    to float32 with their block scales), shape-checked."""
+    """Every tensor the config calls for, as stored (dtype unchanged: an FP8 checkpoint's
+    weights stay e4m3 beside their block scales, `<name>_scale_inv`, checked here; the model
+    dequantizes them or keeps them, as its kernels can use them), shape-checked."""
     from safetensors import safe_open
 
     wanted = set(config.expected_shapes())
@@ -51,24 +52,17 @@ def read_weights(path: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
         out |= tensors
     check_complete(path, config, out)
     if config.fp8_block is not None:
-        out = dequantized(path, out, config.fp8_block)
+        check_fp8_scales(path, out, config.fp8_block)
     return out
 
 
 SCALE = "_scale_inv"  # a weight's FP8 block scales: `<name>.weight_scale_inv`
 
 
-def dequantized(
-    path: Path, tensors: dict[str, torch.Tensor], block: tuple[int, int]
-) -> dict[str, torch.Tensor]:
-    """FP8 (e4m3) weights times their block scales [ceil(out / b0), ceil(in / b1)], in float32;
-    the other tensors as they are, the scales dropped."""
-    out = {}
+def check_fp8_scales(path: Path, tensors: dict[str, torch.Tensor], block: tuple[int, int]) -> None:
+    """Each FP8 (e4m3) weight has its block scales [ceil(out / b0), ceil(in / b1)]."""
     for name, t in tensors.items():
-        if name.endswith(SCALE):
-            continue
         if t.dtype != torch.float8_e4m3fn:
-            out[name] = t
             continue
         scale = tensors.get(name + SCALE)
         rows, cols = t.shape
@@ -76,6 +70,10 @@ def dequantized(
         if scale is None or tuple(scale.shape) != want:
             got = None if scale is None else tuple(scale.shape)
             raise ModelLoadError(path, f"{name}{SCALE}: shape {got}, FP8 blocks need {want}")
-        expanded = scale.float().repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
-        out[name] = t.float() * expanded[:rows, :cols]
-    return out
+
+
+def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """An FP8 (e4m3) weight times its block scales, in float32."""
+    rows, cols = weight.shape
+    expanded = scale.float().repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+    return weight.float() * expanded[:rows, :cols]

@@ -20,7 +20,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from services.model.gpu import attention, layer_ops
+from services.model.gpu import attention, fp8, layer_ops, mla
 
 TARGET = GPUTarget("cuda", 90, 32)
 I64, I32 = "i64", "i32"
@@ -53,6 +53,13 @@ def kernels(ty: str) -> list[tuple[object, dict[str, str], dict[str, object]]]:
          "qkv_col_stride": I32, "table_row_stride": I32, "q_row_stride": I32,
          "k_row_stride": I32, "rows": I32, "num_heads": I32, "num_kv_heads": I32,
          "head_dim": I32}, {"PAIRS": 32, "HALF": 32}),
+        (mla._attend, {"q": "*fp32", "k_cache": p, "tables": "*i64", "table_row": I64,
+         "row_seq": "*i64", "lens": "*i64", "out": "*fp32", "kb": I64, "kdp": I64, "kdl": I64,
+         "kt": I64, "H": I32, "D": I32, "C": I32, "scale": "fp32"}, {"BS": 16, "BLOCK_D": 1024}),
+        (fp8._fp8_matmul, {"x": p, "w": "*fp8e4nv", "s": "*fp32", "bias": p, "out": p, "T": I32,
+         "N": I32, "K": I32, "x_row": I32, "w_row": I32, "s_row": I32, "out_row": I32},
+         {"SCALE_K": 128, "HAS_BIAS": False, "F32_DOT": ty == "fp32", "BLOCK_M": fp8.BLOCK_M,
+          "BLOCK_N": fp8.BLOCK_N, "BLOCK_K": fp8.MAX_BLOCK_K}),
         (layer_ops._silu_mul_kernel, {"gate_up_ptr": p, "out_ptr": p, "gate_up_row_stride": I32,
          "gate_up_col_stride": I32, "out_row_stride": I32, "rows": I32, "ff": I32},
          {"BLOCK": 1024}),

@@ -32,14 +32,14 @@ CONFIG = ModelConfig(
 )  # fmt: skip
 
 
-def layer_weights(dtype: torch.dtype, seed: int = 0) -> MlaWeights:
+def layer_weights(dtype: torch.dtype, seed: int = 0, device: str = "cpu") -> MlaWeights:
     g = torch.Generator().manual_seed(seed)
     heads, m, h = CONFIG.num_heads, MLA, CONFIG.hidden_size
 
     def w(*shape: int) -> torch.Tensor:
-        return (torch.randn(*shape, generator=g) * shape[-1] ** -0.5).to(dtype)
+        return (torch.randn(*shape, generator=g) * shape[-1] ** -0.5).to(dtype=dtype, device=device)
 
-    packed = packed_linear_available(torch.device("cpu"), dtype)  # prepacked where it works
+    packed = packed_linear_available(torch.device(device), dtype)  # prepacked where it works
     k_up, v_up = split_kv_b(w(heads * (m.nope_dim + m.v_dim), m.kv_lora_rank), heads, m)
     return MlaWeights(
         qkv_a=make_linear(w(m.q_lora_rank + m.latent_dim, h), packed=packed),
@@ -55,8 +55,8 @@ def layer_weights(dtype: torch.dtype, seed: int = 0) -> MlaWeights:
     )
 
 
-def ops(dtype: torch.dtype) -> TorchLayerOps:
-    return TorchLayerOps(CONFIG, Rotary(CONFIG, dtype, torch.device("cpu")))
+def ops(dtype: torch.dtype, device: str = "cpu") -> TorchLayerOps:
+    return TorchLayerOps(CONFIG, Rotary(CONFIG, dtype, torch.device(device)))
 
 
 def cpu_attention(dtype: torch.dtype) -> CpuMlaAttention:
@@ -68,10 +68,10 @@ def cpu_attention(dtype: torch.dtype) -> CpuMlaAttention:
 
 def run(attention: MlaAttention, layer, dtype, chunks, x_by_seq, kv: KVCache) -> torch.Tensor:
     """Attention outputs [T, hidden] of the chunks (their rows' inputs from x_by_seq)."""
-    batch = ForwardBatch.build(chunks, BLOCK)
     # a chunk's "tokens" name its sequence (seq_chunk): its rows' inputs come from x_by_seq
     x = torch.cat([x_by_seq[c.token_ids[0]][c.start : c.context_len] for c in chunks])
-    rotary = Rotary(CONFIG, dtype, torch.device("cpu"), MLA.rope_dim)
+    batch = ForwardBatch.build(chunks, BLOCK, x.device)
+    rotary = Rotary(CONFIG, dtype, x.device, MLA.rope_dim)
     k, v = kv.layer(0)
     return attention.forward(layer, x, rotary.tables(batch.positions), k, v, attention.plan(batch))
 

@@ -27,13 +27,14 @@ pytestmark = pytest.mark.skipif(
 def test_triton_mla_equals_the_torch_reference(dtype, tol):
     from services.model.gpu.mla import TritonMlaAttention
 
-    ops = TorchLayerOps(CONFIG, Rotary(CONFIG, dtype, torch.device("cpu")))
-    layer = layer_weights(dtype)
+    ops = TorchLayerOps(CONFIG, Rotary(CONFIG, dtype, DEVICE))
+    layer = layer_weights(dtype, device=str(DEVICE))
     g = torch.Generator().manual_seed(1)
-    x_by_seq = [torch.randn(40, CONFIG.hidden_size, generator=g).to(dtype) for _ in range(3)]
+    x_by_seq = [torch.randn(40, CONFIG.hidden_size, generator=g).to(dtype=dtype, device=DEVICE)
+                for _ in range(3)]  # fmt: skip
     outputs = []
     for attention in (TritonMlaAttention(CONFIG, ops), MlaAttention(CONFIG, ops)):
-        kv = KVCache(CONFIG, 12, 16, dtype)
+        kv = KVCache(CONFIG, 12, 16, dtype, DEVICE)
         tables = [[3, 7, 1], [2, 4], [5, 8, 10]]
         run(attention, layer, dtype, [seq_chunk(0, 0, 19, tables[0]),
                                       seq_chunk(2, 0, 33, tables[2])], x_by_seq, kv)  # fmt: skip
