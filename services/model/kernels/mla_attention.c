@@ -42,28 +42,47 @@ int mla_attention_lanes(void) { return LANES; }
 
 /* out[t][h][c] = the sum over n = 0, 1, ..., N-1, in that order, of x[t][h][n] * w[h][n][c].
  * x and w in float32 or bfloat16 (x_bf16, w_bf16), out in float32 or bfloat16 (out_bf16).
- * Tasks are (head, 64 columns): a task's weights (N x 64) stay in cache over all rows. */
+ * Tasks are (head, COLS columns): a task's weights (N x COLS) are read once per ROWS rows,
+ * each weight vector loaded once for the rows' multiply-adds (ROWS x WIDTH accumulators stay
+ * in registers). A row's sums are the same in any group of rows. */
+enum { WIDTH = 4, COLS = WIDTH * LANES, ROWS = 3 };
 void mla_heads_matmul(const void *x, int x_bf16, const void *w, int w_bf16, void *out,
                       int out_bf16, int64_t T, int64_t H, int64_t N, int64_t C) {
-    enum { WIDTH = 64 / LANES }; /* vectors of columns per task */
-    const int64_t chunks = (C / LANES + WIDTH - 1) / WIDTH;
+    const int64_t chunks = (C + COLS - 1) / COLS;
 #pragma omp parallel for collapse(2) schedule(static)
     for (int64_t h = 0; h < H; h++)
         for (int64_t chunk = 0; chunk < chunks; chunk++) {
-            const int64_t c0 = chunk * WIDTH * LANES;
+            const int64_t c0 = chunk * COLS;
             const int64_t width = (C - c0) / LANES < WIDTH ? (C - c0) / LANES : WIDTH;
-            for (int64_t t = 0; t < T; t++) {
-                vf a[WIDTH];
-                for (int64_t i = 0; i < width; i++) a[i] = (vf){0};
-                const int64_t row = (t * H + h) * N;
-                for (int64_t n = 0; n < N; n++) {
-                    const vf xn = (vf){0} + scalar(x, row + n, x_bf16);
-                    const int64_t at = (h * N + n) * C + c0;
-                    for (int64_t i = 0; i < width; i++)
-                        a[i] = fmadd(xn, load(w, at + i * LANES, w_bf16), a[i]);
+            for (int64_t t0 = 0; t0 < T; t0 += ROWS) {
+                const int64_t rows = T - t0 < ROWS ? T - t0 : ROWS;
+                vf a[ROWS][WIDTH];
+                for (int64_t r = 0; r < ROWS; r++)
+                    for (int64_t i = 0; i < WIDTH; i++) a[r][i] = (vf){0};
+                if (rows == ROWS && width == WIDTH) { /* the common case: fixed trip counts */
+                    for (int64_t n = 0; n < N; n++) {
+                        const int64_t at = (h * N + n) * C + c0;
+                        vf wn[WIDTH];
+                        for (int64_t i = 0; i < WIDTH; i++) wn[i] = load(w, at + i * LANES, w_bf16);
+                        for (int64_t r = 0; r < ROWS; r++) {
+                            const vf xn = (vf){0} + scalar(x, ((t0 + r) * H + h) * N + n, x_bf16);
+                            for (int64_t i = 0; i < WIDTH; i++) a[r][i] = fmadd(xn, wn[i], a[r][i]);
+                        }
+                    }
+                } else {
+                    for (int64_t n = 0; n < N; n++) {
+                        const int64_t at = (h * N + n) * C + c0;
+                        vf wn[WIDTH];
+                        for (int64_t i = 0; i < width; i++) wn[i] = load(w, at + i * LANES, w_bf16);
+                        for (int64_t r = 0; r < rows; r++) {
+                            const vf xn = (vf){0} + scalar(x, ((t0 + r) * H + h) * N + n, x_bf16);
+                            for (int64_t i = 0; i < width; i++) a[r][i] = fmadd(xn, wn[i], a[r][i]);
+                        }
+                    }
                 }
-                for (int64_t i = 0; i < width; i++)
-                    store(out, (t * H + h) * C + c0 + i * LANES, a[i], out_bf16);
+                for (int64_t r = 0; r < rows; r++)
+                    for (int64_t i = 0; i < width; i++)
+                        store(out, ((t0 + r) * H + h) * C + c0 + i * LANES, a[r][i], out_bf16);
             }
         }
 }
