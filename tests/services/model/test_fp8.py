@@ -21,13 +21,13 @@ BLOCK = (16, 16)
 FP8_MAX = 448.0
 
 
-def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """e4m3 weight and scales [ceil(rows / 16), ceil(cols / 16)]: each block's max -> 448."""
+def quantize(w: torch.Tensor, block: tuple[int, int] = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 weight and scales [ceil(rows / b0), ceil(cols / b1)]: each block's max -> 448."""
     rows, cols = w.shape
-    br, bc = -(-rows // BLOCK[0]), -(-cols // BLOCK[1])
-    padded = torch.zeros(br * BLOCK[0], bc * BLOCK[1])
+    br, bc = -(-rows // block[0]), -(-cols // block[1])
+    padded = torch.zeros(br * block[0], bc * block[1])
     padded[:rows, :cols] = w
-    blocks = padded.view(br, BLOCK[0], bc, BLOCK[1])
+    blocks = padded.view(br, block[0], bc, block[1])
     scale = (blocks.abs().amax(dim=(1, 3)) / FP8_MAX).clamp_min(1e-12)  # [br, bc]
     q = (blocks / scale[:, None, :, None]).view_as(padded)[:rows, :cols]
     return q.to(torch.float8_e4m3fn), scale

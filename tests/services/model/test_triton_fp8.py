@@ -11,7 +11,7 @@ from services.model import gpu  # first: the interpreter is chosen before triton
 from services.model.batch import ForwardBatch, SeqChunk
 from services.model.gpu import fp8
 from services.model.loader import load_model
-from tests.services.model.test_fp8 import FP8_MAX, checkpoints, logits  # noqa: F401 (fixture)
+from tests.services.model.test_fp8 import checkpoints, logits, quantize  # noqa: F401 (fixture)
 from tests.support.devices import test_device
 from tests.support.tiny_models import VOCAB
 
@@ -20,18 +20,6 @@ pytestmark = pytest.mark.skipif(
     DEVICE.type == "cpu" and not gpu.interpreted(),
     reason="torch sees a GPU: run these with PDSERVE_TEST_DEVICE=cuda",
 )
-
-
-def quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """e4m3 weight and scales [ceil(rows / b0), ceil(cols / b1)]: each block's max -> 448."""
-    rows, cols = w.shape
-    br, bc = -(-rows // block[0]), -(-cols // block[1])
-    padded = torch.zeros(br * block[0], bc * block[1])
-    padded[:rows, :cols] = w
-    blocks = padded.view(br, block[0], bc, block[1])
-    scale = (blocks.abs().amax(dim=(1, 3)) / FP8_MAX).clamp_min(1e-12)
-    q = (blocks / scale[:, None, :, None]).view_as(padded)[:rows, :cols]
-    return q.to(torch.float8_e4m3fn), scale
 
 
 # relative to the largest output; bfloat16: its output's rounding (2^-9) with room
