@@ -46,6 +46,29 @@ int mla_attention_lanes(void) { return LANES; }
  * each weight vector loaded once for the rows' multiply-adds (ROWS x WIDTH accumulators stay
  * in registers). A row's sums are the same in any group of rows. */
 enum { WIDTH = 4, COLS = WIDTH * LANES, ROWS = 3 };
+
+/* rows x width vectors of out for head h, columns from c0; always inlined, so the common
+ * call with constant ROWS x WIDTH gets fixed trip counts and its accumulators in registers */
+INLINE void heads_tile(const void *x, int x_bf16, const void *w, int w_bf16, void *out,
+                       int out_bf16, int64_t t0, int64_t rows, int64_t h, int64_t c0,
+                       int64_t width, int64_t H, int64_t N, int64_t C) {
+    vf a[ROWS][WIDTH];
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < width; i++) a[r][i] = (vf){0};
+    for (int64_t n = 0; n < N; n++) {
+        const int64_t at = (h * N + n) * C + c0;
+        vf wn[WIDTH];
+        for (int64_t i = 0; i < width; i++) wn[i] = load(w, at + i * LANES, w_bf16);
+        for (int64_t r = 0; r < rows; r++) {
+            const vf xn = (vf){0} + scalar(x, ((t0 + r) * H + h) * N + n, x_bf16);
+            for (int64_t i = 0; i < width; i++) a[r][i] = fmadd(xn, wn[i], a[r][i]);
+        }
+    }
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < width; i++)
+            store(out, ((t0 + r) * H + h) * C + c0 + i * LANES, a[r][i], out_bf16);
+}
+
 void mla_heads_matmul(const void *x, int x_bf16, const void *w, int w_bf16, void *out,
                       int out_bf16, int64_t T, int64_t H, int64_t N, int64_t C) {
     const int64_t chunks = (C + COLS - 1) / COLS;
@@ -56,33 +79,10 @@ void mla_heads_matmul(const void *x, int x_bf16, const void *w, int w_bf16, void
             const int64_t width = (C - c0) / LANES < WIDTH ? (C - c0) / LANES : WIDTH;
             for (int64_t t0 = 0; t0 < T; t0 += ROWS) {
                 const int64_t rows = T - t0 < ROWS ? T - t0 : ROWS;
-                vf a[ROWS][WIDTH];
-                for (int64_t r = 0; r < ROWS; r++)
-                    for (int64_t i = 0; i < WIDTH; i++) a[r][i] = (vf){0};
-                if (rows == ROWS && width == WIDTH) { /* the common case: fixed trip counts */
-                    for (int64_t n = 0; n < N; n++) {
-                        const int64_t at = (h * N + n) * C + c0;
-                        vf wn[WIDTH];
-                        for (int64_t i = 0; i < WIDTH; i++) wn[i] = load(w, at + i * LANES, w_bf16);
-                        for (int64_t r = 0; r < ROWS; r++) {
-                            const vf xn = (vf){0} + scalar(x, ((t0 + r) * H + h) * N + n, x_bf16);
-                            for (int64_t i = 0; i < WIDTH; i++) a[r][i] = fmadd(xn, wn[i], a[r][i]);
-                        }
-                    }
-                } else {
-                    for (int64_t n = 0; n < N; n++) {
-                        const int64_t at = (h * N + n) * C + c0;
-                        vf wn[WIDTH];
-                        for (int64_t i = 0; i < width; i++) wn[i] = load(w, at + i * LANES, w_bf16);
-                        for (int64_t r = 0; r < rows; r++) {
-                            const vf xn = (vf){0} + scalar(x, ((t0 + r) * H + h) * N + n, x_bf16);
-                            for (int64_t i = 0; i < width; i++) a[r][i] = fmadd(xn, wn[i], a[r][i]);
-                        }
-                    }
-                }
-                for (int64_t r = 0; r < rows; r++)
-                    for (int64_t i = 0; i < width; i++)
-                        store(out, ((t0 + r) * H + h) * C + c0 + i * LANES, a[r][i], out_bf16);
+                if (rows == ROWS && width == WIDTH)
+                    heads_tile(x, x_bf16, w, w_bf16, out, out_bf16, t0, ROWS, h, c0, WIDTH, H, N, C);
+                else
+                    heads_tile(x, x_bf16, w, w_bf16, out, out_bf16, t0, rows, h, c0, width, H, N, C);
             }
         }
 }
