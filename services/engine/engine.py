@@ -25,6 +25,7 @@ from services.engine.outputs import (
     Choice,
     RequestOutput,
     SequenceDelta,
+    StepTimes,
     StepTiming,
     StopChecker,
 )
@@ -50,21 +51,6 @@ from services.model.gpu.graphs import DecodeGraphs
 from services.settings import EngineConfig
 from services.tokenizer.detokenize import IncrementalDetokenizer
 from services.tokenizer.tokenizer import Tokenizer
-
-
-@dataclass
-class StepTimes:
-    """Where the time of the engine's steps went (seconds, summed over steps)."""
-
-    steps: int = 0
-    schedule: float = 0.0  # scheduling and building the batch
-    forward: float = 0.0  # the model
-    sample: float = 0.0  # sampling and applying the tokens (stop checks, detokenization)
-
-    @property
-    def overhead_share(self) -> float:
-        total = self.schedule + self.forward + self.sample
-        return (self.schedule + self.sample) / total if total else 0.0
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""What the engine hands back: per-step deltas, and whole outputs for offline use.
+"""What the engine hands back: per-step deltas, and whole outputs for offline use; where its
+steps' time went.
 
 Text is streamed with a hold-back: while a stop string could still be completing, its first
 characters are not emitted yet, so text once sent is never taken back.
@@ -21,6 +22,21 @@ class StepTiming:
     forward_end_ns: int  # the model's forward pass done; sampling follows
     num_seqs: int
     num_tokens: int
+
+
+@dataclass
+class StepTimes:
+    """Where the time of the engine's steps went (seconds, summed over steps)."""
+
+    steps: int = 0
+    schedule: float = 0.0  # scheduling and building the batch
+    forward: float = 0.0  # the model
+    sample: float = 0.0  # sampling and applying the tokens (stop checks, detokenization)
+
+    @property
+    def overhead_share(self) -> float:
+        total = self.schedule + self.forward + self.sample
+        return (self.schedule + self.sample) / total if total else 0.0
 
 
 @dataclass(frozen=True)
