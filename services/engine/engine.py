@@ -45,6 +45,7 @@ from services.engine.seeds import choice_seed
 from services.engine.speculative import Speculator
 from services.engine.structured import Grammars
 from services.model import kv_cache
+from services.model.allocator import keep_freed_memory
 from services.model.batch import ForwardBatch, SeqChunk
 from services.model.decoder import DecoderModel
 from services.model.gpu.graphs import DecodeGraphs
@@ -74,6 +75,7 @@ class Engine:
         `namespace`: the block-hash namespace (a worker's: block names in the engine are keys
         in its store); None: the model's layout. `kv_connector`: the worker half of the KV
         seam, which loads and saves the blocks requests' connectors ask for."""
+        keep_freed_memory()  # each step's temporaries reuse the last one's pages (allocator.py)
         self.model = model
         self.tokenizer = tokenizer
         self.config = config = config or EngineConfig()

@@ -227,6 +227,9 @@ class CpuMlaAttention(MlaAttention):
         self._matmul = _bind(
             library.mla_heads_matmul, None, [p, flag, p, flag, p, flag] + [i64] * 4
         )
+        # bfloat16 products a pair of terms at a time (AVX512-BF16): the attended latent is
+        # rounded to bfloat16 for them
+        self._pairs = bool(library.mla_heads_pairs())
         self._attend = _bind(
             library.mla_attend, flag, [p, p, flag, p, p, p, p] + [i64] * 5 + [ctypes.c_float]
         )
@@ -262,6 +265,8 @@ class CpuMlaAttention(MlaAttention):
         )  # fmt: skip
         if status != 0:
             raise RuntimeError("MLA attention kernel failed (sizes out of range or no memory)")
+        if self._pairs and layer.v_up.dtype == torch.bfloat16:
+            attended = attended.to(torch.bfloat16)  # as the expanded form's values would be
         out = self.heads_matmul(attended, layer.v_up, x.dtype)  # [T, heads, v]
         return layer.o(out.flatten(1))
 
