@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -35,6 +36,7 @@ class Result:
     seconds: float
     prompt_tokens: int
     output_tokens: int
+    faults_per_step: float = 0.0  # minor page faults (services/model/allocator.py)
 
     @property
     def output_throughput(self) -> float:
@@ -60,13 +62,18 @@ def run_engine(engine: Engine, prompts: list[list[int]], output_len: int) -> Res
     for i, p in enumerate(prompts):
         engine.add_request(EngineRequest(f"r{i}", p, params))
     start = time.perf_counter()
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     done = 0
     while engine.has_unfinished:
         done += sum(d.finished for d in engine.step())
         if engine.times.steps % 50 == 0:
             log(f"  engine: {done}/{len(prompts)} requests done, step {engine.times.steps}")
     seconds = time.perf_counter() - start
-    return Result("pdserve", seconds, sum(map(len, prompts)), output_len * len(prompts))
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+    return Result(
+        "pdserve", seconds, sum(map(len, prompts)), output_len * len(prompts),
+        faults / max(engine.times.steps, 1),
+    )  # fmt: skip
 
 
 def decode_overhead(engine: Engine, batch: int, steps: int) -> dict[str, float]:
@@ -173,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{r.total_throughput:.1f} |")  # fmt: skip
     if len(results) == 2:
         print(f"ratio (output tok/s): {ours.output_throughput / results[1].output_throughput:.2f}x")
+    print(f"engine: {ours.faults_per_step:,.0f} minor page faults a step")
     print(
         f"decode step at batch 32: {overhead['step_ms']:.1f} ms, of which Python "
         f"{overhead['schedule_ms']:.2f} ms scheduling + {overhead['sample_ms']:.2f} ms "

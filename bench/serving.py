@@ -103,13 +103,15 @@ def bf16_cpu() -> bool:
 
 def servers(args: argparse.Namespace) -> dict[str, list[str]]:
     """Name -> command (with {port}) of every server to measure, one after another."""
-    out = {f"pdserve {v}": [PDSERVE, "up", "--port", "{port}", *PDSERVE_VARIANTS[v]]
+    # each system in its best dtype here, unless --dtype says which
+    dtype = args.dtype or ("bfloat16" if bf16_cpu() else "float32")
+    forced = ["--dtype", dtype] if args.dtype else []
+    out = {f"pdserve {v}": [PDSERVE, "up", "--port", "{port}", *PDSERVE_VARIANTS[v], *forced]
            for v in args.pdserve.split(",") if v}  # fmt: skip
     for variant in args.variant:  # NAME=FLAGS
         name, _, flags = variant.partition("=")
-        out[f"pdserve {name}"] = [PDSERVE, "up", "--port", "{port}", *shlex.split(flags)]
+        out[f"pdserve {name}"] = [PDSERVE, "up", "--port", "{port}", *shlex.split(flags), *forced]
     if args.vllm_python:
-        dtype = "bfloat16" if bf16_cpu() else "float32"  # each system in its best dtype here
         out["vllm"] = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server",
                        "--model", str(args.model_dir), "--served-model-name", MODEL_ID,
                        "--host", "127.0.0.1", "--port", "{port}", "--max-model-len", "2048",
@@ -286,6 +288,8 @@ def main() -> None:
     p.add_argument("--model-dir", type=Path, help="`pdserve convert --out DIR` (vLLM's input)")
     p.add_argument("--llama-server", help="a llama-server binary (PEERS.md)")
     p.add_argument("--start-timeout", type=float, default=600)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"],
+                   help="every server's dtype (default: each its best on this CPU)")  # fmt: skip
     args = p.parse_args()
     if args.vllm_python and not args.model_dir:
         p.error("--vllm-python needs --model-dir")

@@ -12,13 +12,16 @@ step, 650-850 ms a step. Here the thresholds go up and every thread shares the m
 there by preloading tcmalloc.
 
 The cost: a process keeps up to its largest step's temporaries after the step (and at most
-TRIM_THRESHOLD of free heap), rather than handing them back between steps.
+TRIM_THRESHOLD of free heap), rather than handing them back between steps. PDSERVE_MALLOC=
+default leaves glibc as it is (for a process that preloads another allocator, or to compare:
+bench.offline reports the page faults a step).
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import os
 
 log = logging.getLogger("pdserve.model")
 
@@ -32,6 +35,8 @@ TRIM_THRESHOLD = 1 << 30  # free heap kept before any is returned
 def keep_freed_memory() -> bool:
     """Raise glibc's mmap and trim thresholds for this process and put the threads it starts
     from now on in the main arena. False where the C library is not glibc (nothing done)."""
+    if os.environ.get("PDSERVE_MALLOC") == "default":
+        return False
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
