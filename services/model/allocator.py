@@ -14,7 +14,8 @@ there by preloading tcmalloc.
 The cost: a process keeps up to its largest step's temporaries after the step (and at most
 TRIM_THRESHOLD of free heap), rather than handing them back between steps. PDSERVE_MALLOC=
 default leaves glibc as it is (for a process that preloads another allocator, or to compare:
-bench.offline reports the page faults a step).
+bench.offline reports the page faults a step). A worker calls it first thing, before its
+model loads and its threads start; an Engine calls it too, for in-process use.
 """
 
 from __future__ import annotations

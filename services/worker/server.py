@@ -27,6 +27,7 @@ from services.engine.engine import Engine
 from services.engine.outputs import SequenceDelta
 from services.engine.params import ValidationError
 from services.model import kv_cache, sources
+from services.model.allocator import keep_freed_memory
 from services.model.loader import load_model
 from services.model.openmp import release_this_threads_team
 from services.rpc import worker_pb2 as pb
@@ -50,6 +51,8 @@ class Worker:
     def __init__(self, settings: Settings) -> None:
         """`settings`: checked (services.settings.check) for this worker's role."""
         self.settings = settings
+        # before the model loads and any thread starts: every later thread shares one arena
+        keep_freed_memory()
         ms, store = settings.model, settings.store
         loaded = load_model(ms.model, ms.dtype, ms.device, ms.quantization, ms.kernels)
         self.model_name = loaded.config.name

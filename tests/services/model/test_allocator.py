@@ -11,20 +11,17 @@ import sys
 import pytest
 
 SCRIPT = """
-import resource, sys, threading, torch
+import resource, threading, torch
 from services.model.allocator import keep_freed_memory
 kept = keep_freed_memory()
 faults = []
 def steps():
-    for _ in range(6):
+    for _ in range(5):
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        # a step's temporaries: sizes from 1 to 31 MB, each written, freed out of order
-        held = [torch.ones(mb << 18) for mb in (31, 4, 17, 1, 9, 24)]
-        del held[1::2]
-        held += [torch.ones(mb << 18) for mb in (12, 2, 28)]
+        held = [torch.ones(1 << 20) for _ in range(40)]  # a step's temporaries: 40 x 4 MB
         del held
         faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-t = threading.Thread(target=steps)  # its own malloc arena, as the engine thread's
+t = threading.Thread(target=steps)  # a thread, as the engine's
 t.start()
 t.join()
 print(kept, *faults)
@@ -45,9 +42,13 @@ def run(malloc: str | None = None) -> tuple[bool, list[int]]:
 def test_a_steps_temporaries_reuse_the_last_steps_pages():
     kept, faults = run()
     assert kept
-    first, later = faults[0], faults[2:]  # the second step still settles the heap
-    assert first > 20_000  # 128 MB written: its pages faulted in once...
-    assert max(later) < 0.05 * first, faults  # ...then reused (measured: 768, 0, 0, 0 pages)
+    first = faults[0]
+    assert first > 35_000  # 160 MB written: its pages faulted in once...
+    # ...then reused. Measured: 41,000, then 6,144-15,360, 0-1,024, 0, 0 pages; glibc as it
+    # comes faults the whole 160 MB in again on the second step (41,000 pages) and 21,500 more
+    # over the next three.
+    assert faults[1] < 0.5 * first, faults
+    assert sum(faults[2:]) < 0.05 * first, faults
 
 
 def test_pdserve_malloc_default_leaves_glibc_alone():
