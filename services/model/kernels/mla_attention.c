@@ -116,23 +116,6 @@ INLINE void pairs_tile(const uint16_t *x, const uint16_t *w, void *out, int out_
             store(out, ((t0 + r) * H + h) * C + c0 + i * LANES, (vf)a[r][i], out_bf16);
 }
 
-static void heads_pairs(const uint16_t *x, const uint16_t *w, void *out, int out_bf16, int64_t T,
-                        int64_t H, int64_t N, int64_t C) {
-    const int64_t chunks = (C + COLS - 1) / COLS;
-#pragma omp parallel for collapse(2) schedule(static)
-    for (int64_t h = 0; h < H; h++)
-        for (int64_t chunk = 0; chunk < chunks; chunk++) {
-            const int64_t c0 = chunk * COLS;
-            const int64_t width = (C - c0) / LANES < WIDTH ? (C - c0) / LANES : WIDTH;
-            for (int64_t t0 = 0; t0 < T; t0 += PAIR_ROWS) {
-                const int64_t rows = T - t0 < PAIR_ROWS ? T - t0 : PAIR_ROWS;
-                if (rows == PAIR_ROWS && width == WIDTH)
-                    pairs_tile(x, w, out, out_bf16, t0, PAIR_ROWS, h, c0, WIDTH, H, N, C);
-                else
-                    pairs_tile(x, w, out, out_bf16, t0, rows, h, c0, width, H, N, C);
-            }
-        }
-}
 #else
 int mla_heads_pairs(void) { return 0; }
 #endif
@@ -140,10 +123,10 @@ int mla_heads_pairs(void) { return 0; }
 void mla_heads_matmul(const void *x, int x_bf16, const void *w, int w_bf16, void *out,
                       int out_bf16, int64_t T, int64_t H, int64_t N, int64_t C) {
 #if defined(__AVX512BF16__)
-    if (x_bf16 && w_bf16 && N % 2 == 0) {
-        heads_pairs(x, w, out, out_bf16, T, H, N, C);
-        return;
-    }
+    const int pairs = x_bf16 && w_bf16 && N % 2 == 0;
+    const int64_t step = pairs ? PAIR_ROWS : ROWS;
+#else
+    const int64_t step = ROWS;
 #endif
     const int64_t chunks = (C + COLS - 1) / COLS;
 #pragma omp parallel for collapse(2) schedule(static)
@@ -151,9 +134,19 @@ void mla_heads_matmul(const void *x, int x_bf16, const void *w, int w_bf16, void
         for (int64_t chunk = 0; chunk < chunks; chunk++) {
             const int64_t c0 = chunk * COLS;
             const int64_t width = (C - c0) / LANES < WIDTH ? (C - c0) / LANES : WIDTH;
-            for (int64_t t0 = 0; t0 < T; t0 += ROWS) {
-                const int64_t rows = T - t0 < ROWS ? T - t0 : ROWS;
-                if (rows == ROWS && width == WIDTH)
+            for (int64_t t0 = 0; t0 < T; t0 += step) {
+                const int64_t rows = T - t0 < step ? T - t0 : step;
+                const int full = rows == step && width == WIDTH; /* constant sizes, inlined */
+#if defined(__AVX512BF16__)
+                if (pairs) {
+                    if (full)
+                        pairs_tile(x, w, out, out_bf16, t0, PAIR_ROWS, h, c0, WIDTH, H, N, C);
+                    else
+                        pairs_tile(x, w, out, out_bf16, t0, rows, h, c0, width, H, N, C);
+                    continue;
+                }
+#endif
+                if (full)
                     heads_tile(x, x_bf16, w, w_bf16, out, out_bf16, t0, ROWS, h, c0, WIDTH, H, N, C);
                 else
                     heads_tile(x, x_bf16, w, w_bf16, out, out_bf16, t0, rows, h, c0, width, H, N, C);
@@ -372,13 +365,14 @@ static void attend_tile(task_t *w, const float *q, const void *k, int bf16, cons
         for (int64_t g = 0; g < G; g++) {
             const int64_t r = i * G + g;
             const float *row = q + ((first + i) * H + h0 + g) * D;
-            for (int64_t d = 0; d < D; d++) w->q[d * MAX_R + r] = row[d] * scale;
 #if defined(__AVX512BF16__)
-            if (bf16)
+            if (bf16) /* scores_pairs' queries; the float32 ones go unused */
                 for (int64_t d = 0; d < D; d += 2)
                     w->qp[d / 2 * MAX_R + r] = bf16_bits(row[d] * scale) |
                                                bf16_bits(row[d + 1] * scale) << 16;
+            else
 #endif
+                for (int64_t d = 0; d < D; d++) w->q[d * MAX_R + r] = row[d] * scale;
             for (int64_t c = 0; c < C / LANES; c++) w->acc[r * (C / LANES) + c] = (vf){0};
             w->l[r] = 0.0f;
         }
