@@ -35,6 +35,7 @@ from kvstore.codec import FORMAT, BlockCodec, StorageDtype
 from services.model import kv_cache
 from services.model.batch import ForwardBatch, SeqChunk
 from services.model.config import MlaShape, ModelConfig
+from services.model.decoder import DecoderModel
 from services.model.loader import cpu_has_bf16_units, load_model
 from services.model.mla import CpuMlaAttention, MlaAttention, MlaWeights
 from services.model.moe import Moe
@@ -112,6 +113,7 @@ def experts_table(path: Path, dtype: str, counts: list[int], repeats: int) -> st
 
     loaded = load_model(str(path), dtype=dtype, device="cpu")
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=forward.DTYPES[dtype])
+    assert isinstance(loaded.model, DecoderModel)
     ours = loaded.model.layers[1].mlp
     assert isinstance(ours, Moe)
     theirs = hf.model.layers[1].mlp.experts
@@ -135,6 +137,7 @@ def mla_prefill_table(path: Path, dtype: str, chunks: list[int], repeats: int) -
     """One layer's attention over a fresh prompt of n tokens, in both forms."""
     loaded = load_model(str(path), dtype=dtype, device="cpu")
     model = loaded.model
+    assert isinstance(model, DecoderModel)
     absorbed = model.mla
     if not isinstance(absorbed, CpuMlaAttention):
         return "(the MLA C kernel does not build here)"

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from services.model.batch import ForwardBatch, SeqChunk
-from services.model.decoder import DecoderModel
+from services.model.causal_lm import CausalLM
 from services.model.loader import DTYPES, cpu_has_bf16_units, load_model
 
 BLOCK = 16
@@ -69,14 +69,14 @@ def prompts(batch: int, length: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(100, 49000, (batch, length), generator=gen)
 
 
-def ours_prefill(model: DecoderModel, ids: torch.Tensor) -> Callable[[], object]:
+def ours_prefill(model: CausalLM, ids: torch.Tensor) -> Callable[[], object]:
     n = ids.shape[1]
     kv = model.new_kv_cache(-(-n // BLOCK), BLOCK)
     batch = ForwardBatch.build([SeqChunk(ids[0].tolist(), 0, list(range(kv.num_blocks)))], BLOCK)
     return lambda: model.forward(batch, kv)
 
 
-def ours_decode_seconds(model: DecoderModel, ids: torch.Tensor, steps: int) -> float:
+def ours_decode_seconds(model: CausalLM, ids: torch.Tensor, steps: int) -> float:
     """Time of `steps` decode passes over the whole batch, after prefilling it."""
     b, n = ids.shape
     per_seq = -(-(n + steps) // BLOCK)

@@ -24,7 +24,7 @@ import torch
 from bench.forward import best_of, ours_decode_seconds, ours_prefill, prompts
 from bench.serving import cpu
 from services.model.batch import ForwardBatch, SeqChunk
-from services.model.decoder import DecoderModel
+from services.model.causal_lm import CausalLM
 from services.model.loader import load_model
 
 BLOCK = 16
@@ -47,7 +47,7 @@ def held_out_text() -> str:
     return "\n\n".join(topics[k] for k in sorted(topics))
 
 
-def perplexity(model: DecoderModel, ids: list[int], window: int) -> float:
+def perplexity(model: CausalLM, ids: list[int], window: int) -> float:
     """exp(mean negative log-likelihood) of every token but each window's first."""
     nll, count = 0.0, 0
     for start in range(0, len(ids) - window + 1, window):

@@ -47,6 +47,7 @@ from services.engine.structured import Grammars
 from services.model import kv_cache
 from services.model.allocator import keep_freed_memory
 from services.model.batch import ForwardBatch, SeqChunk
+from services.model.causal_lm import CausalLM
 from services.model.decoder import DecoderModel
 from services.model.gpu.graphs import DecodeGraphs
 from services.settings import EngineConfig
@@ -64,10 +65,10 @@ class _Request:
 class Engine:
     def __init__(
         self,
-        model: DecoderModel,
+        model: CausalLM,
         tokenizer: Tokenizer,
         config: EngineConfig | None = None,
-        draft: DecoderModel | None = None,
+        draft: CausalLM | None = None,
         namespace: str | None = None,
         kv_connector: KVConnectorWorker | None = None,
     ) -> None:
@@ -85,7 +86,9 @@ class Engine:
         self.graphs: DecodeGraphs | None = None
         on_gpu = model.kernels == "triton" and model.device.type == "cuda"
         # not for latent attention yet: its plan and KV write do not take padded rows
-        if on_gpu and config.cuda_graph_max_batch > 0 and model.config.mla is None:
+        graphable = isinstance(model, DecoderModel) and model.config.mla is None
+        if on_gpu and config.cuda_graph_max_batch > 0 and graphable:
+            assert isinstance(model, DecoderModel)
             self.graphs = DecodeGraphs(model, self.kv, config.cuda_graph_max_batch)
         namespace = (
             namespace
@@ -113,7 +116,7 @@ class Engine:
     def _blocks_for(self, nbytes: int) -> int:
         mc = self.model.config
         itemsize = self.model.embed.element_size()
-        per_block = mc.num_layers * self.config.block_size * mc.cache_elements * itemsize
+        per_block = mc.cache_layers * self.config.block_size * mc.cache_elements * itemsize
         return max(1, nbytes // per_block)
 
     # -- requests --------------------------------------------------------------------

@@ -23,7 +23,7 @@ from services.engine.request import Sequence
 from services.engine.sampler import distributions, draw, uniforms
 from services.engine.seeds import choice_seed
 from services.model.batch import ForwardBatch, SeqChunk
-from services.model.decoder import DecoderModel
+from services.model.causal_lm import CausalLM
 
 DRAFT_STREAM = (1 << 40) + 1  # the draft's draws: a uniform stream of its own (choice_seed)
 
@@ -186,7 +186,7 @@ class DraftModel:
     one forward pass each, on its own KV pool: each sequence has its own block table here,
     kept across steps, rolled back to what the target kept, freed when the sequence ends."""
 
-    def __init__(self, model: DecoderModel, vocab_size: int, num_blocks: int, block_size: int):
+    def __init__(self, model: CausalLM, vocab_size: int, num_blocks: int, block_size: int):
         if model.config.vocab_size < vocab_size:
             raise ValueError("the draft model's vocabulary is smaller than the target's")
         self.model, self.vocab_size = model, vocab_size

@@ -8,10 +8,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.model.v4_config import V4Shape, row_layout
+
 ARCHITECTURES = (
     "llama", "mistral", "qwen2", "qwen3",
     "mixtral", "qwen2_moe", "qwen3_moe",
-    "deepseek_v2", "deepseek_v3",
+    "deepseek_v2", "deepseek_v3", "deepseek_v4",
 )  # fmt: skip
 
 
@@ -117,6 +119,7 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: q and k RMS-normed per head before rotary
     mla: MlaShape | None = None  # latent attention (head_dim is then nope_dim + rope_dim)
     moe: MoeShape | None = None
+    v4: V4Shape | None = None  # DeepSeek-V4's windows, compressors and hyper-connections
     # DeepSeek's FP8 checkpoints: e4m3 weights with a float32 scale per block of this shape
     # (weight_scale_inv): dequantized at load, or kept FP8 on the Triton path (gpu/fp8.py)
     fp8_block: tuple[int, int] | None = None
@@ -138,7 +141,10 @@ class ModelConfig:
     @property
     def cache_shape(self) -> tuple[int, int, int]:
         """A token's cache row per layer: (heads, K dims, V dims). MLA's is one "head" of
-        latent + rotary key, with no separate V (the latent is both)."""
+        latent + rotary key, with no separate V (the latent is both). DeepSeek-V4's is one
+        row of every layer's parts together (v4_config.row_layout), kept as one layer."""
+        if self.v4 is not None:
+            return 1, sum(row.width for row in row_layout(self.v4, self.head_dim)), 0
         if self.mla is not None:
             return 1, self.mla.latent_dim, 0
         return self.num_kv_heads, self.head_dim, self.head_dim
@@ -148,6 +154,11 @@ class ModelConfig:
         """Cache elements per token and layer."""
         heads, k_dim, v_dim = self.cache_shape
         return heads * (k_dim + v_dim)
+
+    @property
+    def cache_layers(self) -> int:
+        """Layers of the paged cache: one per decoder layer, or one for DeepSeek-V4's row."""
+        return 1 if self.v4 is not None else self.num_layers
 
     def is_moe_layer(self, i: int) -> bool:
         return self.moe is not None and i in self.moe.layers
@@ -164,6 +175,10 @@ class ModelConfig:
 
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
         """Hugging Face tensor names and the shape each must have."""
+        if self.v4 is not None:
+            from services.model.v4_config import expected_shapes
+
+            return expected_shapes(self)
         h = self.hidden_size
         shapes: dict[str, tuple[int, ...]] = {
             "model.embed_tokens.weight": (self.vocab_size, h),

@@ -16,6 +16,8 @@ from services.model.config import (
     RopeScaling,
 )
 from services.model.errors import ModelLoadError, read_json_object
+from services.model.v4_config import SCORING as V4_SCORING
+from services.model.v4_config import main_rope_theta, v4_from_hf
 
 HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -27,6 +29,7 @@ HF_ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    "DeepseekV4ForCausalLM": "deepseek_v4",
 }
 DEEPSEEK = ("deepseek_v2", "deepseek_v3")
 
@@ -59,6 +62,8 @@ def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
     if raw.get("mlp_bias"):
         raise ModelLoadError("config.json", "unsupported mlp_bias=true")
     _refuse_unimplemented(arch, raw)
+    if arch == "deepseek_v4":
+        return _deepseek_v4(raw)
     heads = int(raw["num_attention_heads"])
     rope = dict(raw.get("rope_parameters") or {})
     # transformers 5 writes rope_parameters; older configs rope_theta and rope_scaling
@@ -97,6 +102,45 @@ def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
         moe=_moe(arch, raw),
         fp8_block=_fp8_block(raw.get("quantization_config")),
         name=str(raw.get("_name_or_path") or arch),
+    )
+
+
+def _deepseek_v4(raw: dict[str, Any]) -> ModelConfig:
+    """DeepSeek-V4: one shared K=V head, experts in every layer (v4_config.py has the rest)."""
+    layers, head_dim = int(raw["num_hidden_layers"]), int(raw.get("head_dim") or 512)
+    v4 = v4_from_hf(raw, head_dim, layers)
+    ff = int(raw["moe_intermediate_size"])
+    eos = raw.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    return ModelConfig(
+        architecture="deepseek_v4",
+        vocab_size=int(raw["vocab_size"]),
+        hidden_size=int(raw["hidden_size"]),
+        intermediate_size=ff,
+        num_layers=layers,
+        num_heads=int(raw["num_attention_heads"]),
+        num_kv_heads=1,
+        head_dim=head_dim,
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=main_rope_theta(raw),
+        max_position_embeddings=int(raw.get("max_position_embeddings", 1048576)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        attention_bias=False,
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=tuple(int(e) for e in eos_ids),
+        moe=MoeShape(
+            num_experts=int(raw["n_routed_experts"]),
+            top_k=int(raw["num_experts_per_tok"]),
+            intermediate_size=ff,
+            layers=tuple(range(layers)),
+            scoring=v4.scoring,
+            topk_method="noaux_tc",
+            norm_topk_prob=True,  # V4 always renormalizes
+            routed_scaling_factor=float(raw.get("routed_scaling_factor") or 1.0),
+            shared_intermediate_size=ff,  # transformers builds one shared expert, whatever n
+        ),
+        v4=v4,
+        name=str(raw.get("_name_or_path") or "deepseek_v4"),
     )
 
 
@@ -249,10 +293,31 @@ def _refuse_unimplemented(arch: str, raw: dict[str, Any]) -> None:
                 refuse("n_group", f"{experts} experts do not split into {groups} groups")
         if raw.get("ep_size", 1) != 1:
             refuse("ep_size", "expert parallelism is not implemented")
+    if arch == "deepseek_v4":
+        _refuse_v4(raw, refuse)
     if arch == "mixtral" and raw.get("router_jitter_noise"):
         refuse("router_jitter_noise", "noise is for training")
     if arch in ("qwen3", "qwen2_moe", "qwen3_moe") and raw.get("use_sliding_window"):
         refuse("use_sliding_window", "sliding-window layers are served for Mistral only")
+
+
+def _refuse_v4(raw: dict[str, Any], refuse: Any) -> None:
+    if int(raw.get("num_key_value_heads") or 1) != 1:
+        refuse("num_key_value_heads", "DeepSeek-V4 has one shared K=V head")
+    if raw.get("attention_bias"):
+        refuse("attention_bias", "DeepSeek-V4's projections have no bias")
+    if (raw.get("scoring_func") or "sqrtsoftplus") not in V4_SCORING:
+        refuse("scoring_func", f"DeepSeek-V4 experts are scored by {' or '.join(V4_SCORING)}")
+    if raw.get("quantization_config"):
+        refuse("quantization_config", "FP8 and FP4 DeepSeek-V4 checkpoints are not served yet")
+    heads, groups = int(raw["num_attention_heads"]), int(raw.get("o_groups") or 8)
+    if heads % groups:
+        refuse("o_groups", f"{heads} heads do not split into {groups} groups")
+    main = (raw.get("rope_parameters") or {}).get("main")
+    if isinstance(main, dict) and main.get("rope_type", "default") != "default":
+        refuse("rope_parameters", "the main rope set (sliding layers) is unscaled in DeepSeek-V4")
+    if raw.get("ep_size", 1) != 1:
+        refuse("ep_size", "expert parallelism is not implemented")
 
 
 def _generation_eos(path: Path) -> dict[str, Any]:

@@ -10,6 +10,7 @@ import torch
 
 from services.model.config import ModelConfig
 from services.model.errors import ModelLoadError
+from services.model.v4_config import canonical_name
 from services.model.weights import check_complete, check_shapes
 
 
@@ -41,11 +42,13 @@ def read_weights(path: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
     if config.fp8_block is not None:
         wanted |= {name + SCALE for name in wanted if name.endswith(".weight")}
     out: dict[str, torch.Tensor] = {}
+    canonical = canonical_name if config.v4 is not None else _same
     for file in safetensors_files(path):
         try:
             with safe_open(str(file), framework="pt") as f:
-                # e.g. rotary inv_freq buffers or a tied lm_head copy are skipped
-                tensors = {name: f.get_tensor(name) for name in f.keys() if name in wanted}  # noqa: SIM118
+                # e.g. rotary inv_freq buffers, a tied lm_head copy or MTP layers are skipped
+                names = {canonical(name): name for name in f.keys()}  # noqa: SIM118
+                tensors = {n: f.get_tensor(names[n]) for n in names if n in wanted}
         except Exception as e:  # safetensors raises several types for a bad header
             raise ModelLoadError(file, f"not a valid safetensors file: {e}") from e
         check_shapes(file, config, {name: t.shape for name, t in tensors.items()})
@@ -54,6 +57,10 @@ def read_weights(path: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
     if config.fp8_block is not None:
         check_fp8_scales(path, out, config.fp8_block)
     return out
+
+
+def _same(name: str) -> str:
+    return name
 
 
 SCALE = "_scale_inv"  # a weight's FP8 block scales: `<name>.weight_scale_inv`

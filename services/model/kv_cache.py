@@ -46,7 +46,7 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
-        layers, (heads, k_dim, v_dim) = config.num_layers, config.cache_shape
+        layers, (heads, k_dim, v_dim) = config.cache_layers, config.cache_shape
         self.k = _allocate((layers, num_blocks, heads, k_dim, block_size), dtype, device)
         self.v = _allocate((layers, num_blocks, heads, block_size, v_dim), dtype, device)
         self.k_plain, self.v_plain = plain_views(self.k, self.v)  # for whole-block copies
@@ -67,7 +67,7 @@ def layout(model_id: str, kv_dtype: str, block_size: int, config: ModelConfig) -
     """The layout of this model's blocks as the store and the seam know them."""
     heads, k_dim, v_dim = config.cache_shape
     return KVLayout(
-        model_id, kv_dtype, block_size, config.num_layers, heads, k_dim,
+        model_id, kv_dtype, block_size, config.cache_layers, heads, k_dim,
         None if v_dim == k_dim else v_dim,  # named only where V differs (MLA's latent: none)
     )  # fmt: skip
 

@@ -9,8 +9,10 @@ import torch
 
 from services.model import hf_config, hf_dir, quantize, sources
 from services.model.attention import resolve_kernels
+from services.model.causal_lm import CausalLM
 from services.model.config import ModelConfig
 from services.model.decoder import DecoderModel
+from services.model.deepseek_v4 import DeepseekV4Model
 from services.model.errors import ModelLoadError
 from services.settings import DEFAULTS
 from services.tokenizer.tokenizer import Tokenizer
@@ -20,7 +22,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @dataclass(frozen=True)
 class LoadedModel:
-    model: DecoderModel
+    model: CausalLM
     tokenizer: Tokenizer
     path: Path  # the Hugging Face directory the weights came from
 
@@ -75,12 +77,17 @@ def load_model(
     if quantization == "int8" and dev.type != "cpu":
         raise ModelLoadError(path, f"--quantization int8 runs on CPUs, not {dev}")
     config = hf_config.read_config(path)
-    if quantization == "int8" and (config.mla is not None or config.moe is not None):
+    if quantization == "int8" and (config.mla or config.moe or config.v4) is not None:
         raise ModelLoadError(path, "--quantization int8 covers Llama-family dense models only")
     tokenizer = Tokenizer.from_dir(path)
     weights = hf_dir.read_weights(path, config)
-    model = DecoderModel(config, weights, resolve_dtype(dtype, dev), dev, kernels=kernels)
+    model: CausalLM
+    if config.v4 is not None:
+        model = DeepseekV4Model(config, weights, resolve_dtype(dtype, dev), dev, kernels=kernels)
+    else:
+        model = DecoderModel(config, weights, resolve_dtype(dtype, dev), dev, kernels=kernels)
     if quantization == "int8":
         calibration = tokenizer.encode(quantize.calibration_text(), add_special_tokens=False)
+        assert isinstance(model, DecoderModel)
         quantize.quantize_int8(model, weights, calibration)
     return LoadedModel(model, tokenizer, path)

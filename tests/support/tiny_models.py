@@ -31,6 +31,21 @@ YARN = {
     "beta_fast": 32, "beta_slow": 1,
 }  # fmt: skip
 
+# DeepSeek-V4, small: every layer type (sliding, CSA every 4 tokens, HCA every 16: a block),
+# both MoE kinds (hash, top-k), two residual streams, a window of 8 and a top-3 indexer with
+# 16 heads (few exact ties: see v4_attention._top_k)
+V4 = dict(
+    vocab_size=VOCAB, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=1, head_dim=32, q_lora_rank=32,
+    partial_rotary_factor=0.25, num_experts_per_tok=2, n_routed_experts=8,
+    layer_types=["sliding_attention", "compressed_sparse_attention",
+                 "heavily_compressed_attention", "compressed_sparse_attention"],
+    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+    mlp_layer_types=["hash_moe", "moe", "hash_moe", "moe"], hc_mult=2, sliding_window=8,
+    o_groups=2, o_lora_rank=16, index_n_heads=16, index_head_dim=16, index_topk=3,
+    max_position_embeddings=1024, swiglu_limit=0.5,
+)  # fmt: skip
+
 FAMILIES = {
     "deepseek_v3": lambda: transformers.DeepseekV3Config(
         **MLA, q_lora_rank=48, n_routed_experts=8, n_group=4, topk_group=2,
@@ -59,6 +74,7 @@ FAMILIES = {
         norm_topk_prob=True,
     ),
     "qwen3": lambda: transformers.Qwen3Config(**BASE, head_dim=32, tie_word_embeddings=True),
+    "deepseek_v4": lambda: transformers.DeepseekV4Config(**V4),
 }  # fmt: skip
 ARCHITECTURE = {"deepseek_v3_dense": "deepseek_v3"}
 
@@ -75,6 +91,11 @@ def save_tiny(name: str, path: Path, embedded_dir: Path) -> transformers.PreTrai
         for buffer_name, b in model.named_buffers():
             if buffer_name.endswith("e_score_correction_bias"):
                 b.normal_(0, 0.1)
+            if buffer_name.endswith("tid2eid"):  # each token's hashed experts, all distinct
+                b.copy_(torch.rand(b.shape[0], model.config.n_routed_experts).argsort(1)[:, :b.shape[1]])
+        for param_name, p in model.named_parameters():  # sinks, slot biases, HC mixes drawn too
+            if param_name.endswith(("sinks", "position_bias", ".base", "hc_base")):
+                p.normal_(0, 0.5)
     model.save_pretrained(path)
     for file in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(embedded_dir / file, path / file)

@@ -1,0 +1,256 @@
+"""DeepSeek-V4's attention over its cache rows: a sliding window of one shared K=V head with a
+sink per head, plus compressed entries (all causal ones in HCA layers, the indexer's top-k in
+CSA layers), then the grouped output projection. The torch reference: each query row is
+computed on its own, over the keys it sees, so its bits never depend on the batch or on how
+the prompt was chunked.
+
+One layer's forward, for the rows of a batch:
+
+    1. project: q (normed, rotated), kv (normed, rotated), the compressors' raw inputs
+    2. write each row's kv and raw inputs into its cache row
+    3. compress: every row that closes a window ((t + 1) % rate == 0) makes entry
+       (t + 1) / rate - 1 from the raw inputs in the cache, and writes it as shares
+    4. attend: each row over its window, its entries and the sink; de-rotate; project out
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from services.model import v4_rows
+from services.model.batch import ForwardBatch, SeqSpan
+from services.model.config import ModelConfig
+from services.model.linear import Linear
+from services.model.v4_config import SLIDING, LayerRow
+from services.model.v4_rows import V4Rope, slots_of
+
+
+@dataclass(frozen=True)
+class Compressor:
+    """Pools `rate` tokens' raw kv by a softmax over its gate (plus a bias per slot), channel
+    by channel; CSA's two series overlap (entry e also pools the previous window's first
+    half). The result is RMS-normed and rotated to the window's first position."""
+
+    rate: int
+    dim: int  # width of an entry
+    series: int  # 2: CSA's overlapping pair, 1: HCA
+    bias: torch.Tensor  # ape [rate, series * dim], float32
+    norm: torch.Tensor  # [dim], float32
+    eps: float
+
+    def entries(self, a: torch.Tensor, z: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+        """a, z [n, (series) * rate, series * dim]: raw kv and gate of the tokens each entry
+        pools (for CSA the previous window's, then its own; `first` [n] marks entries with
+        no previous window); -> [n, dim], before rope."""
+        m, d = self.rate, self.dim
+        gate = z.float() + self.bias.repeat(self.series, 1)  # [n, slots, series * dim]
+        if self.series == 2:  # slots 0..m-1 take series A of the previous window, then B
+            a = torch.cat((a[:, :m, :d], a[:, m:, d:]), dim=1)
+            gate = torch.cat((gate[:, :m, :d], gate[:, m:, d:]), dim=1)
+            a[first, :m] = 0
+            gate[first, :m] = float("-inf")
+        weights = gate.softmax(dim=1).to(a.dtype)
+        return _rms_norm((a * weights).sum(dim=1), self.norm, self.eps)
+
+
+@dataclass(frozen=True)
+class V4AttentionWeights:
+    kind: str  # v4_config.LAYER_TYPES
+    x_proj: Linear  # hidden -> q_lora | kv | compressor kv, gate | indexer kv, gate | weights
+    q_a_norm: torch.Tensor  # [q_lora], float32
+    q_b: Linear  # q_lora -> heads * head_dim
+    kv_norm: torch.Tensor  # [head_dim], float32
+    o_a: list[Linear]  # per group: heads / groups * head_dim -> o_lora_rank
+    o_b: Linear  # groups * o_lora_rank -> hidden
+    sinks: torch.Tensor  # [heads], float32
+    compressor: Compressor | None
+    indexer: Compressor | None  # CSA: the indexer keys' own compressor
+    index_q: Linear | None  # CSA: q_lora -> index_heads * index_dim
+
+
+class V4Attention:
+    def __init__(self, config: ModelConfig, rope: V4Rope, rows: tuple[LayerRow, ...]) -> None:
+        assert config.v4 is not None
+        self.config, self.v4, self.rope, self.rows = config, config.v4, rope, rows
+        self.scale = config.head_dim**-0.5
+
+    def forward(
+        self,
+        layer: int,
+        w: V4AttentionWeights,
+        x: torch.Tensor,  # [T, hidden], normed
+        batch: ForwardBatch,
+        cache: torch.Tensor,  # [blocks, 1, row width, block_size]
+    ) -> torch.Tensor:  # [T, hidden]
+        c, v4, row = self.config, self.v4, self.rows[layer]
+        kind = "main" if w.kind == SLIDING else "compress"
+        cos, sin = self.rope.tables(batch.positions, kind)
+        parts = w.x_proj(x)
+        q_lat, kv, raw, index_w = parts.split(
+            [v4.q_lora_rank, c.head_dim, row.raw, parts.shape[1] - v4.q_lora_rank - c.head_dim
+             - row.raw], dim=-1,
+        )  # fmt: skip
+        q_lat = _rms_norm(q_lat, w.q_a_norm, c.rms_norm_eps)
+        q = _unweighted_rms_norm(w.q_b(q_lat).view(-1, c.num_heads, c.head_dim), c.rms_norm_eps)
+        q = self.rope.apply(q, cos, sin)
+        kv = self.rope.apply(_rms_norm(kv, w.kv_norm, c.rms_norm_eps), cos, sin)
+        v4_rows.write(cache, batch.slot_mapping, row.offset, torch.cat((kv, raw), dim=-1))
+        if w.compressor is not None:
+            self._compress(w, row, batch, cache)
+        index_q = None
+        if w.index_q is not None:
+            index_q = self.rope.apply(w.index_q(q_lat).view(-1, v4.index_heads, v4.index_dim),
+                                      cos, sin)  # fmt: skip
+        out = torch.empty_like(q)
+        for span in batch.seqs:
+            rows = slice(span.row, span.row + span.query_len)
+            iq = None if index_q is None else (index_q[rows], index_w[rows])
+            out[rows] = self._attend_seq(w, row, span, q[rows], iq, batch.block_size, cache)
+        out = self.rope.apply(out, cos, -sin)  # each key counts by its distance to the query
+        groups = out.view(out.shape[0], v4.o_groups, -1)
+        return w.o_b(torch.cat([o(groups[:, g]) for g, o in enumerate(w.o_a)], dim=-1))
+
+    def _compress(
+        self, w: V4AttentionWeights, row: LayerRow, batch: ForwardBatch, cache: torch.Tensor
+    ) -> None:
+        """Make the entries this batch's rows close, from the raw inputs in the cache, and
+        write each as shares into the rows of the `span` tokens ending at its closing one."""
+        comp = w.compressor
+        assert comp is not None
+        m, bs = comp.rate, batch.block_size
+        closing: list[torch.Tensor] = []  # per sequence: the entries its new rows close
+        for span in batch.seqs:
+            start = span.context_len - span.query_len
+            # entry e closes at token (e + 1) m - 1: those among the new rows
+            first, end = -(-(start + 1) // m) - 1, span.context_len // m
+            closing.append(torch.arange(first, end, device=cache.device))
+        entries = []
+        for span, es in zip(batch.seqs, closing, strict=True):
+            if len(es):
+                entries.append(self._entries(w, row, span.block_table, es, bs, cache))
+        if not entries:
+            return
+        values = torch.cat(entries)  # [n, entry]
+        share_slots = torch.cat([
+            slots_of(span.block_table, ((es + 1) * m)[:, None]
+                     - torch.arange(row.span, 0, -1, device=es.device), bs).flatten()
+            for span, es in zip(batch.seqs, closing, strict=True) if len(es)
+        ])  # fmt: skip
+        padded = values.new_zeros(values.shape[0], row.span * row.share)
+        padded[:, : row.entry] = values
+        offset = row.offset + row.kv + row.raw
+        v4_rows.write(cache, share_slots, offset, padded.view(-1, row.share))
+
+    def _entries(
+        self,
+        w: V4AttentionWeights,
+        row: LayerRow,
+        table: torch.Tensor,
+        es: torch.Tensor,  # [n] entry indices
+        bs: int,
+        cache: torch.Tensor,
+    ) -> torch.Tensor:  # [n, entry]: the key, then (CSA) the indexer key
+        comp = w.compressor
+        assert comp is not None
+        m, series = comp.rate, comp.series
+        # the tokens each entry pools: for CSA the previous window's too (clamped at 0, masked)
+        lo = (es - (series - 1)) * m
+        positions = (lo[:, None] + torch.arange(series * m, device=es.device)).clamp(min=0)
+        raw = v4_rows.read(cache, slots_of(table, positions.flatten(), bs),
+                           row.offset + row.kv, row.raw)  # fmt: skip
+        raw = raw.view(len(es), series * m, row.raw)
+        first = es == 0
+        d = comp.dim * series
+        out = [self._rope_entries(comp.entries(raw[..., :d], raw[..., d : 2 * d], first), es, m)]
+        if w.indexer is not None:
+            i = w.indexer
+            ia, iz = raw[..., 2 * d : 2 * d + 2 * i.dim], raw[..., 2 * d + 2 * i.dim :]
+            out.append(self._rope_entries(i.entries(ia, iz, first), es, m))
+        return torch.cat(out, dim=-1)
+
+    def _rope_entries(self, pooled: torch.Tensor, es: torch.Tensor, m: int) -> torch.Tensor:
+        cos, sin = self.rope.tables(es * m, "compress")  # the window's first position
+        return self.rope.apply(pooled, cos, sin)
+
+    def _attend_seq(
+        self,
+        w: V4AttentionWeights,
+        row: LayerRow,
+        span: SeqSpan,
+        q: torch.Tensor,  # [n, heads, head_dim]: the sequence's new rows
+        index: tuple[torch.Tensor, torch.Tensor] | None,  # indexer q [n, ih, id], weights
+        bs: int,
+        cache: torch.Tensor,
+    ) -> torch.Tensor:  # [n, heads, head_dim]
+        c, window = self.config, self.v4.window
+        start = span.context_len - span.query_len
+        lo = max(0, start - window + 1)
+        positions = torch.arange(lo, span.context_len, device=q.device)
+        kv = v4_rows.read(cache, slots_of(span.block_table, positions, bs), row.offset, c.head_dim)
+        entries = index_keys = None
+        if w.compressor is not None:
+            entries = self._read_entries(row, span, w.compressor.rate, bs, cache)
+            if w.indexer is not None:
+                entries, index_keys = entries.split([c.head_dim, w.indexer.dim], dim=-1)
+        out = torch.empty_like(q)
+        for i in range(span.query_len):
+            t = start + i
+            keys = kv[max(0, t - window + 1) - lo : t + 1 - lo]
+            if entries is not None:
+                visible = (t + 1) // w.compressor.rate if w.compressor else 0
+                if index_keys is not None and index is not None:
+                    chosen = _top_k(index[0][i], index[1][i], index_keys, visible,
+                                    self.v4.index_topk)  # fmt: skip
+                    keys = torch.cat((keys, entries[chosen]))
+                else:
+                    keys = torch.cat((keys, entries[:visible]))
+            out[i] = self._attend_row(q[i], keys, w.sinks)
+        return out
+
+    def _read_entries(
+        self, row: LayerRow, span: SeqSpan, m: int, bs: int, cache: torch.Tensor
+    ) -> torch.Tensor:  # [entries, entry]
+        count = span.context_len // m
+        ends = (torch.arange(count, device=cache.device) + 1) * m
+        tokens = ends[:, None] - torch.arange(row.span, 0, -1, device=cache.device)
+        slots = slots_of(span.block_table, tokens.flatten(), bs)
+        shares = v4_rows.read(cache, slots, row.offset + row.kv + row.raw, row.share)
+        return shares.view(count, row.span * row.share)[:, : row.entry]
+
+    def _attend_row(self, q: torch.Tensor, keys: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+        """q [heads, D] over keys = values [n, D], a sink logit per head in the softmax."""
+        logits = (q @ keys.T) * self.scale  # [heads, n], in the model's dtype
+        logits = torch.cat((logits.float(), sinks[:, None]), dim=-1)
+        probs = (logits - logits.amax(dim=-1, keepdim=True)).softmax(dim=-1)[:, :-1]
+        return probs.to(keys.dtype) @ keys
+
+
+def _top_k(
+    q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: int, k: int
+) -> torch.Tensor:
+    """The indexer's choice for one query: sum over heads h of weights_h * ReLU(q_h . key)
+    / sqrt(dim), the top k of the `visible` first entries, in entry order.
+
+    Exact ties (entries every head scores at or below zero) are broken as transformers breaks
+    them: torch.topk over all the entries the sequence has at the end of this pass, those not
+    yet visible at -inf. So a prompt prefilled in one pass, its decode, and a prefix found in
+    the cache choose as transformers does; a chunk boundary inside the prompt can break such a
+    tie differently, as it can in transformers."""
+    heads, dim = q.shape
+    scores = torch.relu(q.float() @ keys.float().T) * dim**-0.5  # [heads, entries]
+    total = (scores * (weights.float() * heads**-0.5)[:, None]).sum(dim=0)
+    total[visible:] = float("-inf")
+    chosen = total.topk(min(k, keys.shape[0])).indices
+    return chosen[chosen < visible].sort().values
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Weighted RMS norm in float32 (weight float32), back in x's dtype (transformers')."""
+    xf = x.float()
+    return (weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps))).to(x.dtype)
+
+
+def _unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)

@@ -1,0 +1,73 @@
+"""DeepSeek-V4's cache rows in the paged pool: reading and writing one layer's part of a
+token's row (v4_config.LayerRow), and its rotary embedding.
+
+The pool is kv_cache.py's, one "layer" wide enough for every layer's part (config.cache_shape):
+a slot is a token, and `write` / `read` address a span of elements of it. Whatever the dtype's
+layout, they go through kv_cache.plain_views, the only code that knows it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from services.model import kv_cache
+from services.model.config import ModelConfig, RopeScaling
+from services.model.rope import inverse_frequencies
+
+
+def write(cache: torch.Tensor, slots: torch.Tensor, offset: int, values: torch.Tensor) -> None:
+    """values [n, w] into elements [offset, offset + w) of the rows at `slots` [n]."""
+    bs = cache.shape[-1]
+    k, _ = kv_cache.plain_views(cache, cache.new_empty(*cache.shape[:2], bs, 0))
+    lo, hi = offset // 2, (offset + values.shape[1]) // 2
+    k[slots // bs, 0, lo:hi, :, slots % bs] = values.reshape(len(slots), hi - lo, 2).to(k.dtype)
+
+
+def read(cache: torch.Tensor, slots: torch.Tensor, offset: int, width: int) -> torch.Tensor:
+    """Elements [offset, offset + width) of the rows at `slots` [n]: [n, width] (a copy)."""
+    bs = cache.shape[-1]
+    k, _ = kv_cache.plain_views(cache, cache.new_empty(*cache.shape[:2], bs, 0))
+    lo, hi = offset // 2, (offset + width) // 2
+    return k[slots // bs, 0, lo:hi, :, slots % bs].reshape(len(slots), width)
+
+
+def slots_of(table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The slots of a sequence's tokens at `positions`, through its block table."""
+    return table[positions // block_size] * block_size + positions % block_size
+
+
+class V4Rope:
+    """V4's two rope sets over the last `rope_dim` dimensions of a head, rotated in adjacent
+    pairs: "main" (sliding layers) and "compress" (CSA and HCA layers, YaRN where configured,
+    cos and sin unscaled). cos/sin are computed per call from the positions, in the model's
+    dtype, and applied in float32, as transformers does."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        v4 = config.v4
+        assert v4 is not None
+        self.dim, self.dtype = v4.rope_dim, dtype
+        yarn = None
+        if v4.compress_yarn is not None:
+            y = v4.compress_yarn
+            yarn = RopeScaling(
+                "yarn", y["factor"], beta_fast=y["beta_fast"], beta_slow=y["beta_slow"],
+                original_max_position_embeddings=int(y["original_max_position_embeddings"]),
+            )  # fmt: skip
+        self.inv_freq = {
+            "main": inverse_frequencies(self.dim, config.rope_theta, None).to(device),
+            "compress": inverse_frequencies(self.dim, v4.compress_rope_theta, yarn).to(device),
+        }
+
+    def tables(self, positions: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [n, rope_dim / 2] (float32 values of the model dtype's)."""
+        freqs = positions.float()[:, None] * self.inv_freq[kind]
+        return freqs.cos().to(self.dtype).float(), freqs.sin().to(self.dtype).float()
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [n, ..., D] with its last rope_dim rotated by cos/sin [n, rope_dim / 2]."""
+        shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
+        cos, sin = cos.view(shape), sin.view(shape)
+        nope, rope = x[..., : -self.dim], x[..., -self.dim :].float()
+        even, odd = rope[..., 0::2], rope[..., 1::2]
+        rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1)
+        return torch.cat((nope, rotated.flatten(-2).to(x.dtype)), dim=-1)
