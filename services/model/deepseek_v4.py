@@ -15,9 +15,9 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from kvstore.block_hash import BLOCK_SIZE
+from services.model import pointwise
 from services.model.attention import resolve_kernels
 from services.model.batch import ForwardBatch
 from services.model.config import ModelConfig
@@ -67,7 +67,7 @@ class ClampedMlp(DenseMlp):
         gate, up = self.gate_up(x).chunk(2, dim=-1)
         if self.limit:
             gate, up = gate.clamp(max=self.limit), up.clamp(min=-self.limit, max=self.limit)
-        return self.down(F.silu(gate) * up)
+        return self.down(pointwise.silu(gate) * up)
 
 
 class V4Moe(Moe):
@@ -81,14 +81,17 @@ class V4Moe(Moe):
 
     def forward(self, x: torch.Tensor, ops: LayerOps, token_ids: torch.Tensor) -> torch.Tensor:
         logits = self.gate(x).float()  # [T, experts]
-        scores = F.softplus(logits).sqrt() if self.scoring == "sqrtsoftplus" else logits.sigmoid()
+        if self.scoring == "sqrtsoftplus":
+            scores = pointwise.softplus(logits).sqrt()
+        else:
+            scores = pointwise.sigmoid(logits)
         if self.tid2eid is not None:
             ids = self.tid2eid[token_ids]
         else:
             assert self.correction_bias is not None
             ids = (scores + self.correction_bias).topk(self.shape.top_k, dim=-1).indices
         weights = scores.gather(1, ids)
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        weights = weights / (pointwise.ordered_sum(weights, -1)[:, None] + 1e-20)
         out = self.routed(x, weights * self.shape.routed_scaling_factor, ids, ops)
         assert self.shared is not None
         return out + self.shared(x, ops)
@@ -110,7 +113,7 @@ class DeepseekV4Model:
         if self.kernels == "triton":
             raise ValueError("DeepSeek-V4 runs the torch reference; --kernels triton is not built")
         self.quantization = DEFAULTS.model.quantization
-        packed = packed_linear_available(self.device, dtype)
+        self.packed = packed = packed_linear_available(self.device, dtype)
         amx = amx_linear_library() if packed and dtype == torch.bfloat16 else None
 
         def w(name: str, keep_float32: bool = False) -> torch.Tensor:
@@ -228,8 +231,8 @@ class DeepseekV4Model:
             streams = _expand(layer.moe.forward(x, self.ops, batch.token_ids), post, comb, streams)
         rows = streams[batch.logits_rows]
         flat = _unweighted_rms_norm(rows.flatten(1).float(), c.rms_norm_eps)
-        pre = torch.sigmoid(self.head_hc.fn(flat) * self.head_hc.scale + self.head_hc.base)
-        x = ((pre + self.v4.hc_eps)[..., None] * rows).sum(dim=1).to(self.dtype)
+        pre = pointwise.sigmoid(self.head_hc.fn(flat) * self.head_hc.scale + self.head_hc.base)
+        x = pointwise.ordered_sum((pre + self.v4.hc_eps)[..., None] * rows, 1).to(self.dtype)
         return self.lm_head(_rms_norm(x, self.norm, c.rms_norm_eps)).float()
 
     def _collapse(
@@ -241,14 +244,15 @@ class DeepseekV4Model:
         mix = hc.fn(flat)  # [T, (2 + N) N]
         pre_w, post_w, comb_w = mix.split([n, n, n * n], dim=-1)
         pre_b, post_b, comb_b = hc.base.split([n, n, n * n])
-        pre = torch.sigmoid(pre_w * hc.scale[0] + pre_b) + eps
-        post = 2 * torch.sigmoid(post_w * hc.scale[1] + post_b)
-        comb = (comb_w.view(-1, n, n) * hc.scale[2] + comb_b.view(n, n)).softmax(dim=-1) + eps
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+        pre = pointwise.sigmoid(pre_w * hc.scale[0] + pre_b) + eps
+        post = 2 * pointwise.sigmoid(post_w * hc.scale[1] + post_b)
+        comb = pointwise.softmax(comb_w.view(-1, n, n) * hc.scale[2] + comb_b.view(n, n), -1)
+        comb = comb + eps
+        comb = comb / (pointwise.ordered_sum(comb, -2)[:, None, :] + eps)  # columns
         for _ in range(self.v4.hc_iters - 1):
-            comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
-            comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-        collapsed = (pre[..., None] * streams).sum(dim=1).to(streams.dtype)
+            comb = comb / (pointwise.ordered_sum(comb, -1)[..., None] + eps)  # rows
+            comb = comb / (pointwise.ordered_sum(comb, -2)[:, None, :] + eps)
+        collapsed = pointwise.ordered_sum(pre[..., None] * streams, 1).to(streams.dtype)
         return collapsed, post, comb
 
 
@@ -257,5 +261,5 @@ def _expand(
 ) -> torch.Tensor:
     """Stream k becomes post_k * out + sum_j comb[j, k] * stream_j (in the model's dtype)."""
     dtype = streams.dtype
-    mixed = (comb.to(dtype).transpose(1, 2)[..., None] * streams[:, None, :, :]).sum(dim=2)
+    mixed = pointwise.ordered_sum(comb.to(dtype).transpose(1, 2)[..., None] * streams[:, None], 2)
     return post.to(dtype)[..., None] * out[:, None, :] + mixed

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.model import v4_rows
+from services.model import pointwise, v4_rows
 from services.model.batch import ForwardBatch, SeqSpan
 from services.model.config import ModelConfig
 from services.model.linear import Linear
@@ -51,8 +51,8 @@ class Compressor:
             gate = torch.cat((gate[:, :m, :d], gate[:, m:, d:]), dim=1)
             a[first, :m] = 0
             gate[first, :m] = float("-inf")
-        weights = gate.softmax(dim=1).to(a.dtype)
-        return _rms_norm((a * weights).sum(dim=1), self.norm, self.eps)
+        weights = pointwise.softmax(gate, 1).to(a.dtype)
+        return _rms_norm(pointwise.ordered_sum(a * weights, 1), self.norm, self.eps)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from services.model import kv_cache
+from services.model import kv_cache, pointwise
 from services.model.config import ModelConfig, RopeScaling
 from services.model.rope import inverse_frequencies
 
@@ -61,7 +61,8 @@ class V4Rope:
     def tables(self, positions: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [n, rope_dim / 2] (float32 values of the model dtype's)."""
         freqs = positions.float()[:, None] * self.inv_freq[kind]
-        return freqs.cos().to(self.dtype).float(), freqs.sin().to(self.dtype).float()
+        cos, sin = pointwise.cos(freqs), pointwise.sin(freqs)
+        return cos.to(self.dtype).float(), sin.to(self.dtype).float()
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [n, ..., D] with its last rope_dim rotated by cos/sin [n, rope_dim / 2]."""
