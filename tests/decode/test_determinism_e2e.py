@@ -1,7 +1,10 @@
 """Acceptance, issue 13 point 6: greedy outputs of 16 prompts at temperature 0 are identical
 cold, warm, and after a decode migration, through real processes (redis-server, 2 prefill and
 2 decode workers, a router), in each dtype `--dtype auto` picks on this CPU: bfloat16 where it
-has bf16 instructions (skipped with the reason elsewhere), float32 everywhere.
+has bf16 instructions (skipped with the reason elsewhere), float32 everywhere. For the
+embedded model and for a tiny DeepSeek-V4 (issue 32: its cache rows carry the window, the
+compressors' open windows and the compressed entries, so a prefix from the store or a
+migrated stream continues exactly).
 
     cold       fresh workers and a fresh redis: every prompt computed
     warm       the same 16 again, shifted by one on the round robin so that most land on the
@@ -20,6 +23,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import openai
 import pytest
@@ -38,6 +42,7 @@ from tests.support.cluster import (
 )
 from tests.support.dtypes import COMPUTE_DTYPES
 from tests.support.redis_servers import RedisServer
+from tests.support.tiny_models import save_tiny
 
 MAX_TOKENS = 24
 # one past a block (a store or cache hit then computes a single token), block-aligned, between
@@ -56,12 +61,21 @@ class Cluster:
     router: RouterProcess
 
 
+@pytest.fixture(scope="module", params=["embedded", "deepseek_v4"])
+def model_dir(request, embedded_dir, tmp_path_factory) -> Path:
+    if request.param == "embedded":
+        return embedded_dir
+    path = tmp_path_factory.mktemp("deepseek_v4")
+    save_tiny("deepseek_v4", path, embedded_dir)
+    return path
+
+
 @pytest.fixture(scope="module", params=COMPUTE_DTYPES)
-def cluster(request, embedded_dir, tmp_path_factory):
+def cluster(request, model_dir, tmp_path_factory):
     dtype = request.param
     logs = tmp_path_factory.mktemp(f"determinism-{dtype}")
     redis = RedisServer(logs / "redis").start()
-    model, args = str(embedded_dir), ("--num-blocks", "300")
+    model, args = str(model_dir), ("--num-blocks", "300")
     roles = ("prefill", "prefill", "decode", "decode")
     workers = [WorkerProcess(r, model, redis.url, logs, *args, dtype=dtype) for r in roles]
     try:
@@ -71,7 +85,7 @@ def cluster(request, embedded_dir, tmp_path_factory):
             w.wait_ready()
         router = RouterProcess(
             logs, addresses(workers[:2]), addresses(workers[2:]), "--policy", "round_robin",
-            "--health-interval", "0.5",
+            "--health-interval", "0.5", "--served-model-name", MODEL, model=model,
         )  # fmt: skip
         try:
             yield Cluster(dtype, workers[:2], workers[2:], router.start())
@@ -121,12 +135,12 @@ def kill_a_busy_decode_worker(cluster: Cluster) -> int:
     return running[victim]
 
 
-def in_process(embedded_dir, dtype: str) -> list[Output]:
-    loaded = load_model(str(embedded_dir), dtype=dtype, device="cpu")
+def in_process(model_dir: Path, dtype: str) -> list[Output]:
+    loaded = load_model(str(model_dir), dtype=dtype, device="cpu")
     return greedy_in_process(loaded, PROMPTS, MAX_TOKENS, num_blocks=300)
 
 
-def test_greedy_outputs_are_identical_cold_warm_and_after_a_migration(cluster, embedded_dir):
+def test_greedy_outputs_are_identical_cold_warm_and_after_a_migration(cluster, model_dir):
     cold = run_all(cluster)
     assert counter(cluster, "pdserve_prefix_cache_hit_tokens_total") == 0
     assert all(len(lp) == MAX_TOKENS for _, lp in cold)
@@ -141,4 +155,4 @@ def test_greedy_outputs_are_identical_cold_warm_and_after_a_migration(cluster, e
     assert moved[0] > 0, "the killed decode worker ran no stream"
     assert migrated == cold
 
-    assert cold == in_process(embedded_dir, cluster.dtype)
+    assert cold == in_process(model_dir, cluster.dtype)

@@ -92,7 +92,11 @@ def save_tiny(name: str, path: Path, embedded_dir: Path) -> transformers.PreTrai
             if buffer_name.endswith("e_score_correction_bias"):
                 b.normal_(0, 0.1)
             if buffer_name.endswith("tid2eid"):  # each token's hashed experts, all distinct
-                b.copy_(torch.rand(b.shape[0], model.config.n_routed_experts).argsort(1)[:, :b.shape[1]])
+                b.copy_(
+                    torch.rand(b.shape[0], model.config.n_routed_experts).argsort(1)[
+                        :, : b.shape[1]
+                    ]
+                )
         for param_name, p in model.named_parameters():  # sinks, slot biases, HC mixes drawn too
             if param_name.endswith(("sinks", "position_bias", ".base", "hc_base")):
                 p.normal_(0, 0.5)

@@ -1,6 +1,6 @@
 """Checkpoints of the MoE and latent-attention families, made by transformers, load and match it
-token for token: DeepSeek-V3 with and without MoE layers, DeepSeek-V2 (no q LoRA), Mixtral,
-Qwen2-MoE, Qwen3-MoE and Qwen3."""
+token for token: DeepSeek-V3 with and without MoE layers, DeepSeek-V2 (no q LoRA), DeepSeek-V4
+(every layer type, both MoE kinds), Mixtral, Qwen2-MoE, Qwen3-MoE and Qwen3."""
 
 from __future__ import annotations
 
@@ -48,12 +48,15 @@ def test_config_reads_the_family(checkpoint):
     name, path, reference = checkpoint
     cfg = read_config(path)
     assert cfg.architecture == ARCHITECTURE.get(name, name)
-    assert (cfg.mla is not None) == name.startswith("deepseek")
+    assert (cfg.mla is not None) == (name in ("deepseek_v2", "deepseek_v3", "deepseek_v3_dense"))
+    assert (cfg.v4 is not None) == (name == "deepseek_v4")
     moe_layers = {"deepseek_v3": (1, 2), "deepseek_v3_dense": (), "deepseek_v2": (1, 2),
-                  "mixtral": (0, 1, 2), "qwen2_moe": (0, 2), "qwen3_moe": (0, 1, 2)}  # fmt: skip
+                  "mixtral": (0, 1, 2), "qwen2_moe": (0, 2), "qwen3_moe": (0, 1, 2),
+                  "deepseek_v4": (0, 1, 2, 3)}  # fmt: skip
     assert (cfg.moe.layers if cfg.moe else ()) == moe_layers.get(name, ())
+    buffers = ("e_score_correction_bias", "tid2eid")  # checkpoint tensors, not parameters
     assert cfg.num_parameters == sum(p.numel() for p in reference.parameters()) + sum(
-        b.numel() for n, b in reference.named_buffers() if n.endswith("e_score_correction_bias")
+        b.numel() for n, b in reference.named_buffers() if n.endswith(buffers)
     )
 
 
@@ -105,6 +108,16 @@ def test_bfloat16_logits_follow_transformers(checkpoint, dtype):
         ("router_jitter_noise", 0.1, "MixtralForCausalLM"),
         ("use_sliding_window", True, "Qwen3MoeForCausalLM"),
         ("hidden_act", "gelu", "DeepseekV3ForCausalLM"),
+        ("num_key_value_heads", 2, "DeepseekV4ForCausalLM"),
+        ("scoring_func", "softmax", "DeepseekV4ForCausalLM"),
+        ("o_groups", 3, "DeepseekV4ForCausalLM"),
+        (
+            "quantization_config",
+            {"quant_method": "fp8", "expert_dtype": "fp4"},
+            "DeepseekV4ForCausalLM",
+        ),
+        ("layer_types", ["sliding_attention", "full_attention"] * 2, "DeepseekV4ForCausalLM"),
+        ("mlp_layer_types", ["moe", "dense"] * 2, "DeepseekV4ForCausalLM"),
     ],
 )
 def test_a_field_value_the_engine_does_not_implement_is_refused_by_name(
@@ -115,6 +128,7 @@ def test_a_field_value_the_engine_does_not_implement_is_refused_by_name(
         "DeepseekV2ForCausalLM": "deepseek_v2",
         "MixtralForCausalLM": "mixtral",
         "Qwen3MoeForCausalLM": "qwen3_moe",
+        "DeepseekV4ForCausalLM": "deepseek_v4",
     }
     config = FAMILIES[families[arch]]().to_dict() | {field: value}
     (tmp_path / "config.json").write_text(json.dumps(config))

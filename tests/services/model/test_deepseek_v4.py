@@ -1,0 +1,145 @@
+"""DeepSeek-V4's cache state in the paged pool (docs/structures.md): after a prefill, the rows
+hold what transformers' cache holds (each layer's window, the compressed entries and indexer
+keys, the compressors' open windows and CSA's overlap halves), so decode continues exactly.
+Also: a config in the legacy spelling, with YaRN on the compress rope set and sigmoid scores,
+matches transformers token for token; the row layout of DeepSeek-V4-Flash's shape."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+
+from services.engine.engine import Engine, EngineConfig
+from services.engine.params import SamplingParams
+from services.model import v4_rows
+from services.model.batch import ForwardBatch, SeqChunk
+from services.model.deepseek_v4 import DeepseekV4Model
+from services.model.hf_config import config_from_hf
+from services.model.loader import load_model
+from services.model.v4_config import CSA, HCA, SLIDING, row_layout
+from tests.support.tiny_models import V4, save_tiny
+
+N = 53  # 13 CSA entries and one token open; 3 HCA entries and 5 tokens open; 7 blocks
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, embedded_dir):
+    path = tmp_path_factory.mktemp("deepseek_v4")
+    return path, save_tiny("deepseek_v4", path, embedded_dir)
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    return torch.randint(100, 49000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_after_a_prefill_the_rows_hold_transformers_cache_state(checkpoint):
+    path, reference = checkpoint
+    loaded = load_model(str(path), dtype="float32", device="cpu")
+    model = loaded.model
+    assert isinstance(model, DeepseekV4Model)
+    ids, table = prompt(N), torch.tensor([5, 2, 6, 0, 3, 1, 4])  # blocks out of order
+    kv = model.new_kv_cache(8, 16)
+    model.forward(ForwardBatch.build([SeqChunk(ids, 0, table.tolist())], 16), kv)
+    with torch.inference_mode():
+        cache = reference(torch.tensor([ids]), use_cache=True).past_key_values
+    rows, (k_cache, _) = model.rows, kv.layer(0)
+    v4, d = model.v4, model.config.head_dim
+
+    def read(positions: range, offset: int, width: int) -> torch.Tensor:
+        slots = v4_rows.slots_of(table, torch.tensor(list(positions)), 16)
+        return v4_rows.read(k_cache, slots, offset, width)
+
+    def close(ours: torch.Tensor, theirs: torch.Tensor) -> None:
+        assert ours.shape == theirs.shape
+        assert torch.allclose(ours, theirs.float(), atol=1e-5, rtol=1e-4)
+
+    for i, kind in enumerate(v4.layer_types):
+        layer, row = cache.layers[i], rows[i]
+        window = range(N - (v4.window - 1), N)  # transformers keeps the last window - 1
+        close(read(window, row.offset, d), layer.keys[0, 0])
+        if kind == SLIDING:
+            assert row.raw == row.share == 0
+            continue
+        m, series = v4.rate(i), 2 if kind == CSA else 1
+        entries = model.attention._read_entries(
+            row, _span(N, table), m, 16, k_cache
+        )  # [N // m, entry]
+        close(entries[:, :d], layer.compressed_kv["compressor"][0])
+        raw = row.offset + row.kv
+        open_ = range(N - N % m, N)  # the open window: raw kv and gate (no position bias)
+        close(read(open_, raw, series * d), layer.buffer_kv["compressor"][0])
+        close(read(open_, raw + series * d, series * d), layer.buffer_gate["compressor"][0])
+        if kind == HCA:
+            continue
+        closed = range((N // m - 1) * m, N // m * m)  # CSA: the last closed window's A half
+        close(read(closed, raw, d), layer.overlap_kv["compressor"][0])
+        bias = model.layers[i].attention.compressor
+        assert bias is not None
+        gate = read(closed, raw + 2 * d, d) + bias.bias[:, :d]
+        close(gate, layer.overlap_gate["compressor"][0])
+        close(entries[:, d:], layer.compressed_kv["indexer"][0])
+        idx = raw + 4 * d  # the indexer's raw kv, then gate
+        close(read(open_, idx, 2 * v4.index_dim), layer.buffer_kv["indexer"][0])
+
+
+def _span(context: int, table: torch.Tensor):
+    from services.model.batch import SeqSpan
+
+    return SeqSpan(0, context, context, table)
+
+
+def test_a_legacy_config_with_yarn_and_sigmoid_scores_matches_transformers(tmp_path, embedded_dir):
+    """compress_ratios, num_hash_layers, qk_rope_head_dim and a flat YaRN rope_scaling (the
+    compress set's), as DeepSeek's own config.json spells them."""
+    legacy = {k: v for k, v in V4.items() if k not in ("layer_types", "mlp_layer_types",
+                                                      "compress_rates", "partial_rotary_factor")}  # fmt: skip
+    legacy |= {
+        "compress_ratios": [0, 4, 16, 4], "num_hash_layers": 1, "qk_rope_head_dim": 8,
+        "compress_rate_hca": 16, "scoring_func": "sigmoid", "compress_rope_theta": 40000.0,
+        "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                         "beta_fast": 32, "beta_slow": 1},
+    }  # fmt: skip
+    legacy["compress_ratios"][2] = 128  # HCA's legacy marker; its rate comes from the field
+    config = transformers.DeepseekV4Config(**legacy)
+    torch.manual_seed(1)
+    reference = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    reference.save_pretrained(tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    for key in ("layer_types", "mlp_layer_types", "compress_rates", "rope_parameters"):
+        raw.pop(key, None)
+    (tmp_path / "config.json").write_text(json.dumps(raw | legacy))
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / file).write_bytes((embedded_dir / file).read_bytes())
+    ours = config_from_hf(raw | legacy)
+    assert ours.v4 is not None and ours.v4.layer_types == (SLIDING, CSA, HCA, CSA)
+    assert ours.v4.hash_layers == (0,) and ours.v4.compress_yarn is not None
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    loaded = load_model(str(tmp_path), dtype="float32", device="cpu")
+    engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(num_blocks=32))
+    prompts = [prompt(90, seed=1), prompt(41, seed=2)]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    for p, out in zip(prompts, engine.generate(prompts, params), strict=True):
+        with torch.inference_mode():
+            expected = reference.generate(
+                torch.tensor([p]), max_new_tokens=24, do_sample=False, eos_token_id=None,
+                pad_token_id=0,
+            )[0, len(p) :].tolist()  # fmt: skip
+        assert out.choices[0].token_ids == expected
+
+
+def test_deepseek_v4_flash_rows():
+    """A token's row per layer, in elements, for V4-Flash's shape (head 512, indexer 128,
+    CSA every 4, HCA every 128): window key, compressor inputs, a share of an entry."""
+    flash = config_from_hf({
+        "architectures": ["DeepseekV4ForCausalLM"], "vocab_size": 129280, "hidden_size": 4096,
+        "num_hidden_layers": 4, "num_attention_heads": 64, "moe_intermediate_size": 2048,
+        "n_routed_experts": 256, "num_experts_per_tok": 6, "compress_ratios": [0, 4, 128, 4],
+    })  # fmt: skip
+    assert flash.v4 is not None
+    widths = [(r.kv, r.raw, r.share, r.span) for r in row_layout(flash.v4, flash.head_dim)]
+    assert widths == [(512, 0, 0, 0), (512, 2560, 160, 4), (512, 1024, 32, 16),
+                      (512, 2560, 160, 4)]  # fmt: skip
+    assert flash.cache_shape == (1, 512 + 3232 + 1568 + 3232, 0) and flash.cache_layers == 1
