@@ -94,8 +94,8 @@ def _span(context: int, table: torch.Tensor):
 def test_a_legacy_config_with_yarn_and_sigmoid_scores_matches_transformers(tmp_path, embedded_dir):
     """compress_ratios, num_hash_layers, qk_rope_head_dim and a flat YaRN rope_scaling (the
     compress set's), as DeepSeek's own config.json spells them."""
-    legacy = {k: v for k, v in V4.items() if k not in ("layer_types", "mlp_layer_types",
-                                                      "compress_rates", "partial_rotary_factor")}  # fmt: skip
+    modern = ("layer_types", "mlp_layer_types", "compress_rates", "partial_rotary_factor")
+    legacy = {k: v for k, v in V4.items() if k not in modern}
     legacy |= {
         "compress_ratios": [0, 4, 16, 4], "num_hash_layers": 1, "qk_rope_head_dim": 8,
         "compress_rate_hca": 16, "scoring_func": "sigmoid", "compress_rope_theta": 40000.0,
