@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from kvstore.block_hash import BLOCK_SIZE
-from services.model import pointwise
+from services.model import pointwise, v4_quant
 from services.model.attention import resolve_kernels
 from services.model.batch import ForwardBatch
 from services.model.config import ModelConfig
@@ -117,13 +117,15 @@ class DeepseekV4Model:
         amx = amx_linear_library() if packed and dtype == torch.bfloat16 else None
 
         def w(name: str, keep_float32: bool = False) -> torch.Tensor:
-            return weights[name].to(self.device, torch.float32 if keep_float32 else dtype)
+            t = v4_quant.dequantize(weights, name, config.fp8_block)
+            return t.to(self.device, torch.float32 if keep_float32 else dtype)
 
         def linear(*names: str, keep_float32: bool = False) -> Linear:
             stacked = torch.cat([w(n, keep_float32) for n in names])
             return make_linear(stacked, None, packed, amx if not keep_float32 else None)
 
         self._w, self._linear = w, linear
+        self._ids = lambda name: weights[name].to(self.device, torch.int64)  # tid2eid
         self.embed = w("embed.weight")
         self.lm_head = linear("embed.weight" if config.tie_word_embeddings else "head.weight")
         self.norm = w("norm.weight", True)
@@ -202,7 +204,7 @@ class DeepseekV4Model:
             None if hashed else w(f + "gate.bias", True),
             [mlp(f"{f}experts.{e}.") for e in range(moe.num_experts)],
             mlp(f + "shared_experts."), None,
-            tid2eid=self._w(f + "gate.tid2eid").long() if hashed else None,
+            tid2eid=self._ids(f + "gate.tid2eid") if hashed else None,
             scoring=v4.scoring,
         )  # fmt: skip
 

@@ -110,6 +110,7 @@ def _deepseek_v4(raw: dict[str, Any]) -> ModelConfig:
     layers, head_dim = int(raw["num_hidden_layers"]), int(raw.get("head_dim") or 512)
     v4 = v4_from_hf(raw, head_dim, layers)
     ff = int(raw["moe_intermediate_size"])
+    quantization = dict(raw.get("quantization_config") or {})
     eos = raw.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
     return ModelConfig(
@@ -140,6 +141,7 @@ def _deepseek_v4(raw: dict[str, Any]) -> ModelConfig:
             shared_intermediate_size=ff,  # transformers builds one shared expert, whatever n
         ),
         v4=v4,
+        fp8_block=_fp8_block(quantization and {"weight_block_size": [128, 128]} | quantization),
         name=str(raw.get("_name_or_path") or "deepseek_v4"),
     )
 
@@ -308,8 +310,14 @@ def _refuse_v4(raw: dict[str, Any], refuse: Any) -> None:
         refuse("attention_bias", "DeepSeek-V4's projections have no bias")
     if (raw.get("scoring_func") or "sqrtsoftplus") not in V4_SCORING:
         refuse("scoring_func", f"DeepSeek-V4 experts are scored by {' or '.join(V4_SCORING)}")
-    if raw.get("quantization_config"):
-        refuse("quantization_config", "FP8 and FP4 DeepSeek-V4 checkpoints are not served yet")
+    quantization = raw.get("quantization_config") or {}
+    if quantization and quantization.get("quant_method") != "fp8":
+        refuse("quantization_config", "DeepSeek-V4 checkpoints come in fp8 (with fp4 experts)")
+    if quantization.get("scale_fmt", "ue8m0") not in ("ue8m0", "float"):
+        refuse("quantization_config", "scales are ue8m0 or float")
+    experts = quantization.get("expert_dtype") or raw.get("expert_dtype")
+    if experts not in (None, "fp8", "fp4"):
+        refuse("expert_dtype", "DeepSeek-V4's experts are fp8 or fp4")
     heads, groups = int(raw["num_attention_heads"]), int(raw.get("o_groups") or 8)
     if heads % groups:
         refuse("o_groups", f"{heads} heads do not split into {groups} groups")

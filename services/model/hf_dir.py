@@ -39,7 +39,9 @@ def read_weights(path: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
     from safetensors import safe_open
 
     wanted = set(config.expected_shapes())
-    if config.fp8_block is not None:
+    if config.fp8_block is not None and config.v4 is not None:  # DeepSeek's `<name>.scale`
+        wanted |= {name.removesuffix(".weight") + ".scale" for name in wanted}
+    elif config.fp8_block is not None:
         wanted |= {name + SCALE for name in wanted if name.endswith(".weight")}
     out: dict[str, torch.Tensor] = {}
     canonical = canonical_name if config.v4 is not None else _same
@@ -54,7 +56,7 @@ def read_weights(path: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
         check_shapes(file, config, {name: t.shape for name, t in tensors.items()})
         out |= tensors
     check_complete(path, config, out)
-    if config.fp8_block is not None:
+    if config.fp8_block is not None and config.v4 is None:  # V4's: v4_quant.py
         check_fp8_scales(path, out, config.fp8_block)
     return out
 

@@ -54,6 +54,7 @@ class V4Shape:
     hash_layers: tuple[int, ...]  # layers whose experts come from tid2eid[token]
     swiglu_limit: float  # experts' gate clamped above, up clamped both ways
     scoring: str  # SCORING
+    fp4_experts: bool = False  # routed experts stored as FP4 (v4_quant.py)
 
     def rate(self, layer: int) -> int:
         """Tokens per compressed entry in `layer` (0: a sliding-only layer)."""
@@ -150,6 +151,10 @@ def v4_from_hf(raw: dict[str, Any], head_dim: int, layers: int) -> V4Shape:
         hash_layers=tuple(i for i, t in enumerate(mlp) if t == "hash_moe"),
         swiglu_limit=float(raw.get("swiglu_limit") or 0.0),
         scoring=str(raw.get("scoring_func") or "sqrtsoftplus"),
+        fp4_experts=(
+            (raw.get("quantization_config") or {}).get("expert_dtype") or raw.get("expert_dtype")
+        )
+        == "fp4",
     )
 
 
@@ -246,10 +251,11 @@ def expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[f + "gate.tid2eid"] = (c.vocab_size, moe.top_k)
         else:
             shapes[f + "gate.bias"] = (moe.num_experts,)
-        experts = [f"{f}experts.{e}." for e in range(moe.num_experts)] + [f + "shared_experts."]
-        for e in experts:
-            ff = moe.intermediate_size
-            shapes |= {e + "w1.weight": (ff, h), e + "w3.weight": (ff, h), e + "w2.weight": (h, ff)}
+        ff = moe.intermediate_size
+        for e in [f"{f}experts.{j}." for j in range(moe.num_experts)] + [f + "shared_experts."]:
+            pack = 2 if v4.fp4_experts and "shared" not in e else 1  # two FP4 values a byte
+            shapes |= {e + "w1.weight": (ff, h // pack), e + "w3.weight": (ff, h // pack),
+                       e + "w2.weight": (h, ff // pack)}  # fmt: skip
     return shapes
 
 
@@ -262,6 +268,13 @@ def _compressor(
         p + "ape": (rate, series * dim),
         p + "norm.weight": (dim,),
     }
+
+
+def canonical_scale(name: str) -> str:
+    """transformers' `<name>.weight_scale_inv` is DeepSeek's `<name>.scale`."""
+    return (
+        name.removesuffix(".weight_scale_inv") + ".scale" if name.endswith("_scale_inv") else name
+    )
 
 
 _TOP_LEVEL = {
@@ -277,5 +290,5 @@ def canonical_name(name: str) -> str:
     """A stored tensor's name as `expected_shapes` spells it: DeepSeek's own checkpoints
     ("layers.0.attn.wq_a.weight", "embed.weight") and transformers' save_pretrained ("model."
     before them, "model.embed_tokens.weight", "model.hc_head.hc_fn") both map onto it."""
-    name = name.removeprefix("model.")
+    name = canonical_scale(name.removeprefix("model."))
     return _TOP_LEVEL.get(name, name)

@@ -2,7 +2,8 @@
 hold what transformers' cache holds (each layer's window, the compressed entries and indexer
 keys, the compressors' open windows and CSA's overlap halves), so decode continues exactly.
 Also: a config in the legacy spelling, with YaRN on the compress rope set and sigmoid scores,
-matches transformers token for token; the row layout of DeepSeek-V4-Flash's shape."""
+matches transformers token for token; FP8 / FP4 checkpoints load; the row layout of
+DeepSeek-V4-Flash's shape."""
 
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ import json
 import pytest
 import torch
 import transformers
+from safetensors.torch import load_file, save_file
 
 from services.engine.engine import Engine, EngineConfig
 from services.engine.params import SamplingParams
-from services.model import v4_rows
+from services.model import v4_quant, v4_rows
 from services.model.batch import ForwardBatch, SeqChunk
 from services.model.deepseek_v4 import DeepseekV4Model
 from services.model.hf_config import config_from_hf
@@ -143,3 +145,45 @@ def test_deepseek_v4_flash_rows():
     assert widths == [(512, 0, 0, 0), (512, 2560, 160, 4), (512, 1024, 32, 16),
                       (512, 2560, 160, 4)]  # fmt: skip
     assert flash.cache_shape == (1, 512 + 3232 + 1568 + 3232, 0) and flash.cache_layers == 1
+
+
+def test_fp8_and_fp4_checkpoints_load_as_their_dequantized_weights(checkpoint, tmp_path):
+    """Dense products in FP8 with ue8m0 scales per 16 x 16 block, routed experts in FP4 (two
+    e2m1 values a byte, a scale per 32 columns), scales spelled both ways: the model equals
+    the one loaded from the dequantized weights in float32, bit for bit."""
+    path, _ = checkpoint
+    stored = load_file(path / "model.safetensors")
+    quantized, plain = {}, {}
+    for i, (name, t) in enumerate(sorted(stored.items())):
+        base = name.removesuffix(".weight")
+        scale = base + (".scale" if i % 2 else ".weight_scale_inv")
+        routed = ".experts." in name and name.endswith(".weight")
+        dense = name.endswith(".weight") and (".attn.w" in name or "shared_experts" in name)
+        if routed:
+            q, s = v4_quant.quantize_fp4(t)
+        elif dense and "compressor" not in name and "indexer" not in name:
+            q, s = v4_quant.quantize_fp8(t, (16, 16))
+        else:
+            quantized[name] = plain[name] = t
+            continue
+        quantized |= {name: q, scale: s}
+        plain[name] = v4_quant.dequantize({name: q, base + ".scale": s}, name, (16, 16))
+        assert not torch.equal(plain[name], t)  # quantizing changed it: the test can fail
+    config = json.loads((path / "config.json").read_text())
+    dirs = {"quantized": (quantized, config | {"quantization_config": {
+        "quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
+        "weight_block_size": [16, 16], "expert_dtype": "fp4"}}),
+        "plain": (plain, config)}  # fmt: skip
+    logits = []
+    for kind, (tensors, cfg) in dirs.items():
+        out = tmp_path / kind
+        out.mkdir()
+        save_file(tensors, out / "model.safetensors")
+        (out / "config.json").write_text(json.dumps(cfg))
+        for file in ("tokenizer.json", "tokenizer_config.json"):
+            (out / file).write_bytes((path / file).read_bytes())
+        model = load_model(str(out), dtype="float32", device="cpu").model
+        kv = model.new_kv_cache(4, 16)
+        batch = ForwardBatch.build([SeqChunk(prompt(40), 0, [0, 1, 2])], 16)
+        logits.append(model.forward(batch, kv))
+    assert torch.equal(logits[0], logits[1])
