@@ -8,12 +8,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.model.oss_config import OssShape
 from services.model.v4_config import V4Shape, row_layout
 
 ARCHITECTURES = (
     "llama", "mistral", "qwen2", "qwen3",
     "mixtral", "qwen2_moe", "qwen3_moe",
-    "deepseek_v2", "deepseek_v3", "deepseek_v4",
+    "deepseek_v2", "deepseek_v3", "deepseek_v4", "gpt_oss",
 )  # fmt: skip
 
 
@@ -120,6 +121,7 @@ class ModelConfig:
     mla: MlaShape | None = None  # latent attention (head_dim is then nope_dim + rope_dim)
     moe: MoeShape | None = None
     v4: V4Shape | None = None  # DeepSeek-V4's windows, compressors and hyper-connections
+    oss: OssShape | None = None  # gpt-oss's per-layer windows and experts' activation
     # DeepSeek's FP8 checkpoints: e4m3 weights with a float32 scale per block of this shape
     # (weight_scale_inv): dequantized at load, or kept FP8 on the Triton path (gpu/fp8.py)
     fp8_block: tuple[int, int] | None = None
@@ -179,6 +181,10 @@ class ModelConfig:
             from services.model.v4_config import expected_shapes
 
             return expected_shapes(self)
+        if self.oss is not None:
+            from services.model import oss_config
+
+            return oss_config.expected_shapes(self)
         h = self.hidden_size
         shapes: dict[str, tuple[int, ...]] = {
             "model.embed_tokens.weight": (self.vocab_size, h),

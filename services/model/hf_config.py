@@ -16,6 +16,7 @@ from services.model.config import (
     RopeScaling,
 )
 from services.model.errors import ModelLoadError, read_json_object
+from services.model.oss_config import oss_from_hf
 from services.model.v4_config import SCORING as V4_SCORING
 from services.model.v4_config import main_rope_theta, v4_from_hf
 
@@ -30,6 +31,7 @@ HF_ARCHITECTURES = {
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "DeepseekV4ForCausalLM": "deepseek_v4",
+    "GptOssForCausalLM": "gpt_oss",
 }
 DEEPSEEK = ("deepseek_v2", "deepseek_v3")
 
@@ -64,6 +66,8 @@ def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
     _refuse_unimplemented(arch, raw)
     if arch == "deepseek_v4":
         return _deepseek_v4(raw)
+    if arch == "gpt_oss":
+        return _gpt_oss(raw)
     heads = int(raw["num_attention_heads"])
     rope = dict(raw.get("rope_parameters") or {})
     # transformers 5 writes rope_parameters; older configs rope_theta and rope_scaling
@@ -143,6 +147,42 @@ def _deepseek_v4(raw: dict[str, Any]) -> ModelConfig:
         v4=v4,
         fp8_block=_fp8_block(quantization and {"weight_block_size": [128, 128]} | quantization),
         name=str(raw.get("_name_or_path") or "deepseek_v4"),
+    )
+
+
+def _gpt_oss(raw: dict[str, Any]) -> ModelConfig:
+    """gpt-oss: GQA with biases and sinks, sliding and full layers, experts in every layer."""
+    layers, heads = int(raw["num_hidden_layers"]), int(raw["num_attention_heads"])
+    rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    eos = raw.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    ff = int(raw["intermediate_size"])
+    return ModelConfig(
+        architecture="gpt_oss",
+        vocab_size=int(raw["vocab_size"]),
+        hidden_size=int(raw["hidden_size"]),
+        intermediate_size=ff,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+        head_dim=int(raw.get("head_dim") or int(raw["hidden_size"]) // heads),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
+        rope_theta=float(rope.get("rope_theta") or raw.get("rope_theta") or 150000.0),
+        max_position_embeddings=int(raw.get("max_position_embeddings", 131072)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        attention_bias=True,
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=tuple(int(e) for e in eos_ids),
+        rope_scaling=_rope_scaling(rope or None),
+        moe=MoeShape(
+            num_experts=int(raw["num_local_experts"]),
+            top_k=int(raw["num_experts_per_tok"]),
+            intermediate_size=ff,
+            layers=tuple(range(layers)),
+            norm_topk_prob=True,  # softmax over the chosen experts' logits
+        ),
+        oss=oss_from_hf(raw, layers),
+        name=str(raw.get("_name_or_path") or "gpt_oss"),
     )
 
 
@@ -297,6 +337,8 @@ def _refuse_unimplemented(arch: str, raw: dict[str, Any]) -> None:
             refuse("ep_size", "expert parallelism is not implemented")
     if arch == "deepseek_v4":
         _refuse_v4(raw, refuse)
+    if arch == "gpt_oss" and raw.get("quantization_config"):
+        refuse("quantization_config", "gpt-oss's MXFP4 experts are not read yet")
     if arch == "mixtral" and raw.get("router_jitter_noise"):
         refuse("router_jitter_noise", "noise is for training")
     if arch in ("qwen3", "qwen2_moe", "qwen3_moe") and raw.get("use_sliding_window"):

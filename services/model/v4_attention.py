@@ -23,6 +23,7 @@ from services.model import pointwise, v4_rows
 from services.model.batch import ForwardBatch, SeqSpan
 from services.model.config import ModelConfig
 from services.model.linear import Linear
+from services.model.row_attention import attend_row
 from services.model.v4_config import SLIDING, LayerRow
 from services.model.v4_rows import V4Rope, slots_of
 
@@ -206,7 +207,7 @@ class V4Attention:
                     keys = torch.cat((keys, entries[chosen]))
                 else:
                     keys = torch.cat((keys, entries[:visible]))
-            out[i] = self._attend_row(q[i], keys, w.sinks)
+            out[i] = attend_row(q[i], keys[:, None], keys[:, None], self.scale, w.sinks)
         return out
 
     def _read_entries(
@@ -218,13 +219,6 @@ class V4Attention:
         slots = slots_of(span.block_table, tokens.flatten(), bs)
         shares = v4_rows.read(cache, slots, row.offset + row.kv + row.raw, row.share)
         return shares.view(count, row.span * row.share)[:, : row.entry]
-
-    def _attend_row(self, q: torch.Tensor, keys: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
-        """q [heads, D] over keys = values [n, D], a sink logit per head in the softmax."""
-        logits = (q @ keys.T) * self.scale  # [heads, n], in the model's dtype
-        logits = torch.cat((logits.float(), sinks[:, None]), dim=-1)
-        probs = (logits - logits.amax(dim=-1, keepdim=True)).softmax(dim=-1)[:, :-1]
-        return probs.to(keys.dtype) @ keys
 
 
 def _top_k(

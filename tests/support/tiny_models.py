@@ -75,6 +75,10 @@ FAMILIES = {
     ),
     "qwen3": lambda: transformers.Qwen3Config(**BASE, head_dim=32, tie_word_embeddings=True),
     "deepseek_v4": lambda: transformers.DeepseekV4Config(**V4),
+    # sliding (a window of 8) and full layers alternating, sinks, biased experts, YaRN
+    "gpt_oss": lambda: transformers.GptOssConfig(
+        **BASE, head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=8,
+    ),
 }  # fmt: skip
 ARCHITECTURE = {"deepseek_v3_dense": "deepseek_v3"}
 

@@ -2,9 +2,11 @@
 and the KV bytes behind them do not depend on the requests batched with it, on how its prompt
 was chunked, on whether its prefix came from the cache, or on whether its output was decoded
 or recomputed (a migrated stream). Bitwise comparisons throughout, float32 and bfloat16 alike,
-for Llama-style attention (the embedded model) and for DeepSeek-V3's latent attention with
+for Llama-style attention (the embedded model), for DeepSeek-V3's latent attention with
 mixture-of-experts layers (a tiny random checkpoint: the cache holds latents, and tokens that
-share an expert in a step must not change each other's results).
+share an expert in a step must not change each other's results), for DeepSeek-V4 (windows,
+compressed entries made as their windows close, hyper-connections, hash and top-k experts)
+and for gpt-oss (sliding and full layers with sinks).
 
 Logprobs are compared with the tokens: a logit that moved shows there even when the argmax
 (or the draw) happens not to change."""
@@ -22,6 +24,7 @@ from services.engine.request import EngineRequest, TokenLogprobs
 from services.engine.speculative import SpeculativeConfig
 from services.model.attention import CpuAttention
 from services.model.deepseek_v4 import DeepseekV4Model
+from services.model.gpt_oss import GptOssModel
 from services.model.kv_cache import gather_blocks
 from services.model.loader import LoadedModel, load_model
 from services.model.mla import CpuMlaAttention
@@ -47,6 +50,11 @@ def with_(params: SamplingParams, **changes) -> SamplingParams:
 
 
 @pytest.fixture(scope="module")
+def deepseek_v3_dir(deepseek_dir):
+    return deepseek_dir
+
+
+@pytest.fixture(scope="module")
 def deepseek_dir(tmp_path_factory, embedded_dir):
     path = tmp_path_factory.mktemp("deepseek_v3")
     save_tiny("deepseek_v3", path, embedded_dir)
@@ -60,19 +68,26 @@ def deepseek_v4_dir(tmp_path_factory, embedded_dir):
     return path
 
 
-@pytest.fixture(scope="module", params=["embedded", "deepseek_v3", "deepseek_v4"])
+@pytest.fixture(scope="module")
+def gpt_oss_dir(tmp_path_factory, embedded_dir):
+    path = tmp_path_factory.mktemp("gpt_oss")
+    save_tiny("gpt_oss", path, embedded_dir)
+    return path
+
+
+@pytest.fixture(scope="module", params=["embedded", "deepseek_v3", "deepseek_v4", "gpt_oss"])
 def family(request):
     return request.param
 
 
 @pytest.fixture(scope="module", params=COMPUTE_DTYPES)
-def model(request, family, embedded_dir, embedded, deepseek_dir, deepseek_v4_dir) -> LoadedModel:
+def model(request, family, embedded_dir, embedded, tmp_path_factory) -> LoadedModel:
     if family == "embedded" and request.param == "float32":
         loaded = embedded
     else:
-        path = {"embedded": embedded_dir, "deepseek_v3": deepseek_dir}.get(family, deepseek_v4_dir)
+        path = embedded_dir if family == "embedded" else request.getfixturevalue(f"{family}_dir")
         loaded = load_model(str(path), dtype=request.param, device="cpu")
-    if isinstance(loaded.model, DeepseekV4Model):  # its attention is a per-row reference
+    if isinstance(loaded.model, DeepseekV4Model | GptOssModel):  # per-row attention references
         if not loaded.model.packed:
             pytest.skip("bitwise guarantees hold for oneDNN's products")
         return loaded
@@ -184,8 +199,8 @@ def test_speculation_changes_no_token_and_no_logprob(model, family, deepseek_dir
     (same vocabulary) drafts for it, and is mostly refused, so rejected rows, compressed
     entries their tokens closed included, are computed again (greedy only: a draft's
     probabilities make seeded draws rejection sampling, the same distribution by other draws)."""
-    if family == "embedded":
-        pytest.skip("test_speculative.py covers the embedded model")
+    if family in ("embedded", "gpt_oss"):
+        pytest.skip("test_speculative.py covers the Llama-style attention, V3 and V4 here")
     prompts = [prompt(12, seed=20 + i) * 4 for i in range(6)]  # repeats: suffixes to propose
     params = [with_(GREEDY, max_tokens=24)] * 5 + [with_(SEEDED, max_tokens=24)]
     if family == "deepseek_v4":

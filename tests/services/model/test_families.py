@@ -1,6 +1,7 @@
 """Checkpoints of the MoE and latent-attention families, made by transformers, load and match it
 token for token: DeepSeek-V3 with and without MoE layers, DeepSeek-V2 (no q LoRA), DeepSeek-V4
-(every layer type, both MoE kinds), Mixtral, Qwen2-MoE, Qwen3-MoE and Qwen3."""
+(every layer type, both MoE kinds), gpt-oss (sliding and full layers, sinks), Mixtral,
+Qwen2-MoE, Qwen3-MoE and Qwen3."""
 
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ def test_config_reads_the_family(checkpoint):
     assert (cfg.v4 is not None) == (name == "deepseek_v4")
     moe_layers = {"deepseek_v3": (1, 2), "deepseek_v3_dense": (), "deepseek_v2": (1, 2),
                   "mixtral": (0, 1, 2), "qwen2_moe": (0, 2), "qwen3_moe": (0, 1, 2),
-                  "deepseek_v4": (0, 1, 2, 3)}  # fmt: skip
+                  "deepseek_v4": (0, 1, 2, 3), "gpt_oss": (0, 1, 2)}  # fmt: skip
     assert (cfg.moe.layers if cfg.moe else ()) == moe_layers.get(name, ())
     buffers = ("e_score_correction_bias", "tid2eid")  # checkpoint tensors, not parameters
     assert cfg.num_parameters == sum(p.numel() for p in reference.parameters()) + sum(

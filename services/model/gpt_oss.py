@@ -1,0 +1,168 @@
+"""gpt-oss (`GptOssForCausalLM`) over the paged pool: per-head K and V as Llama's
+(kv_cache.py's layout, so blocks, the store and the seam are the usual ones), each layer's
+attention full or over a sliding window, with a learned sink per head
+(row_attention.attend_row, one query row at a time); experts in every layer."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kvstore.block_hash import BLOCK_SIZE
+from services.model import kv_cache, pointwise
+from services.model.attention import resolve_kernels
+from services.model.batch import ForwardBatch
+from services.model.config import ModelConfig
+from services.model.kv_cache import KVCache
+from services.model.layer_ops import LayerOps, TorchLayerOps
+from services.model.linear import Linear, amx_linear_library, make_linear, packed_linear_available
+from services.model.moe import DenseMlp, Moe
+from services.model.rope import Rotary, apply_rotary
+from services.model.row_attention import attend_row, window_start
+from services.model.v4_attention import _rms_norm
+from services.settings import DEFAULTS
+
+
+@dataclass(frozen=True)
+class OssMlp(DenseMlp):
+    """gpt-oss's expert: gate clamped above, up both ways, out = (up + 1) * gate *
+    sigmoid(alpha * gate)."""
+
+    limit: float = 7.0
+    alpha: float = 1.702
+
+    def __call__(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        gate, up = gate.clamp(max=self.limit), up.clamp(min=-self.limit, max=self.limit)
+        glu = gate * pointwise.sigmoid(gate * self.alpha).to(gate.dtype)
+        return self.down((up + 1) * glu)
+
+
+class OssMoe(Moe):
+    """Top-k of the router's logits (it has a bias), their softmax as the weights."""
+
+    def route(self, x: torch.Tensor, ops: LayerOps) -> tuple[torch.Tensor, torch.Tensor]:
+        top = self.gate(x).topk(self.shape.top_k, dim=-1)
+        return pointwise.softmax(top.values, -1), top.indices
+
+
+@dataclass(frozen=True)
+class OssLayer:
+    input_norm: torch.Tensor
+    qkv: Linear  # with biases
+    o: Linear
+    sinks: torch.Tensor  # [heads]
+    window: int | None
+    post_norm: torch.Tensor
+    moe: OssMoe
+
+
+class GptOssModel:
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        kernels: str = DEFAULTS.model.kernels,
+    ) -> None:
+        assert config.oss is not None and config.moe is not None
+        self.config, self.dtype, self.device = config, dtype, torch.device(device)
+        self.kernels = resolve_kernels(kernels, self.device)
+        self.packed = packed = packed_linear_available(self.device, dtype)
+        amx = amx_linear_library() if packed and dtype == torch.bfloat16 else None
+
+        def w(name: str) -> torch.Tensor:
+            return weights[name].to(self.device, dtype)
+
+        def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+            return make_linear(weight.contiguous(), bias, packed, amx)
+
+        self.embed = w("model.embed_tokens.weight")
+        head = "model.embed_tokens" if config.tie_word_embeddings else "lm_head"
+        self.lm_head = linear(w(head + ".weight"))
+        self.norm = w("model.norm.weight")
+        self.layers = []
+        for i in range(config.num_layers):
+            p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+            qkv = [w(f"{a}{x}_proj.weight") for x in "qkv"]
+            qkv_bias = [w(f"{a}{x}_proj.bias") for x in "qkv"]
+            self.layers.append(OssLayer(
+                input_norm=w(p + "input_layernorm.weight"),
+                qkv=linear(torch.cat(qkv), torch.cat(qkv_bias)),
+                o=linear(w(a + "o_proj.weight"), w(a + "o_proj.bias")),
+                sinks=w(a + "sinks"),
+                window=config.oss.windows[i],
+                post_norm=w(p + "post_attention_layernorm.weight"),
+                moe=self._moe(p + "mlp.", w, linear),
+            ))  # fmt: skip
+        self.rotary = Rotary(config, dtype, self.device)
+        self.ops: LayerOps = TorchLayerOps(config, self.rotary)
+
+    def _moe(
+        self,
+        m: str,
+        w: Callable[[str], torch.Tensor],
+        linear: Callable[..., Linear],
+    ) -> OssMoe:
+        oss, moe = self.config.oss, self.config.moe
+        assert oss is not None and moe is not None
+        gate_up, gate_up_bias = w(m + "experts.gate_up_proj"), w(m + "experts.gate_up_proj_bias")
+        down, down_bias = w(m + "experts.down_proj"), w(m + "experts.down_proj_bias")
+        experts: list[DenseMlp] = []
+        for e in range(moe.num_experts):  # [hidden, 2 ff], gate and up columns interleaved
+            weight = torch.cat((gate_up[e][:, 0::2].T, gate_up[e][:, 1::2].T))
+            bias = torch.cat((gate_up_bias[e][0::2], gate_up_bias[e][1::2]))
+            experts.append(OssMlp(linear(weight, bias), linear(down[e].T, down_bias[e]),
+                                  oss.swiglu_limit, oss.swiglu_alpha))  # fmt: skip
+        router = linear(w(m + "router.weight"), w(m + "router.bias"))
+        return OssMoe(moe, router, self.dtype, None, experts, None, None)
+
+    def expert_counts(self) -> dict[int, list[int]]:
+        return {i: layer.moe.counts.tolist() for i, layer in enumerate(self.layers)}
+
+    def new_kv_cache(self, num_blocks: int, block_size: int = BLOCK_SIZE) -> KVCache:
+        return KVCache(self.config, num_blocks, block_size, self.dtype, self.device)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+        c = self.config
+        cos, sin = self.rotary.tables(batch.positions)
+        h = self.embed.index_select(0, batch.token_ids)
+        for i, layer in enumerate(self.layers):
+            x = _rms_norm(h, layer.input_norm, c.rms_norm_eps)
+            q, k, v = layer.qkv(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+            q = apply_rotary(q.reshape(-1, c.num_heads, c.head_dim), cos, sin)
+            k = apply_rotary(k.reshape(-1, c.num_kv_heads, c.head_dim), cos, sin)
+            v = v.reshape(-1, c.num_kv_heads, c.head_dim)
+            k_cache, v_cache = kv.layer(i)
+            kv_cache.write(k_cache, v_cache, batch.slot_mapping, k, v)
+            out = self._attend(layer, q, k_cache, v_cache, batch)
+            h = h + layer.o(out.flatten(1))
+            x = _rms_norm(h, layer.post_norm, c.rms_norm_eps)
+            h = h + layer.moe(x, self.ops)
+        x = _rms_norm(h[batch.logits_rows], self.norm, c.rms_norm_eps)
+        return self.lm_head(x).float()
+
+    def _attend(
+        self,
+        layer: OssLayer,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        out = q.new_empty(q.shape)
+        scale = self.config.head_dim**-0.5
+        for span in batch.seqs:
+            keys, values = kv_cache.gather(k_cache, v_cache, span.block_table)
+            start = span.context_len - span.query_len
+            for i in range(span.query_len):
+                t = start + i
+                lo = window_start(t, layer.window)
+                out[span.row + i] = attend_row(
+                    q[span.row + i], keys[lo : t + 1], values[lo : t + 1], scale, layer.sinks
+                )
+        return out
