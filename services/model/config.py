@@ -8,13 +8,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.model.gemma3_config import Gemma3Shape
 from services.model.oss_config import OssShape
 from services.model.v4_config import V4Shape, row_layout
 
 ARCHITECTURES = (
     "llama", "mistral", "qwen2", "qwen3",
     "mixtral", "qwen2_moe", "qwen3_moe",
-    "deepseek_v2", "deepseek_v3", "deepseek_v4", "gpt_oss",
+    "deepseek_v2", "deepseek_v3", "deepseek_v4", "gpt_oss", "gemma3_text",
 )  # fmt: skip
 
 
@@ -122,6 +123,7 @@ class ModelConfig:
     moe: MoeShape | None = None
     v4: V4Shape | None = None  # DeepSeek-V4's windows, compressors and hyper-connections
     oss: OssShape | None = None  # gpt-oss's per-layer windows and experts' activation
+    gemma3: Gemma3Shape | None = None  # Gemma 3's local and global layers
     # DeepSeek's FP8 checkpoints: e4m3 weights with a float32 scale per block of this shape
     # (weight_scale_inv): dequantized at load, or kept FP8 on the Triton path (gpu/fp8.py)
     fp8_block: tuple[int, int] | None = None
@@ -185,6 +187,10 @@ class ModelConfig:
             from services.model import oss_config
 
             return oss_config.expected_shapes(self)
+        if self.gemma3 is not None:
+            from services.model import gemma3_config
+
+            return gemma3_config.expected_shapes(self)
         h = self.hidden_size
         shapes: dict[str, tuple[int, ...]] = {
             "model.embed_tokens.weight": (self.vocab_size, h),

@@ -16,6 +16,7 @@ from services.model.config import (
     RopeScaling,
 )
 from services.model.errors import ModelLoadError, read_json_object
+from services.model.gemma3_config import gemma3_from_hf, global_rope
 from services.model.oss_config import oss_from_hf
 from services.model.v4_config import SCORING as V4_SCORING
 from services.model.v4_config import main_rope_theta, v4_from_hf
@@ -32,6 +33,7 @@ HF_ARCHITECTURES = {
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "DeepseekV4ForCausalLM": "deepseek_v4",
     "GptOssForCausalLM": "gpt_oss",
+    "Gemma3ForCausalLM": "gemma3_text",
 }
 DEEPSEEK = ("deepseek_v2", "deepseek_v3")
 
@@ -59,7 +61,14 @@ def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
         raise ModelLoadError(
             "config.json", f"unsupported architecture {archs} (supported: {supported})"
         )
-    if raw.get("hidden_act", "silu") != "silu":
+    if arch == "gemma3_text" and raw.get("hidden_activation", "gelu_pytorch_tanh") not in (
+        "gelu_pytorch_tanh",
+        "gelu_tanh",
+    ):
+        raise ModelLoadError(
+            "config.json", f"unsupported hidden_activation {raw['hidden_activation']!r}"
+        )
+    if arch != "gemma3_text" and raw.get("hidden_act", "silu") != "silu":
         raise ModelLoadError("config.json", f"unsupported hidden_act {raw['hidden_act']!r}")
     if raw.get("mlp_bias"):
         raise ModelLoadError("config.json", "unsupported mlp_bias=true")
@@ -68,6 +77,8 @@ def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
         return _deepseek_v4(raw)
     if arch == "gpt_oss":
         return _gpt_oss(raw)
+    if arch == "gemma3_text":
+        return _gemma3(raw)
     heads = int(raw["num_attention_heads"])
     rope = dict(raw.get("rope_parameters") or {})
     # transformers 5 writes rope_parameters; older configs rope_theta and rope_scaling
@@ -183,6 +194,35 @@ def _gpt_oss(raw: dict[str, Any]) -> ModelConfig:
         ),
         oss=oss_from_hf(raw, layers),
         name=str(raw.get("_name_or_path") or "gpt_oss"),
+    )
+
+
+def _gemma3(raw: dict[str, Any]) -> ModelConfig:
+    """Gemma 3 (text): GQA with q/k norms, local and global layers, GELU MLPs."""
+    layers, heads = int(raw["num_hidden_layers"]), int(raw["num_attention_heads"])
+    rope = global_rope(raw)
+    eos = raw.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    return ModelConfig(
+        architecture="gemma3_text",
+        vocab_size=int(raw["vocab_size"]),
+        hidden_size=int(raw["hidden_size"]),
+        intermediate_size=int(raw["intermediate_size"]),
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+        head_dim=int(raw.get("head_dim") or 256),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope.get("rope_theta") or 1000000.0),
+        max_position_embeddings=int(raw.get("max_position_embeddings", 131072)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
+        attention_bias=bool(raw.get("attention_bias")),
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=tuple(int(e) for e in eos_ids),
+        rope_scaling=_rope_scaling(rope),
+        qk_norm=True,
+        gemma3=gemma3_from_hf(raw, layers),
+        name=str(raw.get("_name_or_path") or "gemma3"),
     )
 
 
@@ -337,6 +377,8 @@ def _refuse_unimplemented(arch: str, raw: dict[str, Any]) -> None:
             refuse("ep_size", "expert parallelism is not implemented")
     if arch == "deepseek_v4":
         _refuse_v4(raw, refuse)
+    if arch == "gemma3_text" and raw.get("use_bidirectional_attention"):
+        refuse("use_bidirectional_attention", "a causal decoder attends to earlier tokens only")
     if arch == "gpt_oss" and raw.get("quantization_config"):
         refuse("quantization_config", "gpt-oss's MXFP4 experts are not read yet")
     if arch == "mixtral" and raw.get("router_jitter_noise"):

@@ -14,6 +14,7 @@ from services.model.config import ModelConfig
 from services.model.decoder import DecoderModel
 from services.model.deepseek_v4 import DeepseekV4Model
 from services.model.errors import ModelLoadError
+from services.model.gemma3 import Gemma3Model
 from services.model.gpt_oss import GptOssModel
 from services.settings import DEFAULTS
 from services.tokenizer.tokenizer import Tokenizer
@@ -78,7 +79,7 @@ def load_model(
     if quantization == "int8" and dev.type != "cpu":
         raise ModelLoadError(path, f"--quantization int8 runs on CPUs, not {dev}")
     config = hf_config.read_config(path)
-    if quantization == "int8" and (config.mla or config.moe) is not None:
+    if quantization == "int8" and (config.mla or config.moe or config.gemma3) is not None:
         raise ModelLoadError(path, "--quantization int8 covers Llama-family dense models only")
     tokenizer = Tokenizer.from_dir(path)
     weights = hf_dir.read_weights(path, config)
@@ -87,6 +88,8 @@ def load_model(
         model = DeepseekV4Model(config, weights, resolve_dtype(dtype, dev), dev, kernels=kernels)
     elif config.oss is not None:
         model = GptOssModel(config, weights, resolve_dtype(dtype, dev), dev, kernels=kernels)
+    elif config.gemma3 is not None:
+        model = Gemma3Model(config, weights, resolve_dtype(dtype, dev), dev, kernels=kernels)
     else:
         model = DecoderModel(config, weights, resolve_dtype(dtype, dev), dev, kernels=kernels)
     if quantization == "int8":

@@ -1,8 +1,9 @@
 """Element-wise functions whose result for an element depends on its value alone (float32,
-on CPUs: kernels/pointwise.c), and DeepSeek-V4's sigmoid, softmax, softplus and SiLU built
-on them with IEEE arithmetic, their sums over a small dimension taken in order. torch's own
-give an element other bits depending on where it falls in the tensor (a vector routine over
-most of it, libm over the tail), so a row's results changed with the rows beside it.
+on CPUs: kernels/pointwise.c), and the sigmoid, softmax, softplus, SiLU and GELU of the
+window-and-sink models (DeepSeek-V4, gpt-oss, Gemma 3) built on them with IEEE arithmetic,
+their sums over a small dimension taken in order. torch's own give an element other bits
+depending on where it falls in the tensor (a vector routine over most of it, libm over the
+tail), so a row's results changed with the rows beside it.
 
 Without the library (no C compiler, a GPU tensor) torch's functions stand in: results then
 repeat, but a row's bits can move with the batch.
@@ -43,6 +44,7 @@ exp = _binding("map_exp", torch.exp)
 log1p = _binding("map_log1p", torch.log1p)
 cos = _binding("map_cos", torch.cos)
 sin = _binding("map_sin", torch.sin)
+tanh = _binding("map_tanh", torch.tanh)
 
 
 def sigmoid(x: torch.Tensor) -> torch.Tensor:
@@ -54,6 +56,13 @@ def silu(x: torch.Tensor) -> torch.Tensor:
     """x / (1 + e^-x) in float32 (torch's formula), in x's dtype."""
     xf = x.float()
     return (xf / (1.0 + exp(-xf))).to(x.dtype)
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU, tanh approximation (Gemma's gelu_pytorch_tanh), in float32, in x's dtype."""
+    xf = x.float()
+    inner = 0.7978845608028654 * (xf + 0.044715 * xf * xf * xf)
+    return (0.5 * xf * (1.0 + tanh(inner))).to(x.dtype)
 
 
 def softplus(x: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,6 @@ def attend_row(
     values: torch.Tensor,  # [n, kv_heads, Dv]
     scale: float,
     sinks: torch.Tensor | None = None,  # [heads], float32
-    softcap: float | None = None,  # Gemma 2's tanh cap on the logits
 ) -> torch.Tensor:  # [heads, Dv]
     # contiguous: the products' kernels take another path (other bits) for other strides
     keys, values = keys.contiguous(), values.contiguous()
@@ -25,8 +24,6 @@ def attend_row(
     grouped = q.view(groups, heads // groups, q.shape[-1])  # query heads sharing a KV head
     logits = (grouped @ keys.permute(1, 2, 0)) * scale  # [kv_heads, group, n]
     logits = logits.reshape(heads, -1).float()
-    if softcap is not None:
-        logits = torch.tanh(logits / softcap) * softcap
     if sinks is not None:
         logits = torch.cat((logits, sinks.float()[:, None]), dim=-1)
     probs = (logits - logits.amax(dim=-1, keepdim=True)).softmax(dim=-1)

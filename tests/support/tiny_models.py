@@ -79,8 +79,14 @@ FAMILIES = {
     "gpt_oss": lambda: transformers.GptOssConfig(
         **BASE, head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=8,
     ),
+    # local (window 8) and global layers, the logits' softcap
+    "gemma3": lambda: transformers.Gemma3TextConfig(
+        **BASE, head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        final_logit_softcapping=30.0,
+    ),
 }  # fmt: skip
-ARCHITECTURE = {"deepseek_v3_dense": "deepseek_v3"}
+ARCHITECTURE = {"deepseek_v3_dense": "deepseek_v3", "gemma3": "gemma3_text"}
 
 
 def save_tiny(name: str, path: Path, embedded_dir: Path) -> transformers.PreTrainedModel:
@@ -103,6 +109,8 @@ def save_tiny(name: str, path: Path, embedded_dir: Path) -> transformers.PreTrai
                 )
         for param_name, p in model.named_parameters():  # sinks, slot biases, HC mixes drawn too
             if param_name.endswith(("sinks", "position_bias", ".base", "hc_base")):
+                p.normal_(0, 0.5)
+            if name == "gemma3" and "norm" in param_name:  # (1 + weight): zeros would hide them
                 p.normal_(0, 0.5)
     model.save_pretrained(path)
     for file in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):

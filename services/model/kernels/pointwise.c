@@ -1,6 +1,7 @@
 /*
  * Transcendental functions applied element by element, each element's result a function of
- * its own value alone: libm's scalar expf, log1pf, cosf and sinf over a flat float32 array.
+ * its own value alone: libm's scalar expf, log1pf, cosf, sinf and tanhf over a flat float32
+ * array.
  *
  * torch computes exp, sigmoid, softplus and cos with a vector routine over most of a tensor
  * and libm over the tail that does not fill a vector; the two differ in the last bits, and
@@ -23,3 +24,4 @@ MAP(map_exp, expf)
 MAP(map_log1p, log1pf)
 MAP(map_cos, cosf)
 MAP(map_sin, sinf)
+MAP(map_tanh, tanhf)

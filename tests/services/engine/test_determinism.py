@@ -6,7 +6,7 @@ for Llama-style attention (the embedded model), for DeepSeek-V3's latent attenti
 mixture-of-experts layers (a tiny random checkpoint: the cache holds latents, and tokens that
 share an expert in a step must not change each other's results), for DeepSeek-V4 (windows,
 compressed entries made as their windows close, hyper-connections, hash and top-k experts)
-and for gpt-oss (sliding and full layers with sinks).
+for gpt-oss (sliding and full layers with sinks) and for Gemma 3 (local and global layers).
 
 Logprobs are compared with the tokens: a logit that moved shows there even when the argmax
 (or the draw) happens not to change."""
@@ -24,6 +24,7 @@ from services.engine.request import EngineRequest, TokenLogprobs
 from services.engine.speculative import SpeculativeConfig
 from services.model.attention import CpuAttention
 from services.model.deepseek_v4 import DeepseekV4Model
+from services.model.gemma3 import Gemma3Model
 from services.model.gpt_oss import GptOssModel
 from services.model.kv_cache import gather_blocks
 from services.model.loader import LoadedModel, load_model
@@ -75,7 +76,16 @@ def gpt_oss_dir(tmp_path_factory, embedded_dir):
     return path
 
 
-@pytest.fixture(scope="module", params=["embedded", "deepseek_v3", "deepseek_v4", "gpt_oss"])
+@pytest.fixture(scope="module")
+def gemma3_dir(tmp_path_factory, embedded_dir):
+    path = tmp_path_factory.mktemp("gemma3")
+    save_tiny("gemma3", path, embedded_dir)
+    return path
+
+
+@pytest.fixture(
+    scope="module", params=["embedded", "deepseek_v3", "deepseek_v4", "gpt_oss", "gemma3"]
+)
 def family(request):
     return request.param
 
@@ -87,7 +97,7 @@ def model(request, family, embedded_dir, embedded, tmp_path_factory) -> LoadedMo
     else:
         path = embedded_dir if family == "embedded" else request.getfixturevalue(f"{family}_dir")
         loaded = load_model(str(path), dtype=request.param, device="cpu")
-    if isinstance(loaded.model, DeepseekV4Model | GptOssModel):  # per-row attention references
+    if isinstance(loaded.model, DeepseekV4Model | GptOssModel | Gemma3Model):  # per-row attention
         if not loaded.model.packed:
             pytest.skip("bitwise guarantees hold for oneDNN's products")
         return loaded
@@ -199,7 +209,7 @@ def test_speculation_changes_no_token_and_no_logprob(model, family, deepseek_dir
     (same vocabulary) drafts for it, and is mostly refused, so rejected rows, compressed
     entries their tokens closed included, are computed again (greedy only: a draft's
     probabilities make seeded draws rejection sampling, the same distribution by other draws)."""
-    if family in ("embedded", "gpt_oss"):
+    if family in ("embedded", "gpt_oss", "gemma3"):
         pytest.skip("test_speculative.py covers the Llama-style attention, V3 and V4 here")
     prompts = [prompt(12, seed=20 + i) * 4 for i in range(6)]  # repeats: suffixes to propose
     params = [with_(GREEDY, max_tokens=24)] * 5 + [with_(SEEDED, max_tokens=24)]

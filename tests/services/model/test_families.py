@@ -1,7 +1,7 @@
 """Checkpoints of the MoE and latent-attention families, made by transformers, load and match it
 token for token: DeepSeek-V3 with and without MoE layers, DeepSeek-V2 (no q LoRA), DeepSeek-V4
-(every layer type, both MoE kinds), gpt-oss (sliding and full layers, sinks), Mixtral,
-Qwen2-MoE, Qwen3-MoE and Qwen3."""
+(every layer type, both MoE kinds), gpt-oss (sliding and full layers, sinks), Gemma 3 (local
+and global layers, softcaps), Mixtral, Qwen2-MoE, Qwen3-MoE and Qwen3."""
 
 from __future__ import annotations
 
@@ -112,13 +112,12 @@ def test_bfloat16_logits_follow_transformers(checkpoint, dtype):
         ("num_key_value_heads", 2, "DeepseekV4ForCausalLM"),
         ("scoring_func", "softmax", "DeepseekV4ForCausalLM"),
         ("o_groups", 3, "DeepseekV4ForCausalLM"),
-        (
-            "quantization_config",
-            {"quant_method": "fp8", "expert_dtype": "fp4"},
-            "DeepseekV4ForCausalLM",
-        ),
+        ("quantization_config", {"quant_method": "awq"}, "DeepseekV4ForCausalLM"),
+        ("expert_dtype", "int4", "DeepseekV4ForCausalLM"),
         ("layer_types", ["sliding_attention", "full_attention"] * 2, "DeepseekV4ForCausalLM"),
         ("mlp_layer_types", ["moe", "dense"] * 2, "DeepseekV4ForCausalLM"),
+        ("use_bidirectional_attention", True, "Gemma3ForCausalLM"),
+        ("hidden_activation", "relu", "Gemma3ForCausalLM"),
     ],
 )
 def test_a_field_value_the_engine_does_not_implement_is_refused_by_name(
@@ -130,6 +129,7 @@ def test_a_field_value_the_engine_does_not_implement_is_refused_by_name(
         "MixtralForCausalLM": "mixtral",
         "Qwen3MoeForCausalLM": "qwen3_moe",
         "DeepseekV4ForCausalLM": "deepseek_v4",
+        "Gemma3ForCausalLM": "gemma3",
     }
     config = FAMILIES[families[arch]]().to_dict() | {field: value}
     (tmp_path / "config.json").write_text(json.dumps(config))

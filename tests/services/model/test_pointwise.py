@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.mark.parametrize("name", ["exp", "log1p", "cos", "sin"])
+@pytest.mark.parametrize("name", ["exp", "log1p", "cos", "sin", "tanh"])
 def test_an_element_gets_the_same_bits_alone_and_at_any_offset_of_any_length(name):
     fn, ref = getattr(pointwise, name), getattr(torch, name)
     x = torch.randn(1000, generator=torch.Generator().manual_seed(0)) * 4
@@ -33,6 +33,8 @@ def test_the_functions_built_on_them_follow_torch():
     assert torch.allclose(pointwise.sigmoid(x), torch.sigmoid(x), **close)
     assert torch.allclose(pointwise.silu(x), torch.nn.functional.silu(x), **close)
     assert torch.allclose(pointwise.softplus(x), torch.nn.functional.softplus(x), **close)
+    gelu = torch.nn.functional.gelu(x, approximate="tanh")
+    assert torch.allclose(pointwise.gelu_tanh(x), gelu, **close)
     assert torch.allclose(pointwise.softmax(x, 1), x.softmax(1), **close)
     assert torch.allclose(pointwise.softmax(x, 0), x.softmax(0), **close)
     assert torch.equal(pointwise.ordered_sum(x, 1), ((((x[:, 0] + x[:, 1]) + x[:, 2]) + x[:, 3])
