@@ -17,7 +17,7 @@ from services.model.config import ModelConfig
 from services.model.kv_cache import KVCache
 from services.model.linear import Linear, amx_linear_library, make_linear, packed_linear_available
 from services.model.rope import apply_rotary, attention_factor, inverse_frequencies
-from services.model.row_attention import attend_row, window_start
+from services.model.row_attention import attend_paged
 from services.settings import DEFAULTS
 
 
@@ -103,7 +103,8 @@ class Gemma3Model:
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
             k_cache, v_cache = kv.layer(i)
             kv_cache.write(k_cache, v_cache, batch.slot_mapping, k, v.reshape(k.shape))
-            out = layer.o(self._attend(layer, q, k_cache, v_cache, batch).flatten(1))
+            out = attend_paged(q, k_cache, v_cache, batch, self.gemma.query_scale, layer.window)
+            out = layer.o(out.flatten(1))
             h = h + _norm(out, layer.norms["post_attention"], c.rms_norm_eps)
             x = _norm(h, layer.norms["pre_feedforward"], c.rms_norm_eps)
             gate, up = layer.gate_up(x).chunk(2, dim=-1)
@@ -112,25 +113,6 @@ class Gemma3Model:
         logits = self.lm_head(_norm(h[batch.logits_rows], self.norm, c.rms_norm_eps)).float()
         cap = self.gemma.final_softcap
         return logits if cap is None else pointwise.tanh(logits / cap) * cap
-
-    def _attend(
-        self,
-        layer: Gemma3Layer,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        batch: ForwardBatch,
-    ) -> torch.Tensor:
-        out, scale = torch.empty_like(q), self.gemma.query_scale
-        for span in batch.seqs:
-            keys, values = kv_cache.gather(k_cache, v_cache, span.block_table)
-            start = span.context_len - span.query_len
-            for i in range(span.query_len):
-                t, row = start + i, span.row + i
-                lo = window_start(t, layer.window)
-                k, v = keys[lo : t + 1], values[lo : t + 1]
-                out[row] = attend_row(q[row], k, v, scale)
-        return out
 
 
 class _RopeSet:

@@ -20,7 +20,7 @@ from services.model.layer_ops import LayerOps, TorchLayerOps
 from services.model.linear import Linear, amx_linear_library, make_linear, packed_linear_available
 from services.model.moe import DenseMlp, Moe
 from services.model.rope import Rotary, apply_rotary
-from services.model.row_attention import attend_row, window_start
+from services.model.row_attention import attend_paged
 from services.model.v4_attention import _rms_norm
 from services.settings import DEFAULTS
 
@@ -139,30 +139,10 @@ class GptOssModel:
             v = v.reshape(-1, c.num_kv_heads, c.head_dim)
             k_cache, v_cache = kv.layer(i)
             kv_cache.write(k_cache, v_cache, batch.slot_mapping, k, v)
-            out = self._attend(layer, q, k_cache, v_cache, batch)
+            scale = c.head_dim**-0.5
+            out = attend_paged(q, k_cache, v_cache, batch, scale, layer.window, layer.sinks)
             h = h + layer.o(out.flatten(1))
             x = _rms_norm(h, layer.post_norm, c.rms_norm_eps)
             h = h + layer.moe(x, self.ops)
         x = _rms_norm(h[batch.logits_rows], self.norm, c.rms_norm_eps)
         return self.lm_head(x).float()
-
-    def _attend(
-        self,
-        layer: OssLayer,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        batch: ForwardBatch,
-    ) -> torch.Tensor:
-        out = q.new_empty(q.shape)
-        scale = self.config.head_dim**-0.5
-        for span in batch.seqs:
-            keys, values = kv_cache.gather(k_cache, v_cache, span.block_table)
-            start = span.context_len - span.query_len
-            for i in range(span.query_len):
-                t = start + i
-                lo = window_start(t, layer.window)
-                out[span.row + i] = attend_row(
-                    q[span.row + i], keys[lo : t + 1], values[lo : t + 1], scale, layer.sinks
-                )
-        return out

@@ -8,7 +8,14 @@ values' dtype."""
 
 from __future__ import annotations
 
+import ctypes
+import functools
+from typing import Any
+
 import torch
+
+from services.model import kv_cache
+from services.model.batch import ForwardBatch
 
 
 def attend_row(
@@ -36,3 +43,73 @@ def attend_row(
 def window_start(position: int, window: int | None) -> int:
     """The first position a query at `position` sees: itself and window - 1 before it."""
     return 0 if window is None else max(0, position - window + 1)
+
+
+def attend_rows(
+    q: torch.Tensor,  # [rows, heads, D]
+    keys: torch.Tensor,  # [n, kv_heads, D]: every row's keys, in one buffer
+    values: torch.Tensor,  # [n, kv_heads, Dv]
+    lists: list[torch.Tensor],  # row r's keys: indices into keys / values (int64)
+    scale: float,
+    sinks: torch.Tensor | None = None,  # [heads], float32
+) -> torch.Tensor:  # [rows, heads, Dv]
+    """Every row over its own keys: kernels/row_attention.c on CPUs where it builds (float32
+    and bfloat16), else `attend_row` row by row. Either way a row's bits are its own."""
+    library = _library()
+    dtypes = (torch.float32, torch.bfloat16)
+    usable = library is not None and q.device.type == "cpu" and q.dtype in dtypes
+    usable = usable and keys.dtype == values.dtype == q.dtype
+    if not usable or not lists:
+        each = [attend_row(q[r], keys[i], values[i], scale, sinks) for r, i in enumerate(lists)]
+        return torch.stack(each) if each else q.new_empty(0, q.shape[1], values.shape[-1])
+    assert library is not None
+    q, keys, values = q.contiguous(), keys.contiguous(), values.contiguous()
+    lengths = torch.tensor([0] + [len(i) for i in lists], dtype=torch.int64)
+    starts, index = lengths.cumsum(0), torch.cat(lists).to(torch.int64).contiguous()
+    rows, heads, _ = q.shape
+    out = q.new_empty(rows, heads, values.shape[-1])
+    sink = None if sinks is None else sinks.float().contiguous()
+    status = library.rows_attend(
+        q.data_ptr(), keys.data_ptr(), values.data_ptr(), int(q.dtype == torch.bfloat16),
+        starts.data_ptr(), index.data_ptr(), None if sink is None else sink.data_ptr(),
+        ctypes.c_float(scale), out.data_ptr(), rows, heads, keys.shape[1], q.shape[-1],
+        values.shape[-1], int(lengths.max()),
+    )  # fmt: skip
+    if status != 0:
+        raise MemoryError("row attention: no scratch memory")
+    return out
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    from services.model import kernels
+
+    library = kernels.load("row_attention")
+    if library is not None:
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        argtypes: list[Any] = [p, p, p, ctypes.c_int, p, p, p, ctypes.c_float, p] + [i64] * 6
+        library.rows_attend.restype = ctypes.c_int
+        library.rows_attend.argtypes = argtypes
+    return library
+
+
+def attend_paged(
+    q: torch.Tensor,  # [T, heads, D]: the batch's rows
+    k_cache: torch.Tensor,  # one layer of the paged pool (kv_cache.py)
+    v_cache: torch.Tensor,
+    batch: ForwardBatch,
+    scale: float,
+    window: int | None = None,  # a sliding window (None: every earlier token)
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:  # [T, heads, Dv]
+    """Each row of the batch over its sequence's cached keys and values (its window of them)."""
+    keys, values, lists, base = [], [], [], 0
+    for span in batch.seqs:
+        k, v = kv_cache.gather(k_cache, v_cache, span.block_table)
+        keys.append(k[: span.context_len])
+        values.append(v[: span.context_len])
+        start = span.context_len - span.query_len
+        for t in range(start, span.context_len):
+            lists.append(torch.arange(base + window_start(t, window), base + t + 1))
+        base += span.context_len
+    return attend_rows(q, torch.cat(keys), torch.cat(values), lists, scale, sinks)

@@ -23,7 +23,7 @@ from services.model import pointwise, v4_rows
 from services.model.batch import ForwardBatch, SeqSpan
 from services.model.config import ModelConfig
 from services.model.linear import Linear
-from services.model.row_attention import attend_row
+from services.model.row_attention import attend_rows
 from services.model.v4_config import SLIDING, LayerRow
 from services.model.v4_rows import V4Rope, slots_of
 
@@ -104,11 +104,16 @@ class V4Attention:
         if w.index_q is not None:
             index_q = self.rope.apply(w.index_q(q_lat).view(-1, v4.index_heads, v4.index_dim),
                                       cos, sin)  # fmt: skip
-        out = torch.empty_like(q)
+        keys, lists, base = [], [], 0  # every sequence's keys in one buffer; each row's list
         for span in batch.seqs:
             rows = slice(span.row, span.row + span.query_len)
             iq = None if index_q is None else (index_q[rows], index_w[rows])
-            out[rows] = self._attend_seq(w, row, span, q[rows], iq, batch.block_size, cache)
+            seq_keys, seq_lists = self._keys_seq(w, row, span, iq, batch.block_size, cache)
+            keys.append(seq_keys)
+            lists += [i + base for i in seq_lists]
+            base += len(seq_keys)
+        kv_rows = torch.cat(keys)[:, None]  # one K=V head
+        out = attend_rows(q, kv_rows, kv_rows, lists, self.scale, w.sinks)
         out = self.rope.apply(out, cos, -sin)  # each key counts by its distance to the query
         groups = out.view(out.shape[0], v4.o_groups, -1)
         return w.o_b(torch.cat([o(groups[:, g]) for g, o in enumerate(w.o_a)], dim=-1))
@@ -175,40 +180,41 @@ class V4Attention:
         cos, sin = self.rope.tables(es * m, "compress")  # the window's first position
         return self.rope.apply(pooled, cos, sin)
 
-    def _attend_seq(
+    def _keys_seq(
         self,
         w: V4AttentionWeights,
         row: LayerRow,
         span: SeqSpan,
-        q: torch.Tensor,  # [n, heads, head_dim]: the sequence's new rows
         index: tuple[torch.Tensor, torch.Tensor] | None,  # indexer q [n, ih, id], weights
         bs: int,
         cache: torch.Tensor,
-    ) -> torch.Tensor:  # [n, heads, head_dim]
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """A sequence's keys [window rows | entries] and each new row's list of them: its
+        window, then its entries (all visible ones, or the indexer's choice)."""
         c, window = self.config, self.v4.window
         start = span.context_len - span.query_len
         lo = max(0, start - window + 1)
-        positions = torch.arange(lo, span.context_len, device=q.device)
+        positions = torch.arange(lo, span.context_len, device=cache.device)
         kv = v4_rows.read(cache, slots_of(span.block_table, positions, bs), row.offset, c.head_dim)
         entries = index_keys = None
         if w.compressor is not None:
             entries = self._read_entries(row, span, w.compressor.rate, bs, cache)
             if w.indexer is not None:
                 entries, index_keys = entries.split([c.head_dim, w.indexer.dim], dim=-1)
-        out = torch.empty_like(q)
+        lists, n = [], len(kv)
         for i in range(span.query_len):
             t = start + i
-            keys = kv[max(0, t - window + 1) - lo : t + 1 - lo]
-            if entries is not None:
-                visible = (t + 1) // w.compressor.rate if w.compressor else 0
+            own = torch.arange(max(0, t - window + 1) - lo, t + 1 - lo)
+            if entries is not None and w.compressor is not None:
+                visible = (t + 1) // w.compressor.rate
                 if index_keys is not None and index is not None:
                     chosen = _top_k(index[0][i], index[1][i], index_keys, visible,
                                     self.v4.index_topk)  # fmt: skip
-                    keys = torch.cat((keys, entries[chosen]))
+                    own = torch.cat((own, n + chosen.cpu()))
                 else:
-                    keys = torch.cat((keys, entries[:visible]))
-            out[i] = attend_row(q[i], keys[:, None], keys[:, None], self.scale, w.sinks)
-        return out
+                    own = torch.cat((own, n + torch.arange(visible)))
+            lists.append(own)
+        return kv if entries is None else torch.cat((kv, entries)), lists
 
     def _read_entries(
         self, row: LayerRow, span: SeqSpan, m: int, bs: int, cache: torch.Tensor
