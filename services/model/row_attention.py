@@ -54,7 +54,14 @@ def attend_rows(
     sinks: torch.Tensor | None = None,  # [heads], float32
 ) -> torch.Tensor:  # [rows, heads, Dv]
     """Every row over its own keys: kernels/row_attention.c on CPUs where it builds (float32
-    and bfloat16), else `attend_row` row by row. Either way a row's bits are its own."""
+    and bfloat16), gpu/row_attention.py's Triton kernel on a GPU, else `attend_row` row by
+    row. On the CPU either way a row's bits are its own."""
+    if q.device.type == "cuda" and lists:
+        from services.model.gpu.row_attention import attend_rows as triton_rows
+
+        lengths = torch.tensor([0] + [len(i) for i in lists], dtype=torch.int64)
+        index = torch.cat(lists).to(q.device, torch.int64)
+        return triton_rows(q, keys, values, lengths.cumsum(0).to(q.device), index, scale, sinks)
     library = _library()
     dtypes = (torch.float32, torch.bfloat16)
     usable = library is not None and q.device.type == "cpu" and q.dtype in dtypes
