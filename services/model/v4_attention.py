@@ -196,35 +196,54 @@ class V4Attention:
         lo = max(0, start - window + 1)
         positions = torch.arange(lo, span.context_len, device=cache.device)
         kv = v4_rows.read(cache, slots_of(span.block_table, positions, bs), row.offset, c.head_dim)
-        entries = index_keys = None
-        if w.compressor is not None:
-            entries = self._read_entries(row, span, w.compressor.rate, bs, cache)
-            if w.indexer is not None:
-                entries, index_keys = entries.split([c.head_dim, w.indexer.dim], dim=-1)
-        lists, n = [], len(kv)
-        for i in range(span.query_len):
-            t = start + i
-            own = torch.arange(max(0, t - window + 1) - lo, t + 1 - lo)
-            if entries is not None and w.compressor is not None:
-                visible = (t + 1) // w.compressor.rate
-                if index_keys is not None and index is not None:
-                    chosen = _top_k(index[0][i], index[1][i], index_keys, visible,
-                                    self.v4.index_topk)  # fmt: skip
-                    own = torch.cat((own, n + chosen.cpu()))
-                else:
-                    own = torch.cat((own, n + torch.arange(visible)))
-            lists.append(own)
-        return kv if entries is None else torch.cat((kv, entries)), lists
+        windows = [
+            torch.arange(max(0, t - window + 1) - lo, t + 1 - lo)
+            for t in range(start, span.context_len)
+        ]
+        if w.compressor is None:
+            return kv, windows
+        m, n = w.compressor.rate, len(kv)
+        every = torch.arange(span.context_len // m, device=cache.device)
+        new = range(start, span.context_len)
+        if w.indexer is None or index is None:  # HCA: every entry so far, each row its visible
+            entries = self._read_entries(row, span, m, bs, cache, every, 0, c.head_dim)
+            lists = [
+                torch.cat((own, n + torch.arange((t + 1) // m)))
+                for t, own in zip(new, windows, strict=True)
+            ]
+            return torch.cat((kv, entries)), lists
+        # CSA: the indexer reads every entry's indexer key; the keys of its choices are read
+        index_keys = self._read_entries(row, span, m, bs, cache, every, c.head_dim, row.entry)
+        chosen = [
+            _top_k(index[0][i], index[1][i], index_keys, (t + 1) // m, self.v4.index_topk)
+            for i, t in enumerate(new)
+        ]
+        used = torch.unique(torch.cat(chosen)) if chosen else every[:0]
+        entries = self._read_entries(row, span, m, bs, cache, used, 0, c.head_dim)
+        lists = [torch.cat((own, n + torch.searchsorted(used, pick).cpu()))
+                 for own, pick in zip(windows, chosen, strict=True)]  # fmt: skip
+        return torch.cat((kv, entries)), lists
 
     def _read_entries(
-        self, row: LayerRow, span: SeqSpan, m: int, bs: int, cache: torch.Tensor
-    ) -> torch.Tensor:  # [entries, entry]
-        count = span.context_len // m
-        ends = (torch.arange(count, device=cache.device) + 1) * m
-        tokens = ends[:, None] - torch.arange(row.span, 0, -1, device=cache.device)
+        self,
+        row: LayerRow,
+        span: SeqSpan,
+        m: int,
+        bs: int,
+        cache: torch.Tensor,
+        entries: torch.Tensor,  # [n] which entries
+        lo: int = 0,
+        hi: int | None = None,
+    ) -> torch.Tensor:  # [n, hi - lo]: elements [lo, hi) of each (key, then indexer key)
+        """Entries read back from their shares: only the tokens holding elements [lo, hi)."""
+        hi = row.entry if hi is None else hi
+        first, last = lo // row.share, (hi - 1) // row.share + 1  # the shares holding them
+        pieces = torch.arange(first, last, device=cache.device)
+        tokens = (entries[:, None] + 1) * m - row.span + pieces  # [n, pieces]
         slots = slots_of(span.block_table, tokens.flatten(), bs)
         shares = v4_rows.read(cache, slots, row.offset + row.kv + row.raw, row.share)
-        return shares.view(count, row.span * row.share)[:, : row.entry]
+        part = shares.view(len(entries), (last - first) * row.share)
+        return part[:, lo - first * row.share : hi - first * row.share]
 
 
 def _top_k(

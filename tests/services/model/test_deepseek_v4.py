@@ -67,7 +67,7 @@ def test_after_a_prefill_the_rows_hold_transformers_cache_state(checkpoint):
             continue
         m, series = v4.rate(i), 2 if kind == CSA else 1
         entries = model.attention._read_entries(
-            row, _span(N, table), m, 16, k_cache
+            row, _span(N, table), m, 16, k_cache, torch.arange(N // m)
         )  # [N // m, entry]
         close(entries[:, :d], layer.compressed_kv["compressor"][0])
         raw = row.offset + row.kv
