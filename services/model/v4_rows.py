@@ -31,18 +31,6 @@ def read(cache: torch.Tensor, slots: torch.Tensor, offset: int, width: int) -> t
     return k[slots // bs, 0, lo:hi, :, slots % bs].reshape(len(slots), width)
 
 
-def read_blocks(cache: torch.Tensor, blocks: torch.Tensor, offset: int, width: int) -> torch.Tensor:
-    """Elements [offset, offset + width) of every row of `blocks` [n]: [n * block_size, width],
-    token-major (a copy). Whole blocks at once: far faster than `read` over their slots."""
-    n, bs = len(blocks), cache.shape[-1]
-    # a block's elements [offset, offset + width) lie together in either layout (offset even):
-    # gathered as they lie, then put token-major
-    part = cache[blocks, 0, offset : offset + width]  # [n, width, bs] as stored
-    if kv_cache.paired(cache.dtype):  # [width / 2, bs, 2]: dimension pairs per token
-        return part.reshape(n, width // 2, bs, 2).permute(0, 2, 1, 3).reshape(n * bs, width)
-    return part.transpose(1, 2).reshape(n * bs, width)
-
-
 def slots_of(table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
     """The slots of a sequence's tokens at `positions`, through its block table."""
     return table[positions // block_size] * block_size + positions % block_size
