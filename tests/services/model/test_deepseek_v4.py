@@ -2,8 +2,8 @@
 hold what transformers' cache holds (each layer's window, the compressed entries and indexer
 keys, the compressors' open windows and CSA's overlap halves), so decode continues exactly.
 Also: a config in the legacy spelling, with YaRN on the compress rope set and sigmoid scores,
-matches transformers token for token; FP8 / FP4 checkpoints load; the row layout of
-DeepSeek-V4-Flash's shape."""
+matches transformers token for token; FP8 / FP4 checkpoints load; preemption changes no
+token; the row layout of DeepSeek-V4-Flash's shape."""
 
 from __future__ import annotations
 
@@ -187,3 +187,21 @@ def test_fp8_and_fp4_checkpoints_load_as_their_dequantized_weights(checkpoint, t
         batch = ForwardBatch.build([SeqChunk(prompt(40), 0, [0, 1, 2])], 16)
         logits.append(model.forward(batch, kv))
     assert torch.equal(logits[0], logits[1])
+
+
+def test_preempted_sequences_give_the_tokens_of_a_pool_with_room(checkpoint):
+    """A pool too small for the batch preempts sequences (their rows released, recomputed
+    later from the tokens): every answer equals the one computed without preemption."""
+    path, _ = checkpoint
+    loaded = load_model(str(path), dtype="float32", device="cpu")
+    prompts = [prompt(40 + 9 * i, seed=30 + i) for i in range(8)]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    tight = Engine(loaded.model, loaded.tokenizer, EngineConfig(num_blocks=14))
+    squeezed = tight.generate(prompts, params)
+    assert tight.scheduler.num_preemptions > 0
+    tight.check()
+    roomy = Engine(loaded.model, loaded.tokenizer, EngineConfig(num_blocks=128))
+    expected = roomy.generate(prompts, params)
+    assert roomy.scheduler.num_preemptions == 0
+    for got, want in zip(squeezed, expected, strict=True):
+        assert got.choices[0].token_ids == want.choices[0].token_ids
