@@ -25,12 +25,12 @@ import argparse
 import functools
 import math
 import platform
-import sys
 from typing import Any
 
 import torch
 
 from bench import forward
+from bench.deepseek import log
 from services.model.batch import ForwardBatch, SeqChunk
 from services.model.config import MlaShape, ModelConfig
 from services.model.decoder import DecoderModel
@@ -47,10 +47,6 @@ WIDTH = dict(
     sliding_window=128, moe_intermediate_size=16, n_routed_experts=1, num_experts_per_tok=1,
     max_position_embeddings=65536, qk_rope_head_dim=64,
 )  # fmt: skip
-
-
-def log(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
 
 
 def v4_config(ratios: list[int], **shape: Any) -> ModelConfig:

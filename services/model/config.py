@@ -192,12 +192,7 @@ class ModelConfig:
 
             return gemma3_config.expected_shapes(self)
         h = self.hidden_size
-        shapes: dict[str, tuple[int, ...]] = {
-            "model.embed_tokens.weight": (self.vocab_size, h),
-            "model.norm.weight": (h,),
-        }
-        if not self.tie_word_embeddings:
-            shapes["lm_head.weight"] = (self.vocab_size, h)
+        shapes = embedding_shapes(self)
         for i in range(self.num_layers):
             p = f"model.layers.{i}."
             shapes[p + "input_layernorm.weight"] = (h,)
@@ -279,6 +274,15 @@ class ModelConfig:
         if self.architecture == "mistral":
             out["sliding_window"] = self.sliding_window
         return out
+
+
+def embedding_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """transformers' embedding, final norm and (untied) head."""
+    h = c.hidden_size
+    shapes = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,)}
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, h)
+    return shapes
 
 
 def _mlp_shapes(

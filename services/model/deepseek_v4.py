@@ -18,13 +18,12 @@ import torch
 
 from kvstore.block_hash import BLOCK_SIZE
 from services.model import pointwise, v4_quant
-from services.model.attention import resolve_kernels
 from services.model.batch import ForwardBatch
-from services.model.config import ModelConfig
 from services.model.kv_cache import KVCache
 from services.model.layer_ops import LayerOps, TorchLayerOps
-from services.model.linear import Linear, amx_linear_library, make_linear, packed_linear_available
+from services.model.linear import Linear
 from services.model.moe import DenseMlp, Moe
+from services.model.paged_model import PagedModel
 from services.model.rope import Rotary
 from services.model.v4_attention import (
     Compressor,
@@ -35,7 +34,6 @@ from services.model.v4_attention import (
 )
 from services.model.v4_config import CSA, SLIDING, row_layout
 from services.model.v4_rows import V4Rope
-from services.settings import DEFAULTS
 
 
 @dataclass(frozen=True)
@@ -97,31 +95,18 @@ class V4Moe(Moe):
         return out + self.shared(x, ops)
 
 
-class DeepseekV4Model:
-    def __init__(
-        self,
-        config: ModelConfig,
-        weights: dict[str, torch.Tensor],
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
-        kernels: str = DEFAULTS.model.kernels,
-    ) -> None:
+class DeepseekV4Model(PagedModel):
+    def load(self, weights: dict[str, torch.Tensor]) -> None:
+        config, dtype = self.config, self.dtype
         assert config.v4 is not None and config.moe is not None
-        self.config, self.v4, self.dtype = config, config.v4, dtype
-        self.device = torch.device(device)
-        # on a GPU (kernels "triton") V4 runs its torch reference: no Triton kernel of its own yet
-        self.kernels = resolve_kernels(kernels, self.device)
-        self.quantization = DEFAULTS.model.quantization
-        self.packed = packed = packed_linear_available(self.device, dtype)
-        amx = amx_linear_library() if packed and dtype == torch.bfloat16 else None
+        self.v4 = config.v4
 
         def w(name: str, keep_float32: bool = False) -> torch.Tensor:
             t = v4_quant.dequantize(weights, name, config.fp8_block)
             return t.to(self.device, torch.float32 if keep_float32 else dtype)
 
         def linear(*names: str, keep_float32: bool = False) -> Linear:
-            stacked = torch.cat([w(n, keep_float32) for n in names])
-            return make_linear(stacked, None, packed, amx if not keep_float32 else None)
+            return self.product(torch.cat([w(n, keep_float32) for n in names]))
 
         self._w, self._linear = w, linear
         self._ids = lambda name: weights[name].to(self.device, torch.int64)  # tid2eid
@@ -174,14 +159,13 @@ class DeepseekV4Model:
             indexer = Compressor(v4.csa_rate, v4.index_dim, 2, ape, norm, c.rms_norm_eps)
             index_q = linear(ix + "wq_b.weight")
         o_a = w(a + "wo_a.weight").view(v4.o_groups, v4.o_lora_rank, -1)
-        packed = packed_linear_available(self.device, self.dtype)
         return V4AttentionWeights(
             kind=kind,
             x_proj=linear(*x_names),
             q_a_norm=w(a + "q_norm.weight", True),
             q_b=linear(a + "wq_b.weight"),
             kv_norm=w(a + "norm.weight", True),
-            o_a=[make_linear(g.contiguous(), None, packed) for g in o_a],
+            o_a=[self.product(g) for g in o_a],
             o_b=linear(a + "wo_b.weight"),
             sinks=w(a + "attn_sink", True),
             compressor=compressor,
@@ -213,7 +197,7 @@ class DeepseekV4Model:
     def new_kv_cache(self, num_blocks: int, block_size: int = BLOCK_SIZE) -> KVCache:
         if block_size != BLOCK_SIZE:
             raise ValueError(f"DeepSeek-V4's cache rows are laid out for {BLOCK_SIZE}-token blocks")
-        return KVCache(self.config, num_blocks, block_size, self.dtype, self.device)
+        return super().new_kv_cache(num_blocks, block_size)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:

@@ -9,16 +9,14 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstore.block_hash import BLOCK_SIZE
 from services.model import kv_cache, pointwise
-from services.model.attention import resolve_kernels
 from services.model.batch import ForwardBatch
 from services.model.config import ModelConfig
 from services.model.kv_cache import KVCache
-from services.model.linear import Linear, amx_linear_library, make_linear, packed_linear_available
+from services.model.linear import Linear
+from services.model.paged_model import PagedModel
 from services.model.rope import apply_rotary, attention_factor, inverse_frequencies
 from services.model.row_attention import attend_paged
-from services.settings import DEFAULTS
 
 
 @dataclass(frozen=True)
@@ -33,22 +31,12 @@ class Gemma3Layer:
     down: Linear
 
 
-class Gemma3Model:
-    def __init__(
-        self,
-        config: ModelConfig,
-        weights: dict[str, torch.Tensor],
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
-        kernels: str = DEFAULTS.model.kernels,
-    ) -> None:
+class Gemma3Model(PagedModel):
+    def load(self, weights: dict[str, torch.Tensor]) -> None:
+        config, dtype = self.config, self.dtype
         g = config.gemma3
         assert g is not None
-        self.config, self.gemma, self.dtype = config, g, dtype
-        self.device = torch.device(device)
-        self.kernels = resolve_kernels(kernels, self.device)
-        self.packed = packed = packed_linear_available(self.device, dtype)
-        amx = amx_linear_library() if packed and dtype == torch.bfloat16 else None
+        self.gemma = g
 
         def w(name: str) -> torch.Tensor:
             return weights[name].to(self.device, dtype)
@@ -56,7 +44,7 @@ class Gemma3Model:
         def linear(*names: str, bias: bool = False) -> Linear:
             stacked = torch.cat([w(n + ".weight") for n in names])
             biases = torch.cat([w(n + ".bias") for n in names]) if bias else None
-            return make_linear(stacked, biases, packed, amx)
+            return self.product(stacked, biases)
 
         scale = torch.tensor(config.hidden_size**0.5).to(dtype)  # in the weights' dtype
         self.embed = w("model.embed_tokens.weight")
@@ -82,12 +70,6 @@ class Gemma3Model:
             "local": _RopeSet(local, self.device),
             "global": _RopeSet(config, self.device),
         }
-
-    def expert_counts(self) -> dict[int, list[int]]:
-        return {}
-
-    def new_kv_cache(self, num_blocks: int, block_size: int = BLOCK_SIZE) -> KVCache:
-        return KVCache(self.config, num_blocks, block_size, self.dtype, self.device)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:

@@ -58,12 +58,9 @@ def _optional(value: Any) -> float | None:
 
 def expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
     h, q, kv, d = c.hidden_size, c.q_size, c.kv_size, c.head_dim
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (c.vocab_size, h),
-        "model.norm.weight": (h,),
-    }
-    if not c.tie_word_embeddings:
-        shapes["lm_head.weight"] = (c.vocab_size, h)
+    from services.model.config import embedding_shapes  # config.py imports this module
+
+    shapes = embedding_shapes(c)
     for i in range(c.num_layers):
         p, a, m = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
         for norm in ("input", "post_attention", "pre_feedforward", "post_feedforward"):

@@ -10,19 +10,16 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstore.block_hash import BLOCK_SIZE
 from services.model import kv_cache, pointwise
-from services.model.attention import resolve_kernels
 from services.model.batch import ForwardBatch
-from services.model.config import ModelConfig
 from services.model.kv_cache import KVCache
 from services.model.layer_ops import LayerOps, TorchLayerOps
-from services.model.linear import Linear, amx_linear_library, make_linear, packed_linear_available
+from services.model.linear import Linear
 from services.model.moe import DenseMlp, Moe
+from services.model.paged_model import PagedModel
 from services.model.rope import Rotary, apply_rotary
 from services.model.row_attention import attend_paged
 from services.model.v4_attention import _rms_norm
-from services.settings import DEFAULTS
 
 
 @dataclass(frozen=True)
@@ -59,26 +56,15 @@ class OssLayer:
     moe: OssMoe
 
 
-class GptOssModel:
-    def __init__(
-        self,
-        config: ModelConfig,
-        weights: dict[str, torch.Tensor],
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
-        kernels: str = DEFAULTS.model.kernels,
-    ) -> None:
+class GptOssModel(PagedModel):
+    def load(self, weights: dict[str, torch.Tensor]) -> None:
+        config = self.config
         assert config.oss is not None and config.moe is not None
-        self.config, self.dtype, self.device = config, dtype, torch.device(device)
-        self.kernels = resolve_kernels(kernels, self.device)
-        self.packed = packed = packed_linear_available(self.device, dtype)
-        amx = amx_linear_library() if packed and dtype == torch.bfloat16 else None
 
         def w(name: str) -> torch.Tensor:
-            return weights[name].to(self.device, dtype)
+            return weights[name].to(self.device, self.dtype)
 
-        def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
-            return make_linear(weight.contiguous(), bias, packed, amx)
+        linear = self.product
 
         self.embed = w("model.embed_tokens.weight")
         head = "model.embed_tokens" if config.tie_word_embeddings else "lm_head"
@@ -98,7 +84,7 @@ class GptOssModel:
                 post_norm=w(p + "post_attention_layernorm.weight"),
                 moe=self._moe(p + "mlp.", w, linear),
             ))  # fmt: skip
-        self.rotary = Rotary(config, dtype, self.device)
+        self.rotary = Rotary(config, self.dtype, self.device)
         self.ops: LayerOps = TorchLayerOps(config, self.rotary)
 
     def _moe(
@@ -122,9 +108,6 @@ class GptOssModel:
 
     def expert_counts(self) -> dict[int, list[int]]:
         return {i: layer.moe.counts.tolist() for i, layer in enumerate(self.layers)}
-
-    def new_kv_cache(self, num_blocks: int, block_size: int = BLOCK_SIZE) -> KVCache:
-        return KVCache(self.config, num_blocks, block_size, self.dtype, self.device)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:

@@ -83,8 +83,6 @@ def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
     rope = dict(raw.get("rope_parameters") or {})
     # transformers 5 writes rope_parameters; older configs rope_theta and rope_scaling
     scaling = raw.get("rope_scaling") or (rope if rope.get("rope_type") != "default" else None)
-    eos = raw.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
     window = raw.get("sliding_window")
     if arch in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and not raw.get("use_sliding_window"):
         window = None
@@ -109,7 +107,7 @@ def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
             else raw.get("attention_bias")
         ),
         bos_token_id=raw.get("bos_token_id"),
-        eos_token_ids=tuple(int(e) for e in eos_ids),
+        eos_token_ids=_eos_ids(raw),
         rope_scaling=_rope_scaling(scaling),
         sliding_window=int(window) if window else None,
         qk_norm=arch in ("qwen3", "qwen3_moe"),
@@ -126,8 +124,6 @@ def _deepseek_v4(raw: dict[str, Any]) -> ModelConfig:
     v4 = v4_from_hf(raw, head_dim, layers)
     ff = int(raw["moe_intermediate_size"])
     quantization = dict(raw.get("quantization_config") or {})
-    eos = raw.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
     return ModelConfig(
         architecture="deepseek_v4",
         vocab_size=int(raw["vocab_size"]),
@@ -143,7 +139,7 @@ def _deepseek_v4(raw: dict[str, Any]) -> ModelConfig:
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         attention_bias=False,
         bos_token_id=raw.get("bos_token_id"),
-        eos_token_ids=tuple(int(e) for e in eos_ids),
+        eos_token_ids=_eos_ids(raw),
         moe=MoeShape(
             num_experts=int(raw["n_routed_experts"]),
             top_k=int(raw["num_experts_per_tok"]),
@@ -165,8 +161,6 @@ def _gpt_oss(raw: dict[str, Any]) -> ModelConfig:
     """gpt-oss: GQA with biases and sinks, sliding and full layers, experts in every layer."""
     layers, heads = int(raw["num_hidden_layers"]), int(raw["num_attention_heads"])
     rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-    eos = raw.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
     ff = int(raw["intermediate_size"])
     return ModelConfig(
         architecture="gpt_oss",
@@ -183,7 +177,7 @@ def _gpt_oss(raw: dict[str, Any]) -> ModelConfig:
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         attention_bias=True,
         bos_token_id=raw.get("bos_token_id"),
-        eos_token_ids=tuple(int(e) for e in eos_ids),
+        eos_token_ids=_eos_ids(raw),
         rope_scaling=_rope_scaling(rope or None),
         moe=MoeShape(
             num_experts=int(raw["num_local_experts"]),
@@ -201,8 +195,6 @@ def _gemma3(raw: dict[str, Any]) -> ModelConfig:
     """Gemma 3 (text): GQA with q/k norms, local and global layers, GELU MLPs."""
     layers, heads = int(raw["num_hidden_layers"]), int(raw["num_attention_heads"])
     rope = global_rope(raw)
-    eos = raw.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
     return ModelConfig(
         architecture="gemma3_text",
         vocab_size=int(raw["vocab_size"]),
@@ -218,12 +210,17 @@ def _gemma3(raw: dict[str, Any]) -> ModelConfig:
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
         attention_bias=bool(raw.get("attention_bias")),
         bos_token_id=raw.get("bos_token_id"),
-        eos_token_ids=tuple(int(e) for e in eos_ids),
+        eos_token_ids=_eos_ids(raw),
         rope_scaling=_rope_scaling(rope),
         qk_norm=True,
         gemma3=gemma3_from_hf(raw, layers),
         name=str(raw.get("_name_or_path") or "gemma3"),
     )
+
+
+def _eos_ids(raw: dict[str, Any]) -> tuple[int, ...]:
+    eos = raw.get("eos_token_id")
+    return tuple(int(e) for e in (eos if isinstance(eos, list) else () if eos is None else [eos]))
 
 
 def _rope_scaling(raw: dict[str, Any] | None) -> RopeScaling | None:

@@ -39,12 +39,9 @@ def expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
     moe = c.moe
     assert moe is not None
     h, q, kv, e, ff = c.hidden_size, c.q_size, c.kv_size, moe.num_experts, moe.intermediate_size
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (c.vocab_size, h),
-        "model.norm.weight": (h,),
-    }
-    if not c.tie_word_embeddings:
-        shapes["lm_head.weight"] = (c.vocab_size, h)
+    from services.model.config import embedding_shapes  # config.py imports this module
+
+    shapes = embedding_shapes(c)
     for i in range(c.num_layers):
         p = f"model.layers.{i}."
         a, m = p + "self_attn.", p + "mlp."

@@ -51,36 +51,22 @@ def with_(params: SamplingParams, **changes) -> SamplingParams:
 
 
 @pytest.fixture(scope="module")
-def deepseek_v3_dir(deepseek_dir):
-    return deepseek_dir
+def tiny_dir(tmp_path_factory, embedded_dir):
+    """The tiny checkpoint of a family (tiny_models.FAMILIES), saved on first use."""
+    made: dict[str, object] = {}
+
+    def get(family: str):
+        if family not in made:
+            made[family] = tmp_path_factory.mktemp(family)
+            save_tiny(family, made[family], embedded_dir)
+        return made[family]
+
+    return get
 
 
 @pytest.fixture(scope="module")
-def deepseek_dir(tmp_path_factory, embedded_dir):
-    path = tmp_path_factory.mktemp("deepseek_v3")
-    save_tiny("deepseek_v3", path, embedded_dir)
-    return path
-
-
-@pytest.fixture(scope="module")
-def deepseek_v4_dir(tmp_path_factory, embedded_dir):
-    path = tmp_path_factory.mktemp("deepseek_v4")
-    save_tiny("deepseek_v4", path, embedded_dir)
-    return path
-
-
-@pytest.fixture(scope="module")
-def gpt_oss_dir(tmp_path_factory, embedded_dir):
-    path = tmp_path_factory.mktemp("gpt_oss")
-    save_tiny("gpt_oss", path, embedded_dir)
-    return path
-
-
-@pytest.fixture(scope="module")
-def gemma3_dir(tmp_path_factory, embedded_dir):
-    path = tmp_path_factory.mktemp("gemma3")
-    save_tiny("gemma3", path, embedded_dir)
-    return path
+def deepseek_dir(tiny_dir):
+    return tiny_dir("deepseek_v3")
 
 
 @pytest.fixture(
@@ -91,11 +77,11 @@ def family(request):
 
 
 @pytest.fixture(scope="module", params=COMPUTE_DTYPES)
-def model(request, family, embedded_dir, embedded, tmp_path_factory) -> LoadedModel:
+def model(request, family, embedded_dir, embedded, tiny_dir) -> LoadedModel:
     if family == "embedded" and request.param == "float32":
         loaded = embedded
     else:
-        path = embedded_dir if family == "embedded" else request.getfixturevalue(f"{family}_dir")
+        path = embedded_dir if family == "embedded" else tiny_dir(family)
         loaded = load_model(str(path), dtype=request.param, device="cpu")
     if isinstance(loaded.model, DeepseekV4Model | GptOssModel | Gemma3Model):  # per-row attention
         if not loaded.model.packed:
