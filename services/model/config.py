@@ -10,6 +10,7 @@ from typing import Any
 
 from services.model.gemma3_config import Gemma3Shape
 from services.model.oss_config import OssShape
+from services.model.shapes import embedding_shapes
 from services.model.v4_config import V4Shape, row_layout
 
 ARCHITECTURES = (
@@ -192,7 +193,7 @@ class ModelConfig:
 
             return gemma3_config.expected_shapes(self)
         h = self.hidden_size
-        shapes = embedding_shapes(self)
+        shapes = embedding_shapes(self.vocab_size, h, self.tie_word_embeddings)
         for i in range(self.num_layers):
             p = f"model.layers.{i}."
             shapes[p + "input_layernorm.weight"] = (h,)
@@ -274,15 +275,6 @@ class ModelConfig:
         if self.architecture == "mistral":
             out["sliding_window"] = self.sliding_window
         return out
-
-
-def embedding_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """transformers' embedding, final norm and (untied) head."""
-    h = c.hidden_size
-    shapes = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,)}
-    if not c.tie_word_embeddings:
-        shapes["lm_head.weight"] = (c.vocab_size, h)
-    return shapes
 
 
 def _mlp_shapes(

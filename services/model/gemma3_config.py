@@ -6,10 +6,9 @@ and after each block with (1 + weight), embeddings scaled by sqrt(hidden), GELU 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from services.model.config import ModelConfig
+from services.model.shapes import embedding_shapes
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
@@ -56,11 +55,10 @@ def _optional(value: Any) -> float | None:
     return None if value is None else float(value)
 
 
-def expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
+def expected_shapes(c: Any) -> dict[str, tuple[int, ...]]:
+    # c: a ModelConfig (config.py imports this module, so it is not imported here)
     h, q, kv, d = c.hidden_size, c.q_size, c.kv_size, c.head_dim
-    from services.model.config import embedding_shapes  # config.py imports this module
-
-    shapes = embedding_shapes(c)
+    shapes = embedding_shapes(c.vocab_size, c.hidden_size, c.tie_word_embeddings)
     for i in range(c.num_layers):
         p, a, m = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
         for norm in ("input", "post_attention", "pre_feedforward", "post_feedforward"):

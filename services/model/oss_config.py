@@ -6,10 +6,9 @@ the chosen top-k, SwiGLU clamped with an `(up + 1) * gate * sigmoid(alpha * gate
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from services.model.config import ModelConfig
+from services.model.shapes import embedding_shapes
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
@@ -35,13 +34,12 @@ def oss_from_hf(raw: dict[str, Any], layers: int) -> OssShape:
     )
 
 
-def expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
+def expected_shapes(c: Any) -> dict[str, tuple[int, ...]]:
+    # c: a ModelConfig (config.py imports this module, so it is not imported here)
     moe = c.moe
     assert moe is not None
     h, q, kv, e, ff = c.hidden_size, c.q_size, c.kv_size, moe.num_experts, moe.intermediate_size
-    from services.model.config import embedding_shapes  # config.py imports this module
-
-    shapes = embedding_shapes(c)
+    shapes = embedding_shapes(c.vocab_size, c.hidden_size, c.tie_word_embeddings)
     for i in range(c.num_layers):
         p = f"model.layers.{i}."
         a, m = p + "self_attn.", p + "mlp."

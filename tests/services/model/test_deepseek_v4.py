@@ -205,3 +205,20 @@ def test_preempted_sequences_give_the_tokens_of_a_pool_with_room(checkpoint):
     assert roomy.scheduler.num_preemptions == 0
     for got, want in zip(squeezed, expected, strict=True):
         assert got.choices[0].token_ids == want.choices[0].token_ids
+
+
+def test_greedy_tokens_equal_transformers_on_prompts_of_several_hca_windows(checkpoint):
+    """24 greedy tokens on 3 prompts of 5 to 9 HCA windows (16 tokens each here), batched
+    through the engine, equal transformers' (float32)."""
+    path, reference = checkpoint
+    loaded = load_model(str(path), dtype="float32", device="cpu")
+    prompts = [prompt(n, seed=40 + n) for n in (83, 120, 150)]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(num_blocks=64))
+    for p, out in zip(prompts, engine.generate(prompts, params), strict=True):
+        with torch.inference_mode():
+            expected = reference.generate(
+                torch.tensor([p]), max_new_tokens=24, do_sample=False, eos_token_id=None,
+                pad_token_id=0,
+            )[0, len(p) :].tolist()  # fmt: skip
+        assert out.choices[0].token_ids == expected
