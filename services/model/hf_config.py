@@ -7,19 +7,16 @@ import json
 from pathlib import Path
 from typing import Any
 
+from services.model import hf_families
 from services.model.config import (
     SCORING,
     TOPK_METHODS,
     MlaShape,
     ModelConfig,
     MoeShape,
-    RopeScaling,
 )
 from services.model.errors import ModelLoadError, read_json_object
-from services.model.gemma3_config import gemma3_from_hf, global_rope
-from services.model.oss_config import oss_from_hf
-from services.model.v4_config import SCORING as V4_SCORING
-from services.model.v4_config import main_rope_theta, v4_from_hf
+from services.model.hf_fields import eos_ids, fp8_block, rope_scaling
 
 HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -74,11 +71,11 @@ def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
         raise ModelLoadError("config.json", "unsupported mlp_bias=true")
     _refuse_unimplemented(arch, raw)
     if arch == "deepseek_v4":
-        return _deepseek_v4(raw)
+        return hf_families.deepseek_v4(raw)
     if arch == "gpt_oss":
-        return _gpt_oss(raw)
+        return hf_families.gpt_oss(raw)
     if arch == "gemma3_text":
-        return _gemma3(raw)
+        return hf_families.gemma3(raw)
     heads = int(raw["num_attention_heads"])
     rope = dict(raw.get("rope_parameters") or {})
     # transformers 5 writes rope_parameters; older configs rope_theta and rope_scaling
@@ -107,155 +104,15 @@ def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
             else raw.get("attention_bias")
         ),
         bos_token_id=raw.get("bos_token_id"),
-        eos_token_ids=_eos_ids(raw),
-        rope_scaling=_rope_scaling(scaling),
+        eos_token_ids=eos_ids(raw),
+        rope_scaling=rope_scaling(scaling),
         sliding_window=int(window) if window else None,
         qk_norm=arch in ("qwen3", "qwen3_moe"),
         mla=mla,
         moe=_moe(arch, raw),
-        fp8_block=_fp8_block(raw.get("quantization_config")),
+        fp8_block=fp8_block(raw.get("quantization_config")),
         name=str(raw.get("_name_or_path") or arch),
     )
-
-
-def _deepseek_v4(raw: dict[str, Any]) -> ModelConfig:
-    """DeepSeek-V4: one shared K=V head, experts in every layer (v4_config.py has the rest)."""
-    layers, head_dim = int(raw["num_hidden_layers"]), int(raw.get("head_dim") or 512)
-    v4 = v4_from_hf(raw, head_dim, layers)
-    ff = int(raw["moe_intermediate_size"])
-    quantization = dict(raw.get("quantization_config") or {})
-    return ModelConfig(
-        architecture="deepseek_v4",
-        vocab_size=int(raw["vocab_size"]),
-        hidden_size=int(raw["hidden_size"]),
-        intermediate_size=ff,
-        num_layers=layers,
-        num_heads=int(raw["num_attention_heads"]),
-        num_kv_heads=1,
-        head_dim=head_dim,
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        rope_theta=main_rope_theta(raw),
-        max_position_embeddings=int(raw.get("max_position_embeddings", 1048576)),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        attention_bias=False,
-        bos_token_id=raw.get("bos_token_id"),
-        eos_token_ids=_eos_ids(raw),
-        moe=MoeShape(
-            num_experts=int(raw["n_routed_experts"]),
-            top_k=int(raw["num_experts_per_tok"]),
-            intermediate_size=ff,
-            layers=tuple(range(layers)),
-            scoring=v4.scoring,
-            topk_method="noaux_tc",
-            norm_topk_prob=True,  # V4 always renormalizes
-            routed_scaling_factor=float(raw.get("routed_scaling_factor") or 1.0),
-            shared_intermediate_size=ff,  # transformers builds one shared expert, whatever n
-        ),
-        v4=v4,
-        fp8_block=_fp8_block(quantization and {"weight_block_size": [128, 128]} | quantization),
-        name=str(raw.get("_name_or_path") or "deepseek_v4"),
-    )
-
-
-def _gpt_oss(raw: dict[str, Any]) -> ModelConfig:
-    """gpt-oss: GQA with biases and sinks, sliding and full layers, experts in every layer."""
-    layers, heads = int(raw["num_hidden_layers"]), int(raw["num_attention_heads"])
-    rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-    ff = int(raw["intermediate_size"])
-    return ModelConfig(
-        architecture="gpt_oss",
-        vocab_size=int(raw["vocab_size"]),
-        hidden_size=int(raw["hidden_size"]),
-        intermediate_size=ff,
-        num_layers=layers,
-        num_heads=heads,
-        num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-        head_dim=int(raw.get("head_dim") or int(raw["hidden_size"]) // heads),
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
-        rope_theta=float(rope.get("rope_theta") or raw.get("rope_theta") or 150000.0),
-        max_position_embeddings=int(raw.get("max_position_embeddings", 131072)),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        attention_bias=True,
-        bos_token_id=raw.get("bos_token_id"),
-        eos_token_ids=_eos_ids(raw),
-        rope_scaling=_rope_scaling(rope or None),
-        moe=MoeShape(
-            num_experts=int(raw["num_local_experts"]),
-            top_k=int(raw["num_experts_per_tok"]),
-            intermediate_size=ff,
-            layers=tuple(range(layers)),
-            norm_topk_prob=True,  # softmax over the chosen experts' logits
-        ),
-        oss=oss_from_hf(raw, layers),
-        name=str(raw.get("_name_or_path") or "gpt_oss"),
-    )
-
-
-def _gemma3(raw: dict[str, Any]) -> ModelConfig:
-    """Gemma 3 (text): GQA with q/k norms, local and global layers, GELU MLPs."""
-    layers, heads = int(raw["num_hidden_layers"]), int(raw["num_attention_heads"])
-    rope = global_rope(raw)
-    return ModelConfig(
-        architecture="gemma3_text",
-        vocab_size=int(raw["vocab_size"]),
-        hidden_size=int(raw["hidden_size"]),
-        intermediate_size=int(raw["intermediate_size"]),
-        num_layers=layers,
-        num_heads=heads,
-        num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-        head_dim=int(raw.get("head_dim") or 256),
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(rope.get("rope_theta") or 1000000.0),
-        max_position_embeddings=int(raw.get("max_position_embeddings", 131072)),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
-        attention_bias=bool(raw.get("attention_bias")),
-        bos_token_id=raw.get("bos_token_id"),
-        eos_token_ids=_eos_ids(raw),
-        rope_scaling=_rope_scaling(rope),
-        qk_norm=True,
-        gemma3=gemma3_from_hf(raw, layers),
-        name=str(raw.get("_name_or_path") or "gemma3"),
-    )
-
-
-def _eos_ids(raw: dict[str, Any]) -> tuple[int, ...]:
-    eos = raw.get("eos_token_id")
-    return tuple(int(e) for e in (eos if isinstance(eos, list) else () if eos is None else [eos]))
-
-
-def _rope_scaling(raw: dict[str, Any] | None) -> RopeScaling | None:
-    if not raw:
-        return None
-    kind = raw.get("rope_type") or raw.get("type")
-    if kind == "default":
-        return None
-    if kind == "linear":
-        return RopeScaling("linear", float(raw["factor"]))
-    if kind == "yarn":
-        return RopeScaling(
-            "yarn",
-            float(raw["factor"]),
-            original_max_position_embeddings=int(raw["original_max_position_embeddings"]),
-            beta_fast=float(raw.get("beta_fast") or 32.0),
-            beta_slow=float(raw.get("beta_slow") or 1.0),
-            mscale=float(raw.get("mscale") or 0.0),
-            mscale_all_dim=float(raw.get("mscale_all_dim") or 0.0),
-            attention_factor=_optional_float(raw.get("attention_factor")),
-            truncate=bool(raw.get("truncate", True)),
-        )
-    if kind == "llama3":
-        return RopeScaling(
-            "llama3",
-            float(raw["factor"]),
-            float(raw.get("low_freq_factor", 1.0)),
-            float(raw.get("high_freq_factor", 4.0)),
-            int(raw.get("original_max_position_embeddings", 8192)),
-        )
-    raise ModelLoadError("config.json", f"unsupported rope_scaling type {kind!r}")
-
-
-def _optional_float(value: Any) -> float | None:
-    return None if value is None else float(value)
 
 
 def _mla(raw: dict[str, Any]) -> MlaShape:
@@ -325,29 +182,6 @@ def _moe(arch: str, raw: dict[str, Any]) -> MoeShape | None:
     return None
 
 
-def _fp8_block(quantization: dict[str, Any] | None) -> tuple[int, int] | None:
-    """The block shape of an FP8 checkpoint's weight scales (DeepSeek's 128 x 128), or None for
-    an unquantized one. Other methods are refused by name."""
-    if not quantization:
-        return None
-    method = quantization.get("quant_method")
-    if method != "fp8":
-        raise ModelLoadError(
-            "config.json", f"unsupported quantization_config.quant_method={method!r} (fp8 only)"
-        )
-    if quantization.get("fmt", "e4m3") != "e4m3":
-        raise ModelLoadError(
-            "config.json", f"unsupported quantization_config.fmt={quantization['fmt']!r}"
-        )
-    block = quantization.get("weight_block_size")
-    if not (isinstance(block, list) and len(block) == 2 and all(int(b) > 0 for b in block)):
-        raise ModelLoadError(
-            "config.json",
-            f"unsupported quantization_config.weight_block_size={block!r} (two block sides)",
-        )
-    return int(block[0]), int(block[1])
-
-
 def _refuse_unimplemented(arch: str, raw: dict[str, Any]) -> None:
     """A field value the engine does not implement stops the load, named: never mis-run."""
 
@@ -373,7 +207,7 @@ def _refuse_unimplemented(arch: str, raw: dict[str, Any]) -> None:
         if raw.get("ep_size", 1) != 1:
             refuse("ep_size", "expert parallelism is not implemented")
     if arch == "deepseek_v4":
-        _refuse_v4(raw, refuse)
+        hf_families.refuse_v4(raw, refuse)
     if arch == "gemma3_text" and raw.get("use_bidirectional_attention"):
         refuse("use_bidirectional_attention", "a causal decoder attends to earlier tokens only")
     if arch == "gpt_oss" and raw.get("quantization_config"):
@@ -382,31 +216,6 @@ def _refuse_unimplemented(arch: str, raw: dict[str, Any]) -> None:
         refuse("router_jitter_noise", "noise is for training")
     if arch in ("qwen3", "qwen2_moe", "qwen3_moe") and raw.get("use_sliding_window"):
         refuse("use_sliding_window", "sliding-window layers are served for Mistral only")
-
-
-def _refuse_v4(raw: dict[str, Any], refuse: Any) -> None:
-    if int(raw.get("num_key_value_heads") or 1) != 1:
-        refuse("num_key_value_heads", "DeepSeek-V4 has one shared K=V head")
-    if raw.get("attention_bias"):
-        refuse("attention_bias", "DeepSeek-V4's projections have no bias")
-    if (raw.get("scoring_func") or "sqrtsoftplus") not in V4_SCORING:
-        refuse("scoring_func", f"DeepSeek-V4 experts are scored by {' or '.join(V4_SCORING)}")
-    quantization = raw.get("quantization_config") or {}
-    if quantization and quantization.get("quant_method") != "fp8":
-        refuse("quantization_config", "DeepSeek-V4 checkpoints come in fp8 (with fp4 experts)")
-    if quantization.get("scale_fmt", "ue8m0") not in ("ue8m0", "float"):
-        refuse("quantization_config", "scales are ue8m0 or float")
-    experts = quantization.get("expert_dtype") or raw.get("expert_dtype")
-    if experts not in (None, "fp8", "fp4"):
-        refuse("expert_dtype", "DeepSeek-V4's experts are fp8 or fp4")
-    heads, groups = int(raw["num_attention_heads"]), int(raw.get("o_groups") or 8)
-    if heads % groups:
-        refuse("o_groups", f"{heads} heads do not split into {groups} groups")
-    main = (raw.get("rope_parameters") or {}).get("main")
-    if isinstance(main, dict) and main.get("rope_type", "default") != "default":
-        refuse("rope_parameters", "the main rope set (sliding layers) is unscaled in DeepSeek-V4")
-    if raw.get("ep_size", 1) != 1:
-        refuse("ep_size", "expert parallelism is not implemented")
 
 
 def _generation_eos(path: Path) -> dict[str, Any]:
