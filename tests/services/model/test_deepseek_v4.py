@@ -119,9 +119,14 @@ def test_a_legacy_config_with_yarn_and_sigmoid_scores_matches_transformers(tmp_p
     assert ours.v4 is not None and ours.v4.layer_types == (SLIDING, CSA, HCA, CSA)
     assert ours.v4.hash_layers == (0,) and ours.v4.compress_yarn is not None
     reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
-    loaded = load_model(str(tmp_path), dtype="float32", device="cpu")
-    engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(num_blocks=32))
-    prompts = [prompt(90, seed=1), prompt(41, seed=2)]
+    assert_greedy_equal(tmp_path, reference, [prompt(90, seed=1), prompt(41, seed=2)])
+
+
+def assert_greedy_equal(path, reference, prompts: list[list[int]]) -> None:
+    """24 greedy tokens of each prompt, batched through the engine (float32), equal
+    transformers' generate."""
+    loaded = load_model(str(path), dtype="float32", device="cpu")
+    engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(num_blocks=64))
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     for p, out in zip(prompts, engine.generate(prompts, params), strict=True):
         with torch.inference_mode():
@@ -211,14 +216,4 @@ def test_greedy_tokens_equal_transformers_on_prompts_of_several_hca_windows(chec
     """24 greedy tokens on 3 prompts of 5 to 9 HCA windows (16 tokens each here), batched
     through the engine, equal transformers' (float32)."""
     path, reference = checkpoint
-    loaded = load_model(str(path), dtype="float32", device="cpu")
-    prompts = [prompt(n, seed=40 + n) for n in (83, 120, 150)]
-    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(num_blocks=64))
-    for p, out in zip(prompts, engine.generate(prompts, params), strict=True):
-        with torch.inference_mode():
-            expected = reference.generate(
-                torch.tensor([p]), max_new_tokens=24, do_sample=False, eos_token_id=None,
-                pad_token_id=0,
-            )[0, len(p) :].tolist()  # fmt: skip
-        assert out.choices[0].token_ids == expected
+    assert_greedy_equal(path, reference, [prompt(n, seed=40 + n) for n in (83, 120, 150)])
