@@ -7,10 +7,10 @@ Two Markdown tables:
 
 1. memory per token of context at 1k, 8k and 32k (exact, from the layouts: kv_cache.py and
    v4_config.row_layout), DeepSeek-V4-Flash's shape (43 layers: 2 sliding, 21 CSA, 20 HCA)
-   as pdserve keeps it now (every token's whole row) and with the window part released (the
-   target of issue 32 point 2: window keys and compressor inputs for the last window only),
-   against an MLA model (DeepSeek-V3's latent, 512 + 64) and per-head K and V (32 heads x 128)
-   of the same 43 layers;
+   as pdserve keeps it (shares in blocks for good, window keys and compressor inputs in
+   window blocks released as they leave every window: window_pool.py) and as it would with
+   every window part kept, against an MLA model (DeepSeek-V3's latent, 512 + 64) and
+   per-head K and V (32 heads x 128) of the same 43 layers;
 2. one layer's decode step at each context and batch size (the attention alone: projections,
    compressors, indexer, attention, output projection), for V4's three layer types and an MLA
    layer of the same width (hidden 1,024, 16 heads; V4's head 512 with 64 rotary dims, the
@@ -39,6 +39,7 @@ from services.model.hf_config import config_from_hf
 from services.model.loader import cpu_has_bf16_units
 from services.model.mla import MlaWeights
 from services.model.v4_config import CSA, HCA, SLIDING, row_layout
+from services.model.v4_rows import Pools
 
 FLASH_RATIOS = [0, 0] + [4 if i % 2 == 0 else 128 for i in range(2, 43)]  # V4-Flash's layers
 WIDTH = dict(
@@ -65,21 +66,23 @@ def memory_table(contexts: tuple[int, ...] = (1024, 8192, 32768)) -> str:
     rows = row_layout(flash.v4, flash.head_dim)
     window = sum(r.kv + r.raw for r in rows) * 2  # bytes a token while in the window
     share = sum(r.share for r in rows) * 2  # bytes a token keeps
-    keep = max(flash.v4.window, flash.v4.hca_rate) + 16  # tokens whose window part is read
 
-    def now(n: int) -> float:
+    def whole(n: int) -> float:
         return window + share
 
     def released(n: int) -> float:
-        return (min(n, keep) * window + n * share) / n
+        """Whole blocks: every block's shares, the window blocks a sequence still holds."""
+        blocks = -(-n // 16)
+        first = max(0, (n - flash.window_keep) // 16)  # WindowPool.first_kept
+        return (blocks * 16 * share + (blocks - first) * 16 * window) / n
 
     mla = 43 * (512 + 64) * 2
     per_head = 43 * 2 * 32 * 128 * 2
     lines = ["| cache (bfloat16) | " + " | ".join(f"{n // 1024}k: bytes / token" for n in contexts)
              + " |", "| --- |" + " ---: |" * len(contexts)]  # fmt: skip
     for label, fn in (
-        ("DeepSeek-V4-Flash, pdserve now (whole rows)", now),
-        ("DeepSeek-V4-Flash, window part released", released),
+        ("DeepSeek-V4-Flash, every window part kept", whole),
+        ("DeepSeek-V4-Flash, pdserve (window blocks released)", released),
         ("MLA latent (512 + 64), 43 layers", lambda n: mla),
         ("per-head K and V (32 x 128), 43 layers", lambda n: per_head),
     ):
@@ -117,11 +120,12 @@ def v4_step(kind: str, dtype: torch.dtype, contexts: list[int], batches: list[in
     for n in contexts:
         blocks = math.ceil((n + 1) / 16)
         kv = model.new_kv_cache(blocks, 16)
-        kv.k.normal_()  # random rows: window keys, compressor inputs, entries
+        kv.k.normal_()  # random rows: entries' shares, window keys, compressor inputs
+        kv.wk.normal_()
         for b in batches:
             batch = _decode_batch(n, b, blocks)
             x = torch.randn(b, config.hidden_size).to(dtype)
-            step = functools.partial(model.attention.forward, 0, layer, x, batch, kv.k[0])
+            step = functools.partial(model.attention.forward, 0, layer, x, batch, Pools.of(kv))
             with torch.inference_mode():
                 times.append(forward.best_of(repeats, step))
             log(f"{kind} n={n} b={b}: {times[-1] * 1e3:.1f} ms")

@@ -6,7 +6,9 @@ request brings from the store and what goes back.
   computed here. With local prefill (the router sent no Prefill), nothing is read.
 - Out (with write_back): a finished generation's full blocks, prompt and answer, that are not
   in the store already, so the next turn of a conversation finds both there. Written at the
-  end, not as blocks fill: the encoding stays off the path of the stream's tokens.
+  end, not as blocks fill: the encoding stays off the path of the stream's tokens. A model
+  with window blocks (DeepSeek-V4) is the exception: a block goes as it fills, before its
+  window part is released (a store value is a whole block).
 """
 
 from __future__ import annotations
@@ -54,7 +56,13 @@ class DecodeConnector:
         self.imported = None  # recomputed (or the cache's) if the sequence is preempted
 
     def computed(self, blocks: BlockManager, seq: Sequence) -> list[BlockToSave]:
-        return []
+        if not self.write_back or blocks.windows is None:
+            return []
+        # a model with window blocks: each block as it fills, while its window part is there
+        start = self.in_store.get(seq.index, 0)
+        out = full_blocks(blocks, seq, start)
+        self.in_store[seq.index] = max([start] + [b.index + 1 for b in out])
+        return out
 
     def hands_off(self, seq: Sequence) -> bool:
         return False

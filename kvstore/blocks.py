@@ -89,22 +89,29 @@ class BlockStore:
 class PagedKV(Protocol):
     """A paged KV pool (services/model/kv_cache.py's KVCache), indexed in the layout blocks are
     stored in: K [layers, blocks, kv_heads, D / 2, 2, bs], V [layers, blocks, kv_heads, bs / 2,
-    2, D] (views: a dimension of K, a token of V, split in two)."""
+    2, D] (views: a dimension of K, a token of V, split in two). A pool with a window part
+    (`window_width`) holds a block in two places: it is written through `write_blocks`."""
 
     k_plain: torch.Tensor
     v_plain: torch.Tensor
+    window_width: int
+
+    def block_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]: ...
+
+    def write_blocks(self, block_ids: list[int], k: torch.Tensor, v: torch.Tensor) -> None: ...
 
 
 @dataclass(frozen=True)
 class StoredBlocks:
     """Checked store values as a KVSource: decoded straight into a CPU pool's blocks, no
-    staging; for a GPU pool, staged in one host buffer and copied once (write_staged)."""
+    staging; for a GPU pool (or one with a window part), staged in one host buffer and copied
+    once (write_staged)."""
 
     codec: BlockCodec
     values: list[bytes]
 
     def write(self, cache: PagedKV, items: list[tuple[int, int]]) -> None:
-        if cache.k_plain.device.type != "cpu":  # a GPU's pool: one copy for all the blocks
+        if cache.k_plain.device.type != "cpu" or cache.window_width:
             self.write_staged(cache, items)
             return
         for i, block_id in items:
@@ -117,16 +124,11 @@ class StoredBlocks:
         pool's device once for K and once for V and scattered there into the blocks."""
         if not items:
             return
-        k_pool, v_pool = cache.k_plain, cache.v_plain
-        pinned = k_pool.device.type == "cuda"
-
-        def staging(pool: torch.Tensor) -> torch.Tensor:
-            shape = (len(items), *pool[:, 0].shape)  # [n, layers, ...one block]
-            return torch.empty(shape, dtype=pool.dtype, pin_memory=pinned)
-
-        k, v = staging(k_pool), staging(v_pool)
+        pinned = cache.k_plain.device.type == "cuda"
+        k_shape, v_shape = cache.block_shapes()
+        dtype = cache.k_plain.dtype
+        k = torch.empty((len(items), *k_shape), dtype=dtype, pin_memory=pinned)
+        v = torch.empty((len(items), *v_shape), dtype=dtype, pin_memory=pinned)
         for j, (i, _) in enumerate(items):
             self.codec.decode_into(self.values[i], k[j], v[j])
-        index = torch.tensor([b for _, b in items], dtype=torch.int64).to(k_pool.device)
-        k_pool.index_copy_(1, index, k.to(k_pool.device, non_blocking=pinned).transpose(0, 1))
-        v_pool.index_copy_(1, index, v.to(v_pool.device, non_blocking=pinned).transpose(0, 1))
+        cache.write_blocks([b for _, b in items], k, v)

@@ -5,6 +5,11 @@ block may still carry the hash of the content it holds: it stays matchable by la
 until it is reused. Free blocks are reused least recently freed first, and a sequence frees
 its blocks tail first, so a shared prefix outlives the suffixes that hang off it.
 
+A model with a window part (DeepSeek-V4) has a second pool, of window blocks
+(services/engine/window_pool.py): a block holds one while some sequence may still read its
+window part. Allocation takes a window block for each new block; a prefix-cache hit counts only
+as far as its last blocks still have theirs.
+
 The pool is the one owner of this state; the scheduler and engine call its methods.
 """
 
@@ -16,6 +21,7 @@ from dataclasses import dataclass
 
 from kvstore.block_hash import extend_hashes
 from services.engine.request import Sequence
+from services.engine.window_pool import WindowPool
 
 
 class NoFreeBlocks(Exception):
@@ -31,7 +37,12 @@ class Block:
 
 class BlockManager:
     def __init__(
-        self, num_blocks: int, block_size: int, namespace: str, enable_caching: bool = True
+        self,
+        num_blocks: int,
+        block_size: int,
+        namespace: str,
+        enable_caching: bool = True,
+        windows: WindowPool | None = None,
     ) -> None:
         self.block_size = block_size
         self.namespace = namespace
@@ -42,6 +53,7 @@ class BlockManager:
         self.cache_version = 0  # counts changes to `cached` (AsyncEngine's snapshot of it)
         self.hits = 0  # prefix-cache lookups, in blocks
         self.queries = 0
+        self.windows = windows
 
     @property
     def num_blocks(self) -> int:
@@ -49,6 +61,9 @@ class BlockManager:
 
     @property
     def num_free(self) -> int:
+        """Blocks an allocation can have now (each with its window block, where there are)."""
+        if self.windows is not None:
+            return min(len(self.free), self.windows.available)
         return len(self.free)
 
     @property
@@ -90,10 +105,13 @@ class BlockManager:
         hashes = self.hashes(seq)
         usable = (seq.num_tokens - 1) // self.block_size
         found = self.lookup(hashes[:usable])
+        if self.windows is not None:
+            found = found[: self._windowed(found)]
         self.queries += usable
         self.hits += len(found)
         self._reference(found)
         seq.block_ids = list(found)
+        self._hold_windows(seq, len(found))
         seq.num_computed_tokens = len(found) * self.block_size
         return seq.num_computed_tokens
 
@@ -116,8 +134,12 @@ class BlockManager:
         """Grow seq's blocks to hold `num_tokens` more computed tokens, or raise NoFreeBlocks
         having changed nothing."""
         need = self.blocks_needed(seq, num_tokens)
-        if need > self.num_free:
-            raise NoFreeBlocks(f"need {need} blocks, {self.num_free} free")
+        if need > len(self.free):
+            raise NoFreeBlocks(f"need {need} blocks, {len(self.free)} free")
+        first = len(seq.block_ids)
+        windowed = need - max(0, min(need, seq.window_from - first))
+        if self.windows is not None and windowed > self.windows.available:
+            raise NoFreeBlocks(f"need {windowed} window blocks, {self.windows.available} free")
         for _ in range(need):
             block_id, _ = self.free.popitem(last=False)
             block = self.blocks[block_id]
@@ -126,10 +148,16 @@ class BlockManager:
                 self.cache_version += 1
                 block.hash = None
             block.ref_count = 1
+            if self.windows is not None:
+                self.windows.forget(block_id)
+                if len(seq.block_ids) >= seq.window_from:
+                    self.windows.acquire(block_id)
             seq.block_ids.append(block_id)
 
     def release(self, seq: Sequence) -> None:
         """Drop seq's references, tail first; it then holds no blocks and no computed KV."""
+        self._drop_windows(seq, len(seq.block_ids))
+        seq.window_from = 0
         for block_id in reversed(seq.block_ids):
             block = self.blocks[block_id]
             assert block.ref_count > 0, f"block {block_id} freed twice"
@@ -146,13 +174,62 @@ class BlockManager:
         keep = -(
             -(seq.num_computed_tokens if num_tokens is None else num_tokens) // self.block_size
         )
-        for block_id in reversed(seq.block_ids[keep:]):
+        for i in reversed(range(keep, len(seq.block_ids))):
+            block_id = seq.block_ids[i]
             block = self.blocks[block_id]
             assert block.ref_count == 1 and block.hash is None, "a rolled-back block is shared"
+            if self.windows is not None and i >= seq.window_from:
+                self.windows.drop(block_id, named=False)
             block.ref_count = 0
             self.free[block_id] = None
             self.free.move_to_end(block_id, last=False)
         del seq.block_ids[keep:]
+
+    # -- window blocks (window_pool.py) -------------------------------------------------
+
+    def slide(self, seq: Sequence) -> None:
+        """Let go of the window part of seq's blocks its next pass cannot read (called once
+        its computed blocks are saved: a saved block carries its window part)."""
+        if self.windows is None:
+            return
+        first = self.windows.first_kept(seq.num_computed_tokens, self.block_size)
+        self._drop_windows(seq, first)
+        seq.window_from = max(seq.window_from, first)
+
+    def savable(self, block_id: int) -> bool:
+        """Whether a block's every part is in the pool (a store value must be whole)."""
+        return self.windows is None or self.windows.has(block_id)
+
+    def _drop_windows(self, seq: Sequence, end: int) -> None:
+        if self.windows is None:
+            return
+        for block_id in seq.block_ids[seq.window_from : end]:
+            self.windows.drop(block_id, named=self.blocks[block_id].hash is not None)
+
+    def _hold_windows(self, seq: Sequence, prefix: int) -> None:
+        """seq holds a prefix of `prefix` blocks: hold the window part of its last ones."""
+        if self.windows is None:
+            return
+        seq.window_from = max(0, prefix - self.windows.keep_blocks)
+        for block_id in seq.block_ids[seq.window_from : prefix]:
+            self.windows.acquire(block_id)
+
+    def _windowed(self, found: Seq[int], end: int | None = None) -> int:
+        """How many of the cached blocks `found` a prefix can use: it ends where the
+        window part of its last blocks is still there. `end`: a prefix `end` blocks long is
+        wanted, the blocks past `found` come with their window part: it stops at the first of
+        `found` among the last ones lacking its own."""
+        assert self.windows is not None
+        has, keep = self.windows.has, self.windows.keep_blocks
+        if end is not None:
+            return next(
+                (i for i in range(max(0, end - keep), min(len(found), end)) if not has(found[i])),
+                len(found),
+            )
+        for k in range(len(found), 0, -1):
+            if all(has(b) for b in found[max(0, k - keep) : k]):
+                return k
+        return 0
 
     def _reference(self, block_ids: Seq[int]) -> None:
         for block_id in block_ids:
@@ -163,23 +240,44 @@ class BlockManager:
 
     # -- KV held outside the pool (services/engine/kv_connector.py) ----------------------
 
-    def import_prefix(self, seq: Sequence, hashes: Seq[bytes]) -> list[int]:
-        """Give a sequence with no blocks one block per hash: cached ones are shared, the rest
-        freshly allocated. Returns the indices (into `hashes`) whose KV the caller must write
-        into `seq.block_ids[i]`, then call `commit`."""
+    def import_prefix(
+        self, seq: Sequence, hashes: Seq[bytes], found: Seq[int] | None = None
+    ) -> list[int]:
+        """Give a sequence with no blocks one block per hash: cached ones (`found`, default
+        the cache's lookup) are shared, the rest freshly allocated. Returns the indices (into
+        `hashes`) whose KV the caller must write into `seq.block_ids[i]`, then call `commit`."""
         assert not seq.block_ids and seq.num_computed_tokens == 0
         hashes = list(hashes)
-        found = self.lookup(hashes)
+        found = list(self.lookup(hashes) if found is None else found)
+        if self.windows is not None:  # a cached block lacking its window part: fill a new one
+            found = found[: self._windowed(found, len(hashes))]
         fresh = len(hashes) - len(found)
-        available = self.num_free - sum(self.blocks[b].ref_count == 0 for b in found)
-        if fresh > available:
-            raise NoFreeBlocks(f"need {fresh} blocks, {available} free")
+        short = self._short(found, len(hashes))
+        if short:
+            raise NoFreeBlocks(short)
         self._reference(found)
         seq.block_ids = list(found)
+        self._hold_windows(seq, len(hashes))  # past `found`: allocate takes them
         seq.num_computed_tokens = len(found) * self.block_size
         self.allocate(seq, fresh * self.block_size)
         seq.num_computed_tokens = len(hashes) * self.block_size
         return list(range(len(found), len(hashes)))
+
+    def _short(self, found: Seq[int], full: int, partial: bool = False) -> str:
+        """Why a prefix of `full` blocks (`found` of them cached), and a partial one after it,
+        does not fit ("" when it does)."""
+        fresh = full - len(found) + partial
+        available = len(self.free) - sum(self.blocks[b].ref_count == 0 for b in found)
+        if fresh > available:
+            return f"need {fresh} blocks, {available} free"
+        if self.windows is not None:
+            tail = max(0, full - self.windows.keep_blocks)
+            kept = sum(self.windows.refs[b] == 0 for b in found[tail:])  # evictable, now held
+            need = full - max(tail, len(found)) + partial
+            room = self.windows.available - kept
+            if need > room:
+                return f"need {need} window blocks, {room} free"
+        return ""
 
     def admit_external(
         self, seq: Sequence, hashes: Seq[bytes], partial_tokens: int, skipped: int
@@ -189,17 +287,22 @@ class BlockManager:
         allocated. Returns (index in the prefix, block id) for each block the caller must fill
         (before anything reads it: they are named now), or None, nothing changed, when the
         pool is short. At least one token is left to compute. The first `skipped` blocks have
-        no values outside: where they are no longer cached, the prefix stops there."""
+        no values outside: where they are no longer cached (or, with window blocks, the last
+        ones lack their window part), the prefix stops there."""
         usable = min(len(hashes) * self.block_size + partial_tokens, seq.num_tokens - 1)
         full = min(len(hashes), usable // self.block_size)
         partial = usable - full * self.block_size if full == len(hashes) else 0
         cached = self.lookup(hashes[:full])
+        if self.windows is not None:
+            cached = cached[: self._windowed(cached, full)]
         if len(cached) < skipped:
             full, partial = len(cached), 0
-        fresh = full - len(cached) + (1 if partial else 0)
-        if fresh > self.num_free - sum(self.blocks[b].ref_count == 0 for b in cached):
+            if self.windows is not None:
+                full = self._windowed(cached)
+                cached = cached[:full]
+        if self._short(cached, full, partial > 0):
             return None
-        to_fill = self.import_prefix(seq, hashes[:full])
+        to_fill = self.import_prefix(seq, hashes[:full], cached)
         items = [(i, seq.block_ids[i]) for i in to_fill]
         if partial:
             self.allocate(seq, partial)
@@ -226,6 +329,8 @@ class BlockManager:
             assert self.blocks[block_id].hash == h, f"cache entry for block {block_id} is stale"
         named = sum(b.hash is not None for b in self.blocks)
         assert named == len(self.cached), "a block carries a hash the cache does not know"
+        if self.windows is not None:
+            self.windows.check(set(self.cached.values()))
 
     def referenced_blocks(self) -> int:
-        return self.num_blocks - self.num_free  # every block is free or referenced (check())
+        return self.num_blocks - len(self.free)  # every block is free or referenced (check())

@@ -44,6 +44,7 @@ from services.engine.scheduler import ScheduledChunk, Scheduler
 from services.engine.seeds import choice_seed
 from services.engine.speculative import Speculator
 from services.engine.structured import Grammars
+from services.engine.window_pool import WindowPool
 from services.model import kv_cache
 from services.model.allocator import keep_freed_memory
 from services.model.batch import ForwardBatch, SeqChunk
@@ -81,8 +82,12 @@ class Engine:
         self.tokenizer = tokenizer
         self.config = config = config or EngineConfig()
         mc = model.config
-        num_blocks = config.num_blocks or self._blocks_for(config.kv_cache_bytes)
-        self.kv = model.new_kv_cache(num_blocks, config.block_size)
+        num_blocks, num_window_blocks = self._pools()
+        self.kv = model.new_kv_cache(num_blocks, config.block_size, num_window_blocks)
+        windows = None
+        if self.kv.window_width:
+            windows = WindowPool(self.kv.num_window_blocks, self.kv.window_of, mc.window_keep,
+                                 config.block_size)  # fmt: skip
         self.graphs: DecodeGraphs | None = None
         on_gpu = model.kernels == "triton" and model.device.type == "cuda"
         # not for latent attention yet: its plan and KV write do not take padded rows
@@ -97,7 +102,7 @@ class Engine:
             ).namespace()
         )
         self.blocks = BlockManager(
-            num_blocks, config.block_size, namespace, config.enable_prefix_caching
+            num_blocks, config.block_size, namespace, config.enable_prefix_caching, windows
         )
         self.speculator = None
         if config.speculative.enabled:
@@ -113,11 +118,24 @@ class Engine:
         self.times = StepTimes()
         self._arrivals = itertools.count()
 
-    def _blocks_for(self, nbytes: int) -> int:
-        mc = self.model.config
-        itemsize = self.model.embed.element_size()
-        per_block = mc.cache_layers * self.config.block_size * mc.cache_elements * itemsize
-        return max(1, nbytes // per_block)
+    def _pools(self) -> tuple[int, int | None]:
+        """Blocks, and window blocks (None: one per block), from the settings: --num-blocks,
+        or as many as the KV budget holds. Window blocks: as many as the running sequences'
+        windows and a step's new tokens can hold at once (window_pool.py), the rest of the
+        budget in blocks without a window part."""
+        mc, config = self.model.config, self.config
+        bs, itemsize = config.block_size, self.model.embed.element_size()
+        whole = mc.cache_layers * bs * mc.cache_elements * itemsize
+        if not mc.window_width:
+            return config.num_blocks or max(1, config.kv_cache_bytes // whole), None
+        keep = -(-mc.window_keep // bs)
+        wanted = config.max_num_seqs * (keep + 3) + -(-config.max_num_batched_tokens // bs)
+        if config.num_blocks:
+            return config.num_blocks, min(config.num_blocks, wanted)
+        if wanted * whole >= config.kv_cache_bytes:
+            return max(1, config.kv_cache_bytes // whole), None
+        window = mc.cache_layers * bs * mc.window_width * itemsize
+        return (config.kv_cache_bytes - wanted * window) // (whole - window), wanted
 
     # -- requests --------------------------------------------------------------------
 
@@ -285,6 +303,7 @@ class Engine:
         connector = self._connector(seq)
         if connector is not None:
             self._save(seq, connector.computed(self.blocks, seq))
+        self.blocks.slide(seq)
 
     def _verify(
         self,
@@ -312,6 +331,7 @@ class Engine:
         return SequenceDelta.merge(deltas)
 
     def _batch(self, chunks: list[ScheduledChunk]) -> ForwardBatch:
+        windows = self.blocks.windows is not None
         return ForwardBatch.build(
             [
                 SeqChunk(
@@ -320,6 +340,7 @@ class Engine:
                     c.seq.block_ids,
                     c.want_logits,
                     all_logits=scores_prompt(c.seq) or bool(c.draft),
+                    window_table=self.kv.window_table(c.seq.block_ids) if windows else None,
                 )
                 for c in chunks
             ],

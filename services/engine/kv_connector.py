@@ -113,9 +113,10 @@ class KVConnectorWorker(Protocol):
 
 
 def full_blocks(blocks: BlockManager, seq: Sequence, start: int) -> list[BlockToSave]:
-    """The full, computed blocks of `seq` from its `start`-th on."""
+    """The full, computed blocks of `seq` from its `start`-th on (those whole in the pool: a
+    block whose window part is released is not saved)."""
     return [
         BlockToSave(i, block_id, block_hash, blocks.block_size)
         for i, (block_hash, block_id) in enumerate(blocks.export(seq))
-        if i >= start
+        if i >= start and blocks.savable(block_id)
     ]

@@ -25,6 +25,9 @@ class SeqChunk:
     block_table: Sequence[int]  # physical block of each logical block, covering start + len
     want_logits: bool = True  # logits of the chunk's last token (false mid-prefill)
     all_logits: bool = False  # logits of every token of the chunk (scoring a prompt)
+    # where a model keeps a window part (DeepSeek-V4): each block's window block (-1:
+    # released, never read again); None: the block table's own
+    window_table: Sequence[int] | None = None
 
     @property
     def context_len(self) -> int:
@@ -39,6 +42,7 @@ class SeqSpan:
     query_len: int
     context_len: int  # tokens attended to, new ones included
     block_table: torch.Tensor  # [num_blocks] int64
+    window_table: torch.Tensor | None = None  # [num_blocks] int64 (SeqChunk.window_table)
 
     @property
     def is_decode(self) -> bool:
@@ -60,6 +64,7 @@ class ForwardBatch:
     context_lens: torch.Tensor  # [S] int64
     max_query_len: int
     max_context_len: int
+    window_slots: torch.Tensor | None = None  # [T]: each row's slot in the window pool
 
     @property
     def num_tokens(self) -> int:
@@ -112,7 +117,28 @@ class ForwardBatch:
             SeqSpan(row, n, length, table_t[i, : len(t)])
             for i, (row, n, length, t) in enumerate(zip(rows, qlens, lens, tables, strict=True))
         )
+        window_slots = None
+        if any(c.window_table is not None for c in chunks):
+            spans, window_slots = _window_tables(chunks, spans, block_size, position_t.device)
         return cls(
             token_t, position_t, slot_t, spans, logits_t, block_size, table_t, row_t, qlen_t,
-            len_t, max(qlens, default=0), max(lens, default=0),
+            len_t, max(qlens, default=0), max(lens, default=0), window_slots,
         )  # fmt: skip
+
+
+def _window_tables(
+    chunks: Sequence[SeqChunk], spans: tuple[SeqSpan, ...], block_size: int, device: torch.device
+) -> tuple[tuple[SeqSpan, ...], torch.Tensor]:
+    """The spans with their window tables, and each row's window slot."""
+    out, slots = [], []
+    for c, span in zip(chunks, spans, strict=True):
+        table = list(c.window_table if c.window_table is not None else c.block_table)
+        table = table[: len(span.block_table)]
+        for p in range(c.start, c.context_len):
+            block = table[p // block_size]
+            if block < 0:
+                raise ValueError(f"the window part of position {p} is released")
+            slots.append(block * block_size + p % block_size)
+        tensor = torch.tensor(table, dtype=torch.int64, device=device)
+        out.append(SeqSpan(span.row, span.query_len, span.context_len, span.block_table, tensor))
+    return tuple(out), torch.tensor(slots, dtype=torch.int64, device=device)

@@ -23,7 +23,9 @@ class CausalLM(Protocol):
         """Logits [len(batch.logits_rows), vocab] in float32; every row's KV is cached."""
         ...
 
-    def new_kv_cache(self, num_blocks: int, block_size: int) -> KVCache: ...
+    def new_kv_cache(
+        self, num_blocks: int, block_size: int, num_window_blocks: int | None = None
+    ) -> KVCache: ...
 
     def expert_counts(self) -> dict[int, list[int]]:
         """Tokens routed to each expert since start, by MoE layer (empty for dense models)."""

@@ -11,7 +11,7 @@ from typing import Any
 from services.model.gemma3_config import Gemma3Shape
 from services.model.oss_config import OssShape
 from services.model.shapes import embedding_shapes
-from services.model.v4_config import V4Shape, row_layout
+from services.model.v4_config import V4Shape, row_widths, window_keep
 
 ARCHITECTURES = (
     "llama", "mistral", "qwen2", "qwen3",
@@ -147,12 +147,24 @@ class ModelConfig:
     def cache_shape(self) -> tuple[int, int, int]:
         """A token's cache row per layer: (heads, K dims, V dims). MLA's is one "head" of
         latent + rotary key, with no separate V (the latent is both). DeepSeek-V4's is one
-        row of every layer's parts together (v4_config.row_layout), kept as one layer."""
+        row of every layer's parts together (v4_config.row_layout), kept as one layer: its
+        shares, then its window part (`window_width` elements, a pool of their own)."""
         if self.v4 is not None:
-            return 1, sum(row.width for row in row_layout(self.v4, self.head_dim)), 0
+            return 1, sum(row_widths(self.v4, self.head_dim)), 0
         if self.mla is not None:
             return 1, self.mla.latent_dim, 0
         return self.num_kv_heads, self.head_dim, self.head_dim
+
+    @property
+    def window_width(self) -> int:
+        """The last elements of cache_shape's K held in a pool of window blocks, released once
+        no query reads them (KVCache, BlockManager); 0: the whole row is kept."""
+        return row_widths(self.v4, self.head_dim)[1] if self.v4 is not None else 0
+
+    @property
+    def window_keep(self) -> int:
+        """Tokens before a pass's first new one whose window part the pass may read."""
+        return window_keep(self.v4) if self.v4 is not None else 0
 
     @property
     def cache_elements(self) -> int:

@@ -224,8 +224,12 @@ class DecoderModel:
             if isinstance(layer.mlp, Moe)
         }
 
-    def new_kv_cache(self, num_blocks: int, block_size: int = BLOCK_SIZE) -> KVCache:
-        return KVCache(self.config, num_blocks, block_size, self.dtype, self.device)
+    def new_kv_cache(
+        self, num_blocks: int, block_size: int = BLOCK_SIZE, num_window_blocks: int | None = None
+    ) -> KVCache:
+        return KVCache(
+            self.config, num_blocks, block_size, self.dtype, self.device, num_window_blocks
+        )
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:

@@ -33,7 +33,7 @@ from services.model.v4_attention import (
     _unweighted_rms_norm,
 )
 from services.model.v4_config import CSA, SLIDING, row_layout
-from services.model.v4_rows import V4Rope
+from services.model.v4_rows import Pools, V4Rope
 
 
 @dataclass(frozen=True)
@@ -194,16 +194,18 @@ class DeepseekV4Model(PagedModel):
     def expert_counts(self) -> dict[int, list[int]]:
         return {i: layer.moe.counts.tolist() for i, layer in enumerate(self.layers)}
 
-    def new_kv_cache(self, num_blocks: int, block_size: int = BLOCK_SIZE) -> KVCache:
+    def new_kv_cache(
+        self, num_blocks: int, block_size: int = BLOCK_SIZE, num_window_blocks: int | None = None
+    ) -> KVCache:
         if block_size != BLOCK_SIZE:
             raise ValueError(f"DeepSeek-V4's cache rows are laid out for {BLOCK_SIZE}-token blocks")
-        return super().new_kv_cache(num_blocks, block_size)
+        return super().new_kv_cache(num_blocks, block_size, num_window_blocks)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         """Logits [len(batch.logits_rows), vocab] in float32; every row's cache row written."""
         c = self.config
-        cache, _ = kv.layer(0)
+        cache = Pools.of(kv)
         h = self.embed.index_select(0, batch.token_ids)  # [T, hidden]
         streams = h[:, None, :].expand(-1, self.v4.hc_mult, -1).contiguous()  # [T, N, hidden]
         for i, layer in enumerate(self.layers):

@@ -45,22 +45,59 @@ class KVCache:
         block_size: int = BLOCK_SIZE,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        num_window_blocks: int | None = None,
     ) -> None:
+        """`num_window_blocks`: for a model with a window part (config.window_width), the
+        size of its pool; None: one per block, each block's its own (`window_of`)."""
         layers, (heads, k_dim, v_dim) = config.cache_layers, config.cache_shape
+        self.window_width = config.window_width
+        k_dim -= self.window_width
         self.k = _allocate((layers, num_blocks, heads, k_dim, block_size), dtype, device)
         self.v = _allocate((layers, num_blocks, heads, block_size, v_dim), dtype, device)
         self.k_plain, self.v_plain = plain_views(self.k, self.v)  # for whole-block copies
         self.num_blocks = num_blocks
         self.block_size = block_size
+        # The window part of a block lives in a window block of its own: window_of[block]
+        # (-1: released). The block manager assigns them; this module and the model read it.
+        n = num_blocks if num_window_blocks is None else num_window_blocks
+        n = n if self.window_width else 0
+        self.wk = _allocate((layers, n, heads, self.window_width, block_size), dtype, device)
+        self.window_of = list(range(num_blocks)) if n == num_blocks else [-1] * num_blocks
+
+    @property
+    def num_window_blocks(self) -> int:
+        return int(self.wk.shape[1])
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K [blocks, kv_heads, D, block_size] and V [blocks, kv_heads, block_size, D], in the
         dtype's layout."""
         return self.k[i], self.v[i]
 
+    def window_table(self, block_ids: list[int]) -> list[int]:
+        """The window block of each of a sequence's blocks (-1 where released)."""
+        return [self.window_of[b] for b in block_ids]
+
     @property
     def bytes_per_block(self) -> int:
         return (self.k[:, 0].numel() + self.v[:, 0].numel()) * self.k.element_size()
+
+    @property
+    def bytes_per_window_block(self) -> int:
+        return self.wk[:, 0].numel() * self.wk.element_size() if self.window_width else 0
+
+    def block_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """One block's K and V, all layers, in the plain layout's split views (what the store's
+        codec decodes into): window part included."""
+        layers, _, heads, k_dim, bs = self.k.shape
+        k_dim += self.window_width
+        return (layers, heads, k_dim // 2, 2, bs), (layers, heads, bs // 2, 2, self.v.shape[-1])
+
+    def write_blocks(self, block_ids: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        """Blocks shaped [n, *block_shapes()] (on any device) into the given cache blocks."""
+        device = self.k.device
+        k = k.to(device, non_blocking=True).flatten(-3, -2)
+        v = v.to(device, non_blocking=True).flatten(-3, -2)
+        scatter_blocks(self, block_ids, k, v)
 
 
 def layout(model_id: str, kv_dtype: str, block_size: int, config: ModelConfig) -> KVLayout:
@@ -155,17 +192,43 @@ def gather(
 
 def gather_blocks(cache: KVCache, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Copies of whole blocks, all layers each, in the plain layout: K [n, L, kv_heads, D, bs],
-    V [n, L, kv_heads, bs, D] (gathered layer-major, viewed block-major)."""
+    V [n, L, kv_heads, bs, D] (gathered layer-major, viewed block-major). A block's window part
+    comes after its K; zeros where released (the block manager saves no such block)."""
     index = torch.tensor(block_ids, dtype=torch.int64, device=cache.k.device)
     k, v = select_plain(cache.k, cache.v, 1, index)
+    if cache.window_width:
+        window = k.new_zeros(*k.shape[:3], cache.window_width, k.shape[-1])
+        held = [i for i, b in enumerate(block_ids) if cache.window_of[b] >= 0]
+        if held:
+            slots = torch.tensor([cache.window_of[block_ids[i]] for i in held], device=index.device)
+            window[:, held] = select_plain(cache.wk, _no_v(cache.wk), 1, slots)[0]
+        k = torch.cat((k, window), dim=-2)
     return k.transpose(0, 1), v.transpose(0, 1)
 
 
 def scatter_blocks(cache: KVCache, block_ids: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
-    """Write blocks shaped as `gather_blocks` returns them into the given cache blocks."""
-    index = torch.tensor(block_ids, dtype=torch.int64, device=cache.k.device)
+    """Write blocks shaped as `gather_blocks` returns them into the given cache blocks (a window
+    part into the block's window block, where it has one)."""
+    device = cache.k.device
+    index = torch.tensor(block_ids, dtype=torch.int64, device=device)
     k, v = k.transpose(0, 1).to(cache.k.dtype), v.transpose(0, 1).to(cache.v.dtype)
+    if cache.window_width:
+        k, window = k.split([k.shape[3] - cache.window_width, cache.window_width], dim=3)
+        held = [i for i, b in enumerate(block_ids) if cache.window_of[b] >= 0]
+        if held:
+            slots = torch.tensor([cache.window_of[block_ids[i]] for i in held], device=device)
+            _copy_plain(plain_views(cache.wk, _no_v(cache.wk))[0], slots, window[:, held])
     # dimension pairs of K, token pairs of V (the plain views' split; sizes spelled out: MLA's
     # V has no elements)
-    cache.k_plain.index_copy_(1, index, k.reshape(*k.shape[:3], k.shape[3] // 2, 2, k.shape[4]))
+    _copy_plain(cache.k_plain, index, k)
     cache.v_plain.index_copy_(1, index, v.reshape(*v.shape[:3], v.shape[3] // 2, 2, v.shape[4]))
+
+
+def _copy_plain(k_plain: torch.Tensor, index: torch.Tensor, k: torch.Tensor) -> None:
+    k_plain.index_copy_(1, index, k.reshape(*k.shape[:3], k.shape[3] // 2, 2, k.shape[4]))
+
+
+def _no_v(k_cache: torch.Tensor) -> torch.Tensor:
+    """An empty V for a K-only cache (plain_views takes both)."""
+    *lead, _, bs = k_cache.shape
+    return k_cache.new_empty(*lead, bs, 0)

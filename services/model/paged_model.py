@@ -41,8 +41,12 @@ class PagedModel:
         amx = self._amx if weight.dtype == torch.bfloat16 else None
         return make_linear(weight.contiguous(), bias, self.packed, amx)
 
-    def new_kv_cache(self, num_blocks: int, block_size: int = BLOCK_SIZE) -> KVCache:
-        return KVCache(self.config, num_blocks, block_size, self.dtype, self.device)
+    def new_kv_cache(
+        self, num_blocks: int, block_size: int = BLOCK_SIZE, num_window_blocks: int | None = None
+    ) -> KVCache:
+        return KVCache(
+            self.config, num_blocks, block_size, self.dtype, self.device, num_window_blocks
+        )
 
     def expert_counts(self) -> dict[int, list[int]]:
         return {}

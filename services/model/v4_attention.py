@@ -25,7 +25,7 @@ from services.model.config import ModelConfig
 from services.model.linear import Linear
 from services.model.row_attention import attend_rows
 from services.model.v4_config import SLIDING, LayerRow
-from services.model.v4_rows import V4Rope, slots_of
+from services.model.v4_rows import Pools, V4Rope, slots_of, window_table
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ class V4Attention:
         w: V4AttentionWeights,
         x: torch.Tensor,  # [T, hidden], normed
         batch: ForwardBatch,
-        cache: torch.Tensor,  # [blocks, 1, row width, block_size]
+        cache: Pools,
     ) -> torch.Tensor:  # [T, hidden]
         c, v4, row = self.config, self.v4, self.rows[layer]
         kind = "main" if w.kind == SLIDING else "compress"
@@ -97,7 +97,8 @@ class V4Attention:
         q = _unweighted_rms_norm(w.q_b(q_lat).view(-1, c.num_heads, c.head_dim), c.rms_norm_eps)
         q = self.rope.apply(q, cos, sin)
         kv = self.rope.apply(_rms_norm(kv, w.kv_norm, c.rms_norm_eps), cos, sin)
-        v4_rows.write(cache, batch.slot_mapping, row.offset, torch.cat((kv, raw), dim=-1))
+        slots = batch.slot_mapping if batch.window_slots is None else batch.window_slots
+        v4_rows.write(cache.window, slots, row.offset, torch.cat((kv, raw), dim=-1))
         if w.compressor is not None:
             self._compress(w, row, batch, cache)
         index_q = None
@@ -119,7 +120,7 @@ class V4Attention:
         return w.o_b(torch.cat([o(groups[:, g]) for g, o in enumerate(w.o_a)], dim=-1))
 
     def _compress(
-        self, w: V4AttentionWeights, row: LayerRow, batch: ForwardBatch, cache: torch.Tensor
+        self, w: V4AttentionWeights, row: LayerRow, batch: ForwardBatch, cache: Pools
     ) -> None:
         """Make the entries this batch's rows close, from the raw inputs in the cache, and
         write each as shares into the rows of the `span` tokens ending at its closing one."""
@@ -131,11 +132,11 @@ class V4Attention:
             start = span.context_len - span.query_len
             # entry e closes at token (e + 1) m - 1: those among the new rows
             first, end = -(-(start + 1) // m) - 1, span.context_len // m
-            closing.append(torch.arange(first, end, device=cache.device))
+            closing.append(torch.arange(first, end, device=batch.positions.device))
         entries = []
         for span, es in zip(batch.seqs, closing, strict=True):
             if len(es):
-                entries.append(self._entries(w, row, span.block_table, es, bs, cache))
+                entries.append(self._entries(w, row, window_table(span), es, bs, cache))
         if not entries:
             return
         values = torch.cat(entries)  # [n, entry]
@@ -146,17 +147,16 @@ class V4Attention:
         ])  # fmt: skip
         padded = values.new_zeros(values.shape[0], row.span * row.share)
         padded[:, : row.entry] = values
-        offset = row.offset + row.kv + row.raw
-        v4_rows.write(cache, share_slots, offset, padded.view(-1, row.share))
+        v4_rows.write(cache.shares, share_slots, row.share_at, padded.view(-1, row.share))
 
     def _entries(
         self,
         w: V4AttentionWeights,
         row: LayerRow,
-        table: torch.Tensor,
+        table: torch.Tensor,  # the sequence's window table
         es: torch.Tensor,  # [n] entry indices
         bs: int,
-        cache: torch.Tensor,
+        cache: Pools,
     ) -> torch.Tensor:  # [n, entry]: the key, then (CSA) the indexer key
         comp = w.compressor
         assert comp is not None
@@ -164,7 +164,7 @@ class V4Attention:
         # the tokens each entry pools: for CSA the previous window's too (clamped at 0, masked)
         lo = (es - (series - 1)) * m
         positions = (lo[:, None] + torch.arange(series * m, device=es.device)).clamp(min=0)
-        raw = v4_rows.read(cache, slots_of(table, positions.flatten(), bs),
+        raw = v4_rows.read(cache.window, slots_of(table, positions.flatten(), bs),
                            row.offset + row.kv, row.raw)  # fmt: skip
         raw = raw.view(len(es), series * m, row.raw)
         first = es == 0
@@ -187,15 +187,17 @@ class V4Attention:
         span: SeqSpan,
         index: tuple[torch.Tensor, torch.Tensor] | None,  # indexer q [n, ih, id], weights
         bs: int,
-        cache: torch.Tensor,
+        cache: Pools,
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """A sequence's keys [window rows | entries] and each new row's list of them: its
         window, then its entries (all visible ones, or the indexer's choice)."""
         c, window = self.config, self.v4.window
         start = span.context_len - span.query_len
         lo = max(0, start - window + 1)
-        positions = torch.arange(lo, span.context_len, device=cache.device)
-        kv = v4_rows.read(cache, slots_of(span.block_table, positions, bs), row.offset, c.head_dim)
+        device = span.block_table.device
+        positions = torch.arange(lo, span.context_len, device=device)
+        kv = v4_rows.read(cache.window, slots_of(window_table(span), positions, bs), row.offset,
+                          c.head_dim)  # fmt: skip
         windows = [
             torch.arange(max(0, t - window + 1) - lo, t + 1 - lo)
             for t in range(start, span.context_len)
@@ -203,7 +205,7 @@ class V4Attention:
         if w.compressor is None:
             return kv, windows
         m, n = w.compressor.rate, len(kv)
-        every = torch.arange(span.context_len // m, device=cache.device)
+        every = torch.arange(span.context_len // m, device=device)
         new = range(start, span.context_len)
         if w.indexer is None or index is None:  # HCA: every entry so far, each row its visible
             entries = self._read_entries(row, span, m, bs, cache, every, 0, c.head_dim)
@@ -230,7 +232,7 @@ class V4Attention:
         span: SeqSpan,
         m: int,
         bs: int,
-        cache: torch.Tensor,
+        cache: Pools,
         entries: torch.Tensor,  # [n] which entries
         lo: int = 0,
         hi: int | None = None,
@@ -238,10 +240,10 @@ class V4Attention:
         """Entries read back from their shares: only the tokens holding elements [lo, hi)."""
         hi = row.entry if hi is None else hi
         first, last = lo // row.share, (hi - 1) // row.share + 1  # the shares holding them
-        pieces = torch.arange(first, last, device=cache.device)
+        pieces = torch.arange(first, last, device=entries.device)
         tokens = (entries[:, None] + 1) * m - row.span + pieces  # [n, pieces]
         slots = slots_of(span.block_table, tokens.flatten(), bs)
-        shares = v4_rows.read(cache, slots, row.offset + row.kv + row.raw, row.share)
+        shares = v4_rows.read(cache.shares, slots, row.share_at, row.share)
         part = shares.view(len(entries), (last - first) * row.share)
         return part[:, lo - first * row.share : hi - first * row.share]
 

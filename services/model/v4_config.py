@@ -5,7 +5,7 @@ Every layer attends over a sliding window of one shared K=V head (with a learned
 head); a compressed-sparse layer (CSA) adds one compressed entry per `csa_rate` tokens, of
 which a lightning indexer picks the top `index_topk` for each query; a heavily compressed layer
 (HCA) adds one entry per `hca_rate` tokens, all visible. docs/deepseek-v4.md has the whole
-arithmetic, docs/structures.md the cache layout this module's `RowLayout` describes.
+arithmetic, docs/structures.md the cache layout this module's `row_layout` describes.
 """
 
 from __future__ import annotations
@@ -61,9 +61,12 @@ class V4Shape:
 
 @dataclass(frozen=True)
 class LayerRow:
-    """One layer's part of a token's cache row, in elements, at `offset` in the row:
+    """One layer's part of a token's cache row, in elements. A token's row is two rows in two
+    pools (config.cache_shape, KVCache): its window part, read while the token is among the
+    last `window_keep` tokens and then released, and its shares, kept for good:
 
-        | kv (window key = value) | raw (the compressor's inputs) | share (of an entry) |
+        window row, at `offset`:  | kv (window key = value) | raw (the compressor's inputs) |
+        share row, at `share_at`: | share (of an entry) |
 
     raw holds what compression reads: kv_proj and gate_proj of the token (gate without the
     position bias), for CSA also the indexer's two. share: compressed entry e (its key, then
@@ -74,6 +77,7 @@ class LayerRow:
     offset: int
     kv: int
     raw: int
+    share_at: int
     share: int
     span: int  # tokens sharing one entry: gcd(rate, block size); 0 without a compressor
     entry: int  # elements of one entry (key, plus the indexer key for CSA)
@@ -84,10 +88,10 @@ class LayerRow:
 
 
 def row_layout(shape: V4Shape, head_dim: int) -> tuple[LayerRow, ...]:
-    """Every layer's part of a token's row (each part even-sized: the bfloat16 cache holds
+    """Every layer's part of a token's two rows (each part even-sized: the bfloat16 cache holds
     elements in pairs)."""
     rows: list[LayerRow] = []
-    offset = 0
+    offset = share_at = 0
     for layer, kind in enumerate(shape.layer_types):
         rate = shape.rate(layer)
         raw = entry = span = 0
@@ -99,10 +103,27 @@ def row_layout(shape: V4Shape, head_dim: int) -> tuple[LayerRow, ...]:
         if rate:
             span = math.gcd(rate, BLOCK_SIZE)
         share = _even(-(-entry // span)) if span else 0
-        row = LayerRow(offset, _even(head_dim), raw, share, span, entry)
+        row = LayerRow(offset, _even(head_dim), raw, share_at, share, span, entry)
         rows.append(row)
-        offset += row.width
+        offset += row.kv + row.raw
+        share_at += row.share
     return tuple(rows)
+
+
+def row_widths(shape: V4Shape, head_dim: int) -> tuple[int, int]:
+    """Elements of a token's share row and of its window row."""
+    rows = row_layout(shape, head_dim)
+    return sum(r.share for r in rows), sum(r.kv + r.raw for r in rows)
+
+
+def window_keep(shape: V4Shape) -> int:
+    """How far back from its first new token a forward pass reads window rows: a query's
+    window (window - 1 tokens before it), an open HCA window (rate - 1), a CSA entry's two
+    windows (2 rate - 1). Rows further back are never read again."""
+    reach = [shape.window - 1]
+    reach += [2 * shape.rate(i) - 1 if kind == CSA else shape.rate(i) - 1
+              for i, kind in enumerate(shape.layer_types) if kind != SLIDING]  # fmt: skip
+    return max(reach)
 
 
 def _even(n: int) -> int:

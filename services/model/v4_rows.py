@@ -1,18 +1,40 @@
-"""DeepSeek-V4's cache rows in the paged pool: reading and writing one layer's part of a
-token's row (v4_config.LayerRow), and its rotary embedding.
+"""DeepSeek-V4's cache rows in the paged pools: reading and writing one layer's part of a
+token's rows (v4_config.LayerRow), and its rotary embedding.
 
-The pool is kv_cache.py's, one "layer" wide enough for every layer's part (config.cache_shape):
-a slot is a token, and `write` / `read` address a span of elements of it. Whatever the dtype's
-layout, they go through kv_cache.plain_views, the only code that knows it.
+The pools are kv_cache.py's: the shares in its blocks, the window part in its window blocks,
+each one "layer" wide enough for every layer's part: a slot is a token, and `write` / `read`
+address a span of elements of it. Whatever the dtype's layout, they go through
+kv_cache.plain_views, the only code that knows it.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from services.model import kv_cache, pointwise
+from services.model.batch import SeqSpan
 from services.model.config import ModelConfig, RopeScaling
 from services.model.rope import inverse_frequencies
+
+
+@dataclass(frozen=True)
+class Pools:
+    """What a pass reads and writes: shares [blocks, 1, S, bs] through the block tables, the
+    window part [window blocks, 1, W, bs] through the window tables."""
+
+    shares: torch.Tensor
+    window: torch.Tensor
+
+    @classmethod
+    def of(cls, kv: kv_cache.KVCache) -> Pools:
+        return cls(kv.k[0], kv.wk[0])
+
+
+def window_table(span: SeqSpan) -> torch.Tensor:
+    """A sequence's window blocks (its blocks' own where the batch names none)."""
+    return span.block_table if span.window_table is None else span.window_table
 
 
 def write(cache: torch.Tensor, slots: torch.Tensor, offset: int, values: torch.Tensor) -> None:

@@ -2,10 +2,10 @@
 prefill worker -> blocks in the store -> decode worker. Answers equal transformers' token for
 token, cold and with the prompt's blocks found in the store, for DeepSeek-V3 (latent attention,
 MoE layers), DeepSeek-V4 (issue 32: windows, CSA and HCA entries, hyper-connections, hash and
-top-k experts; a token's whole cache state in its row), gpt-oss (sliding and full layers,
-sinks) and Gemma 3 (local and global layers). The store holds blocks of each family's layout:
-DeepSeek-V3's latent (576 elements a token for its real shape, here the tiny model's 40), V4's
-row, per-head K and V for the others."""
+top-k experts; a token's cache state in its rows, the window part released as it goes), gpt-oss
+(sliding and full layers, sinks) and Gemma 3 (local and global layers). The store holds blocks
+of each family's layout: DeepSeek-V3's latent (576 elements a token for its real shape, here the
+tiny model's 40), V4's rows, per-head K and V for the others."""
 
 from __future__ import annotations
 
@@ -15,7 +15,9 @@ import pytest
 import redis
 import torch
 
+from kvstore.block_hash import block_hashes
 from kvstore.codec import FORMAT, MAC_BYTES, BlockCodec, StorageDtype
+from kvstore.keys import store_key
 from services.launcher import free_port
 from services.model import kv_cache, sources
 from services.model.hf_config import read_config
@@ -54,6 +56,9 @@ def test_answers_equal_transformers_cold_and_from_the_store(checkpoint, served, 
     name, path, reference = checkpoint
     client, _ = served
     tokenizer = Tokenizer.from_dir(path)
+    config = read_config(path)
+    layout = kv_cache.layout(sources.fingerprint(path), "float32", 16, config)
+    store = redis.Redis.from_url(redis_server.url)
     for prompt in prompts():
         with torch.inference_mode():
             expected = reference.generate(
@@ -68,12 +73,13 @@ def test_answers_equal_transformers_cold_and_from_the_store(checkpoint, served, 
             )  # fmt: skip
             assert r.choices[0].text == text
             assert r.usage is not None and r.usage.completion_tokens == 24
+        # the decode worker wrote back every full block of prompt and answer, whole (V4: with
+        # its window part); the last token was never computed
+        computed = block_hashes([*prompt, *expected[:-1]], 16, layout.namespace())
+        assert all(store.exists(store_key(layout.namespace(), h)) for h in computed)
 
     # the store holds blocks of this model's layout
-    config = read_config(path)
-    layout = kv_cache.layout(sources.fingerprint(path), "float32", 16, config)
     codec = BlockCodec(layout, StorageDtype.FLOAT32)
-    store = redis.Redis.from_url(redis_server.url)
     keys = [k for k in store.scan_iter(f"*{layout.namespace()}*")]
     assert keys, "no block of this model in the store"
     value = store.get(keys[0])

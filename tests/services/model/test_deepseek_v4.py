@@ -47,12 +47,12 @@ def test_after_a_prefill_the_rows_hold_transformers_cache_state(checkpoint):
     model.forward(ForwardBatch.build([SeqChunk(ids, 0, table.tolist())], 16), kv)
     with torch.inference_mode():
         cache = reference(torch.tensor([ids]), use_cache=True).past_key_values
-    rows, (k_cache, _) = model.rows, kv.layer(0)
+    rows, pools = model.rows, v4_rows.Pools.of(kv)
     v4, d = model.v4, model.config.head_dim
 
     def read(positions: range, offset: int, width: int) -> torch.Tensor:
         slots = v4_rows.slots_of(table, torch.tensor(list(positions)), 16)
-        return v4_rows.read(k_cache, slots, offset, width)
+        return v4_rows.read(pools.window, slots, offset, width)
 
     def close(ours: torch.Tensor, theirs: torch.Tensor) -> None:
         assert ours.shape == theirs.shape
@@ -67,7 +67,7 @@ def test_after_a_prefill_the_rows_hold_transformers_cache_state(checkpoint):
             continue
         m, series = v4.rate(i), 2 if kind == CSA else 1
         entries = model.attention._read_entries(
-            row, _span(N, table), m, 16, k_cache, torch.arange(N // m)
+            row, _span(N, table), m, 16, pools, torch.arange(N // m)
         )  # [N // m, entry]
         close(entries[:, :d], layer.compressed_kv["compressor"][0])
         raw = row.offset + row.kv
