@@ -90,11 +90,13 @@ class PagedKV(Protocol):
     """A paged KV pool (services/model/kv_cache.py's KVCache), indexed in the layout blocks are
     stored in: K [layers, blocks, kv_heads, D / 2, 2, bs], V [layers, blocks, kv_heads, bs / 2,
     2, D] (views: a dimension of K, a token of V, split in two). A pool with a window part
-    (`window_width`) holds a block in two places: it is written through `write_blocks`."""
+    (`windowed`) holds a block in two places: it is written through `write_blocks`."""
 
     k_plain: torch.Tensor
     v_plain: torch.Tensor
-    window_width: int
+
+    @property
+    def windowed(self) -> bool: ...
 
     def block_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]: ...
 
@@ -111,7 +113,7 @@ class StoredBlocks:
     values: list[bytes]
 
     def write(self, cache: PagedKV, items: list[tuple[int, int]]) -> None:
-        if cache.k_plain.device.type != "cpu" or cache.window_width:
+        if cache.k_plain.device.type != "cpu" or cache.windowed:
             self.write_staged(cache, items)
             return
         for i, block_id in items:

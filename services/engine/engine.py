@@ -85,7 +85,7 @@ class Engine:
         num_blocks, num_window_blocks = self._pools()
         self.kv = model.new_kv_cache(num_blocks, config.block_size, num_window_blocks)
         windows = None
-        if self.kv.window_width:
+        if self.kv.windowed:
             windows = WindowPool(self.kv.num_window_blocks, self.kv.window_of, mc.window_keep,
                                  config.block_size)  # fmt: skip
         self.graphs: DecodeGraphs | None = None
@@ -126,7 +126,7 @@ class Engine:
         mc, config = self.model.config, self.config
         bs, itemsize = config.block_size, self.model.embed.element_size()
         whole = mc.cache_layers * bs * mc.cache_elements * itemsize
-        if not mc.window_width:
+        if not mc.window_elements:
             return config.num_blocks or max(1, config.kv_cache_bytes // whole), None
         keep = -(-mc.window_keep // bs)
         wanted = config.max_num_seqs * (keep + 3) + -(-config.max_num_batched_tokens // bs)
@@ -134,7 +134,7 @@ class Engine:
             return config.num_blocks, min(config.num_blocks, wanted)
         if wanted * whole >= config.kv_cache_bytes:
             return max(1, config.kv_cache_bytes // whole), None
-        window = mc.cache_layers * bs * mc.window_width * itemsize
+        window = bs * mc.window_elements * itemsize
         return (config.kv_cache_bytes - wanted * window) // (whole - window), wanted
 
     # -- requests --------------------------------------------------------------------

@@ -2,9 +2,10 @@
 
 DeepSeek-V4 keeps, per token, a window key and its compressors' inputs that no query reads
 once the token is `keep` tokens behind the sequence's next one, beside shares of compressed
-entries read for good (v4_config.LayerRow). The shares stay in the block; the window part
-lives in a window block of its own, `window_of[block]`, from the block's allocation until
-every sequence holding the block has moved `keep` tokens past it.
+entries read for good (v4_config.LayerRow); gpt-oss and Gemma 3 keep their sliding layers' K
+and V beside their full layers'. The lasting part stays in the block; the window part lives in
+a window block of its own, `window_of[block]`, from the block's allocation until every
+sequence holding the block has moved `keep` tokens past it.
 
 A window block is held by the sequences whose window covers its block (`refs`). With none, it
 stays with its block while the block is named (a prefix others may match: the window part of

@@ -45,6 +45,11 @@ class SeqSpan:
     window_table: torch.Tensor | None = None  # [num_blocks] int64 (SeqChunk.window_table)
 
     @property
+    def windows(self) -> torch.Tensor:
+        """The window blocks (its blocks' own where the batch names none)."""
+        return self.block_table if self.window_table is None else self.window_table
+
+    @property
     def is_decode(self) -> bool:
         return self.query_len == 1
 
@@ -65,6 +70,12 @@ class ForwardBatch:
     max_query_len: int
     max_context_len: int
     window_slots: torch.Tensor | None = None  # [T]: each row's slot in the window pool
+
+    def layer_slots(self, windowed: bool) -> torch.Tensor:
+        """Where each row's K/V goes: its slot in the window pool, for a layer held there."""
+        return (
+            self.window_slots if windowed and self.window_slots is not None else (self.slot_mapping)
+        )
 
     @property
     def num_tokens(self) -> int:

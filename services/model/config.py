@@ -162,9 +162,27 @@ class ModelConfig:
         return row_widths(self.v4, self.head_dim)[1] if self.v4 is not None else 0
 
     @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each decoder layer's sliding window, None for a full one (gpt-oss, Gemma 3)."""
+        shape = self.oss or self.gemma3
+        return shape.windows if shape is not None else ()
+
+    @property
+    def window_layers(self) -> tuple[int, ...]:
+        """Cache layers held whole in window blocks: gpt-oss's and Gemma 3's sliding ones."""
+        return tuple(i for i, window in enumerate(self.layer_windows) if window is not None)
+
+    @property
     def window_keep(self) -> int:
         """Tokens before a pass's first new one whose window part the pass may read."""
-        return window_keep(self.v4) if self.v4 is not None else 0
+        if self.v4 is not None:
+            return window_keep(self.v4)
+        return max((w - 1 for w in self.layer_windows if w is not None), default=0)
+
+    @property
+    def window_elements(self) -> int:
+        """Cache elements a token keeps in window blocks (0: none)."""
+        return self.window_width or len(self.window_layers) * self.cache_elements
 
     @property
     def cache_elements(self) -> int:

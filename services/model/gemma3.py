@@ -84,8 +84,10 @@ class Gemma3Model(PagedModel):
             cos, sin = tables["local" if layer.window else "global"]
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
             k_cache, v_cache = kv.layer(i)
-            kv_cache.write(k_cache, v_cache, batch.slot_mapping, k, v.reshape(k.shape))
-            out = attend_paged(q, k_cache, v_cache, batch, self.gemma.query_scale, layer.window)
+            windowed = kv.in_window(i)
+            kv_cache.write(k_cache, v_cache, batch.layer_slots(windowed), k, v.reshape(k.shape))
+            scale = self.gemma.query_scale
+            out = attend_paged(q, k_cache, v_cache, batch, scale, layer.window, None, windowed)
             out = layer.o(out.flatten(1))
             h = h + _norm(out, layer.norms["post_attention"], c.rms_norm_eps)
             x = _norm(h, layer.norms["pre_feedforward"], c.rms_norm_eps)

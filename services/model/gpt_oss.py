@@ -121,9 +121,12 @@ class GptOssModel(PagedModel):
             k = apply_rotary(k.reshape(-1, c.num_kv_heads, c.head_dim), cos, sin)
             v = v.reshape(-1, c.num_kv_heads, c.head_dim)
             k_cache, v_cache = kv.layer(i)
-            kv_cache.write(k_cache, v_cache, batch.slot_mapping, k, v)
+            windowed = kv.in_window(i)
+            kv_cache.write(k_cache, v_cache, batch.layer_slots(windowed), k, v)
             scale = c.head_dim**-0.5
-            out = attend_paged(q, k_cache, v_cache, batch, scale, layer.window, layer.sinks)
+            out = attend_paged(
+                q, k_cache, v_cache, batch, scale, layer.window, layer.sinks, windowed
+            )
             h = h + layer.o(out.flatten(1))
             x = _rms_norm(h, layer.post_norm, c.rms_norm_eps)
             h = h + layer.moe(x, self.ops)

@@ -47,31 +47,55 @@ class KVCache:
         device: torch.device | str = "cpu",
         num_window_blocks: int | None = None,
     ) -> None:
-        """`num_window_blocks`: for a model with a window part (config.window_width), the
-        size of its pool; None: one per block, each block's its own (`window_of`)."""
+        """`num_window_blocks`: for a model with a window part, the size of its pool; None:
+        one per block, each block's its own (`window_of`)."""
         layers, (heads, k_dim, v_dim) = config.cache_layers, config.cache_shape
+        # The window part of a block (V4: the last window_width elements of K; gpt-oss and
+        # Gemma 3: their sliding layers whole) lives in a window block of its own,
+        # window_of[block] (-1: released). The block manager assigns them; this module and
+        # the models read it.
         self.window_width = config.window_width
-        k_dim -= self.window_width
-        self.k = _allocate((layers, num_blocks, heads, k_dim, block_size), dtype, device)
-        self.v = _allocate((layers, num_blocks, heads, block_size, v_dim), dtype, device)
+        self.window_layers = config.window_layers
+        self.main_layers = tuple(i for i in range(layers) if i not in self.window_layers)
+        n = num_blocks if num_window_blocks is None else num_window_blocks
+        n = n if self.windowed else 0
+        if self.window_width:
+            main = (layers, num_blocks, heads, k_dim - self.window_width, block_size)
+            window = (layers, n, heads, self.window_width, block_size)
+            v_window = (layers, n, heads, block_size, 0)
+        else:
+            main = (len(self.main_layers), num_blocks, heads, k_dim, block_size)
+            window = (len(self.window_layers), n, heads, k_dim, block_size)
+            v_window = (len(self.window_layers), n, heads, block_size, v_dim)
+        self.k = _allocate(main, dtype, device)
+        self.v = _allocate((*main[:3], block_size, v_dim), dtype, device)
         self.k_plain, self.v_plain = plain_views(self.k, self.v)  # for whole-block copies
+        self.wk, self.wv = _allocate(window, dtype, device), _allocate(v_window, dtype, device)
         self.num_blocks = num_blocks
         self.block_size = block_size
-        # The window part of a block lives in a window block of its own: window_of[block]
-        # (-1: released). The block manager assigns them; this module and the model read it.
-        n = num_blocks if num_window_blocks is None else num_window_blocks
-        n = n if self.window_width else 0
-        self.wk = _allocate((layers, n, heads, self.window_width, block_size), dtype, device)
         self.window_of = list(range(num_blocks)) if n == num_blocks else [-1] * num_blocks
+
+    @property
+    def windowed(self) -> bool:
+        """Whether part of every block lives in window blocks."""
+        return bool(self.window_width or self.window_layers)
 
     @property
     def num_window_blocks(self) -> int:
         return int(self.wk.shape[1])
 
+    def in_window(self, i: int) -> bool:
+        """Whether layer i is held in window blocks (read through the window tables)."""
+        return i in self.window_layers
+
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K [blocks, kv_heads, D, block_size] and V [blocks, kv_heads, block_size, D], in the
-        dtype's layout."""
-        return self.k[i], self.v[i]
+        dtype's layout (of the window blocks, for a layer held there)."""
+        if i in self.window_layers:
+            j = self.window_layers.index(i)
+            return self.wk[j], self.wv[j]
+        j = self.main_layers.index(i)
+        return self.k[j], self.v[j]
 
     def window_table(self, block_ids: list[int]) -> list[int]:
         """The window block of each of a sequence's blocks (-1 where released)."""
@@ -83,12 +107,15 @@ class KVCache:
 
     @property
     def bytes_per_window_block(self) -> int:
-        return self.wk[:, 0].numel() * self.wk.element_size() if self.window_width else 0
+        if not self.windowed:
+            return 0
+        return (self.wk[:, 0].numel() + self.wv[:, 0].numel()) * self.wk.element_size()
 
     def block_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """One block's K and V, all layers, in the plain layout's split views (what the store's
         codec decodes into): window part included."""
-        layers, _, heads, k_dim, bs = self.k.shape
+        _, _, heads, k_dim, bs = self.k.shape
+        layers = len(self.main_layers) + (0 if self.window_width else len(self.window_layers))
         k_dim += self.window_width
         return (layers, heads, k_dim // 2, 2, bs), (layers, heads, bs // 2, 2, self.v.shape[-1])
 
@@ -192,43 +219,70 @@ def gather(
 
 def gather_blocks(cache: KVCache, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Copies of whole blocks, all layers each, in the plain layout: K [n, L, kv_heads, D, bs],
-    V [n, L, kv_heads, bs, D] (gathered layer-major, viewed block-major). A block's window part
-    comes after its K; zeros where released (the block manager saves no such block)."""
+    V [n, L, kv_heads, bs, D] (gathered layer-major, viewed block-major). A block's window
+    part (V4: after its K; else its window layers) is zeros where released: the block manager
+    saves no such block."""
     index = torch.tensor(block_ids, dtype=torch.int64, device=cache.k.device)
     k, v = select_plain(cache.k, cache.v, 1, index)
-    if cache.window_width:
-        window = k.new_zeros(*k.shape[:3], cache.window_width, k.shape[-1])
-        held = [i for i, b in enumerate(block_ids) if cache.window_of[b] >= 0]
+    if cache.windowed:
+        wk = k.new_zeros(cache.wk.shape[0], len(block_ids), *cache.wk.shape[2:])
+        wv = v.new_zeros(cache.wv.shape[0], len(block_ids), *cache.wv.shape[2:])
+        held, slots = _held(cache, block_ids)
         if held:
-            slots = torch.tensor([cache.window_of[block_ids[i]] for i in held], device=index.device)
-            window[:, held] = select_plain(cache.wk, _no_v(cache.wk), 1, slots)[0]
-        k = torch.cat((k, window), dim=-2)
+            wk[:, held], wv[:, held] = select_plain(cache.wk, cache.wv, 1, slots)
+        k, v = _join(cache, k, wk), _join(cache, v, wv, values=True)
     return k.transpose(0, 1), v.transpose(0, 1)
 
 
 def scatter_blocks(cache: KVCache, block_ids: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
-    """Write blocks shaped as `gather_blocks` returns them into the given cache blocks (a window
-    part into the block's window block, where it has one)."""
-    device = cache.k.device
-    index = torch.tensor(block_ids, dtype=torch.int64, device=device)
+    """Write blocks shaped as `gather_blocks` returns them into the given cache blocks (the
+    window part into the block's window block, where it has one)."""
+    index = torch.tensor(block_ids, dtype=torch.int64, device=cache.k.device)
     k, v = k.transpose(0, 1).to(cache.k.dtype), v.transpose(0, 1).to(cache.v.dtype)
-    if cache.window_width:
-        k, window = k.split([k.shape[3] - cache.window_width, cache.window_width], dim=3)
-        held = [i for i, b in enumerate(block_ids) if cache.window_of[b] >= 0]
+    if cache.windowed:
+        (k, wk), (v, wv) = _split(cache, k), _split(cache, v, values=True)
+        held, slots = _held(cache, block_ids)
         if held:
-            slots = torch.tensor([cache.window_of[block_ids[i]] for i in held], device=device)
-            _copy_plain(plain_views(cache.wk, _no_v(cache.wk))[0], slots, window[:, held])
-    # dimension pairs of K, token pairs of V (the plain views' split; sizes spelled out: MLA's
-    # V has no elements)
-    _copy_plain(cache.k_plain, index, k)
-    cache.v_plain.index_copy_(1, index, v.reshape(*v.shape[:3], v.shape[3] // 2, 2, v.shape[4]))
+            wk_plain, wv_plain = plain_views(cache.wk, cache.wv)
+            _copy_plain(wk_plain, wv_plain, slots, wk[:, held], wv[:, held])
+    _copy_plain(cache.k_plain, cache.v_plain, index, k, v)
 
 
-def _copy_plain(k_plain: torch.Tensor, index: torch.Tensor, k: torch.Tensor) -> None:
+def _held(cache: KVCache, block_ids: list[int]) -> tuple[list[int], torch.Tensor]:
+    """Which of the blocks have a window block, and those window blocks."""
+    held = [i for i, b in enumerate(block_ids) if cache.window_of[b] >= 0]
+    slots = [cache.window_of[block_ids[i]] for i in held]
+    return held, torch.tensor(slots, dtype=torch.int64, device=cache.k.device)
+
+
+def _join(cache: KVCache, main: torch.Tensor, window: torch.Tensor, values: bool = False):
+    """Blocks [L, n, ...] of the whole layout from the two pools' parts."""
+    if cache.window_width:  # V4: K's elements after the main part's; V has none
+        return main if values else torch.cat((main, window), dim=-2)
+    out = main.new_empty(len(cache.main_layers) + len(cache.window_layers), *main.shape[1:])
+    out[list(cache.main_layers)] = main
+    out[list(cache.window_layers)] = window
+    return out
+
+
+def _split(
+    cache: KVCache, blocks: torch.Tensor, values: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two pools' parts of blocks [L, n, ...] of the whole layout (`_join` undone)."""
+    if cache.window_width:
+        if values:  # V4's V has no elements, in either pool
+            return blocks, blocks
+        main = blocks.shape[-2] - cache.window_width
+        return blocks[..., :main, :], blocks[..., main:, :]
+    return blocks[list(cache.main_layers)], blocks[list(cache.window_layers)]
+
+
+def _copy_plain(
+    k_plain: torch.Tensor, v_plain: torch.Tensor, index: torch.Tensor, k: torch.Tensor,
+    v: torch.Tensor,
+) -> None:  # fmt: skip
+    """Blocks K [L, n, H, D, bs], V [L, n, H, bs, D] into plain views at `index` (dimension
+    pairs of K, token pairs of V: the plain views' split, sizes spelled out: MLA's V has no
+    elements)."""
     k_plain.index_copy_(1, index, k.reshape(*k.shape[:3], k.shape[3] // 2, 2, k.shape[4]))
-
-
-def _no_v(k_cache: torch.Tensor) -> torch.Tensor:
-    """An empty V for a K-only cache (plain_views takes both)."""
-    *lead, _, bs = k_cache.shape
-    return k_cache.new_empty(*lead, bs, 0)
+    v_plain.index_copy_(1, index, v.reshape(*v.shape[:3], v.shape[3] // 2, 2, v.shape[4]))

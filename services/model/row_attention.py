@@ -108,15 +108,20 @@ def attend_paged(
     scale: float,
     window: int | None = None,  # a sliding window (None: every earlier token)
     sinks: torch.Tensor | None = None,
+    windowed: bool = False,  # the layer is held in window blocks: read through window tables
 ) -> torch.Tensor:  # [T, heads, Dv]
-    """Each row of the batch over its sequence's cached keys and values (its window of them)."""
+    """Each row of the batch over its sequence's cached keys and values (its window of them:
+    only the blocks the window covers are read)."""
     keys, values, lists, base = [], [], [], 0
+    bs = batch.block_size
     for span in batch.seqs:
-        k, v = kv_cache.gather(k_cache, v_cache, span.block_table)
-        keys.append(k[: span.context_len])
-        values.append(v[: span.context_len])
         start = span.context_len - span.query_len
+        first = window_start(start, window) // bs * bs  # the first token of the first block
+        table = span.windows if windowed else span.block_table
+        k, v = kv_cache.gather(k_cache, v_cache, table[first // bs :])
+        keys.append(k[: span.context_len - first])
+        values.append(v[: span.context_len - first])
         for t in range(start, span.context_len):
-            lists.append(torch.arange(base + window_start(t, window), base + t + 1))
-        base += span.context_len
+            lists.append(torch.arange(base + window_start(t, window) - first, base + t + 1 - first))
+        base += span.context_len - first
     return attend_rows(q, torch.cat(keys), torch.cat(values), lists, scale, sinks)

@@ -25,7 +25,7 @@ from services.model.config import ModelConfig
 from services.model.linear import Linear
 from services.model.row_attention import attend_rows
 from services.model.v4_config import SLIDING, LayerRow
-from services.model.v4_rows import Pools, V4Rope, slots_of, window_table
+from services.model.v4_rows import Pools, V4Rope, slots_of
 
 
 @dataclass(frozen=True)
@@ -136,7 +136,7 @@ class V4Attention:
         entries = []
         for span, es in zip(batch.seqs, closing, strict=True):
             if len(es):
-                entries.append(self._entries(w, row, window_table(span), es, bs, cache))
+                entries.append(self._entries(w, row, span.windows, es, bs, cache))
         if not entries:
             return
         values = torch.cat(entries)  # [n, entry]
@@ -196,7 +196,7 @@ class V4Attention:
         lo = max(0, start - window + 1)
         device = span.block_table.device
         positions = torch.arange(lo, span.context_len, device=device)
-        kv = v4_rows.read(cache.window, slots_of(window_table(span), positions, bs), row.offset,
+        kv = v4_rows.read(cache.window, slots_of(span.windows, positions, bs), row.offset,
                           c.head_dim)  # fmt: skip
         windows = [
             torch.arange(max(0, t - window + 1) - lo, t + 1 - lo)

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import torch
 
 from services.model import kv_cache, pointwise
-from services.model.batch import SeqSpan
 from services.model.config import ModelConfig, RopeScaling
 from services.model.rope import inverse_frequencies
 
@@ -30,11 +29,6 @@ class Pools:
     @classmethod
     def of(cls, kv: kv_cache.KVCache) -> Pools:
         return cls(kv.k[0], kv.wk[0])
-
-
-def window_table(span: SeqSpan) -> torch.Tensor:
-    """A sequence's window blocks (its blocks' own where the batch names none)."""
-    return span.block_table if span.window_table is None else span.window_table
 
 
 def write(cache: torch.Tensor, slots: torch.Tensor, offset: int, values: torch.Tensor) -> None:

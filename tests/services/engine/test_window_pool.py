@@ -121,24 +121,38 @@ def test_short_of_window_blocks_an_allocation_changes_nothing():
 
 
 @pytest.fixture(scope="module")
-def v4_dir(tmp_path_factory, embedded_dir):
-    path = tmp_path_factory.mktemp("deepseek_v4")
-    save_tiny("deepseek_v4", path, embedded_dir)
-    return path
+def tiny(tmp_path_factory, embedded_dir):
+    """The tiny checkpoint of a family with window blocks, saved on first use."""
+    made: dict[str, object] = {}
+
+    def get(family: str):
+        if family not in made:
+            made[family] = tmp_path_factory.mktemp(family)
+            save_tiny(family, made[family], embedded_dir)
+        return made[family]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def v4_dir(tiny):
+    return tiny("deepseek_v4")
 
 
 @pytest.mark.parametrize("dtype", COMPUTE_DTYPES)
-def test_a_small_window_pool_gives_the_tokens_of_one_window_block_per_block(v4_dir, dtype):
+@pytest.mark.parametrize("family", ["deepseek_v4", "gpt_oss", "gemma3"])
+def test_a_small_window_pool_gives_the_tokens_of_one_window_block_per_block(tiny, family, dtype):
     """20 window blocks for 24 blocks, against one per block: five prompts preempt each other
     and come back through the prefix cache, a 300-token prompt runs past every window, the
-    earlier prompts come again; sequences let go of window parts as they go. The tokens are
-    the same; the prefix hits shrink where blocks or window parts were reused."""
-    loaded = load_model(str(v4_dir), dtype=dtype, device="cpu")
+    earlier prompts come again; sequences let go of window parts as they go (V4: window keys
+    and compressor inputs; gpt-oss and Gemma 3: their sliding layers). The tokens are the
+    same; the prefix hits shrink where blocks or window parts were reused."""
+    loaded = load_model(str(tiny(family)), dtype=dtype, device="cpu")
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(100, 49000, (n,), generator=gen).tolist() for n in (90, 130, 70)]
     prompts += [prompts[1][:100] + prompts[0][:20], prompts[1]]
     long = torch.randint(100, 49000, (300,), generator=gen).tolist()
-    params = SamplingParams(max_tokens=24, temperature=0.0)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
     def run(**config) -> tuple[Engine, list[list[int]], list[int]]:
         engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(**config))
