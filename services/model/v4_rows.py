@@ -9,11 +9,13 @@ kv_cache.plain_views, the only code that knows it.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 from dataclasses import dataclass
 
 import torch
 
-from services.model import kv_cache, pointwise
+from services.model import kernels, kv_cache, pointwise
 from services.model.config import ModelConfig, RopeScaling
 from services.model.rope import inverse_frequencies
 
@@ -40,11 +42,34 @@ def write(cache: torch.Tensor, slots: torch.Tensor, offset: int, values: torch.T
 
 
 def read(cache: torch.Tensor, slots: torch.Tensor, offset: int, width: int) -> torch.Tensor:
-    """Elements [offset, offset + width) of the rows at `slots` [n]: [n, width] (a copy)."""
+    """Elements [offset, offset + width) of the rows at `slots` [n]: [n, width] (a copy; in C
+    on CPUs, kernels/rows.c)."""
+    library = _library()
+    if library is not None and cache.device.type == "cpu" and cache.dtype in _C_DTYPES:
+        _, _, dim, bs = cache.shape
+        slots, out = slots.contiguous(), cache.new_empty(len(slots), width)
+        fn = library.rows_read_pairs if kv_cache.paired(cache.dtype) else library.rows_read_f32
+        fn(cache.contiguous().data_ptr(), slots.data_ptr(), len(slots), dim, bs, offset, width,
+           out.data_ptr())  # fmt: skip
+        return out
     bs = cache.shape[-1]
     k, _ = kv_cache.plain_views(cache, cache.new_empty(*cache.shape[:2], bs, 0))
     lo, hi = offset // 2, (offset + width) // 2
     return k[slots // bs, 0, lo:hi, :, slots % bs].reshape(len(slots), width)
+
+
+_C_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    library = kernels.load("rows")
+    if library is not None:
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        for fn in (library.rows_read_f32, library.rows_read_pairs):
+            fn.restype = None
+            fn.argtypes = [p, p, i64, i64, i64, i64, i64, p]
+    return library
 
 
 def slots_of(table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:

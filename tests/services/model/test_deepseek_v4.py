@@ -217,3 +217,17 @@ def test_greedy_tokens_equal_transformers_on_prompts_of_several_hca_windows(chec
     through the engine, equal transformers' (float32)."""
     path, reference = checkpoint
     assert_greedy_equal(path, reference, [prompt(n, seed=40 + n) for n in (83, 120, 150)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_reads_in_c_copy_the_bits_torch_reads(monkeypatch, dtype):
+    """kernels/rows.c against the torch indexing it stands in for, in both pool layouts."""
+    assert v4_rows._library() is not None, "kernels/rows.c did not build"
+    gen = torch.Generator().manual_seed(0)
+    cache = torch.randn(9, 1, 40, 16, generator=gen).to(dtype)
+    slots = torch.randperm(9 * 16, generator=gen)[:50]
+    parts = [(0, 40), (8, 12), (38, 2)]
+    fast = [v4_rows.read(cache, slots, offset, width) for offset, width in parts]
+    monkeypatch.setattr(v4_rows, "_library", lambda: None)
+    for (offset, width), got in zip(parts, fast, strict=True):
+        assert torch.equal(got, v4_rows.read(cache, slots, offset, width))
