@@ -37,10 +37,20 @@ def shared_host_env(env: Mapping[str, str]) -> dict[str, str]:
     return {"GOMP_SPINCOUNT": SHARED_HOST_SPIN} if SPIN_VARIABLES.isdisjoint(env) else {}
 
 
+_GIVEN: set[int] = set()  # ports free_port handed out in this process
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port nothing listens on now, and not one this process handed out before: the kernel
+    can offer a just-closed ephemeral port again, and two workers given one port would both
+    bind it (gRPC servers set SO_REUSEPORT) and split its connections between them."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _GIVEN:
+            _GIVEN.add(port)
+            return port
 
 
 def wait_for_port(port: int, timeout: float = 10.0, address: str = "127.0.0.1") -> None:

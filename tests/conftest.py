@@ -112,3 +112,20 @@ def engine(embedded):
     from services.engine.engine import Engine, EngineConfig
 
     return Engine(embedded.model, embedded.tokenizer, EngineConfig(num_blocks=400))
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory, embedded_dir):
+    """The tiny checkpoint of a family (tests/support/tiny_models.FAMILIES), saved on first
+    use."""
+    from tests.support.tiny_models import save_tiny
+
+    made: dict[str, object] = {}
+
+    def get(family: str):
+        if family not in made:
+            made[family] = tmp_path_factory.mktemp(family)
+            save_tiny(family, made[family], embedded_dir)
+        return made[family]
+
+    return get

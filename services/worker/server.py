@@ -147,7 +147,9 @@ class Worker:
         # shorter switch interval bounds its wait when RPCs (a KV fetch) run Python meanwhile.
         sys.setswitchinterval(SWITCH_INTERVAL)
         self.driver.start()
-        server = grpc.aio.server()
+        # no SO_REUSEPORT: a port another server holds is an error here, not a silent share
+        # of its connections (a prefill worker answering a decode worker's calls)
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         self.add_to_server(server)
         address = f"{self.settings.server.host}:{self.settings.port}"
         server.add_insecure_port(address)

@@ -30,7 +30,6 @@ from services.model.kv_cache import gather_blocks
 from services.model.loader import LoadedModel, load_model
 from services.model.mla import CpuMlaAttention
 from tests.support.dtypes import COMPUTE_DTYPES
-from tests.support.tiny_models import save_tiny
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2)
 SEEDED = SamplingParams(
@@ -48,20 +47,6 @@ def prompt(n: int, seed: int) -> list[int]:
 
 def with_(params: SamplingParams, **changes) -> SamplingParams:
     return SamplingParams(**{**params.__dict__, **changes})
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory, embedded_dir):
-    """The tiny checkpoint of a family (tiny_models.FAMILIES), saved on first use."""
-    made: dict[str, object] = {}
-
-    def get(family: str):
-        if family not in made:
-            made[family] = tmp_path_factory.mktemp(family)
-            save_tiny(family, made[family], embedded_dir)
-        return made[family]
-
-    return get
 
 
 @pytest.fixture(scope="module")

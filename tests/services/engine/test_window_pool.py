@@ -19,7 +19,6 @@ from services.model.loader import load_model
 from services.settings import EngineConfig
 from tests.services.engine.test_kv_connector import InMemory
 from tests.support.dtypes import COMPUTE_DTYPES
-from tests.support.tiny_models import save_tiny
 
 BS, KEEP = 4, 6  # a pass reads the window part of the 6 tokens before its first: 2 blocks
 
@@ -38,6 +37,12 @@ def step(bm: BlockManager, s: Sequence, n: int) -> None:
     s.num_computed_tokens += n
     bm.commit(s)
     bm.slide(s)
+
+
+def steps(bm: BlockManager, s: Sequence, passes: int) -> None:
+    """`passes` passes of a block's worth of tokens each."""
+    for _ in range(passes):
+        step(bm, s, BS)
 
 
 def held(bm: BlockManager, s: Sequence) -> list[int]:
@@ -69,8 +74,7 @@ def test_a_long_sequence_holds_the_window_part_of_its_last_blocks_only():
 def test_a_prefix_hit_ends_where_its_last_blocks_have_their_window_part():
     bm = manager(16, 6)
     a = seq(range(40))
-    for _ in range(10):
-        step(bm, a, 4)
+    steps(bm, a, 10)
     bm.release(a)  # blocks 4..9 keep their window part (6 window blocks), 0..3 lost it
     whole = seq([*range(40), 99])
     assert bm.admit(whole) == 40
@@ -87,8 +91,7 @@ def test_a_prefix_hit_ends_where_its_last_blocks_have_their_window_part():
 def test_an_import_refills_a_last_block_that_lost_its_window_part():
     bm = manager(16, 6)
     a = seq(range(16))
-    for _ in range(4):
-        step(bm, a, 4)
+    steps(bm, a, 4)
     windows = bm.windows
     assert windows is not None
     assert held(bm, a) == [2, 3]
@@ -121,33 +124,21 @@ def test_short_of_window_blocks_an_allocation_changes_nothing():
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory, embedded_dir):
-    """The tiny checkpoint of a family with window blocks, saved on first use."""
-    made: dict[str, object] = {}
-
-    def get(family: str):
-        if family not in made:
-            made[family] = tmp_path_factory.mktemp(family)
-            save_tiny(family, made[family], embedded_dir)
-        return made[family]
-
-    return get
-
-
-@pytest.fixture(scope="module")
-def v4_dir(tiny):
-    return tiny("deepseek_v4")
+def v4_dir(tiny_dir):
+    return tiny_dir("deepseek_v4")
 
 
 @pytest.mark.parametrize("dtype", COMPUTE_DTYPES)
 @pytest.mark.parametrize("family", ["deepseek_v4", "gpt_oss", "gemma3"])
-def test_a_small_window_pool_gives_the_tokens_of_one_window_block_per_block(tiny, family, dtype):
+def test_a_small_window_pool_gives_the_tokens_of_one_window_block_per_block(
+    tiny_dir, family, dtype
+):
     """20 window blocks for 24 blocks, against one per block: five prompts preempt each other
     and come back through the prefix cache, a 300-token prompt runs past every window, the
     earlier prompts come again; sequences let go of window parts as they go (V4: window keys
     and compressor inputs; gpt-oss and Gemma 3: their sliding layers). The tokens are the
     same; the prefix hits shrink where blocks or window parts were reused."""
-    loaded = load_model(str(tiny(family)), dtype=dtype, device="cpu")
+    loaded = load_model(str(tiny_dir(family)), dtype=dtype, device="cpu")
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(100, 49000, (n,), generator=gen).tolist() for n in (90, 130, 70)]
     prompts += [prompts[1][:100] + prompts[0][:20], prompts[1]]
