@@ -37,6 +37,9 @@ class KVLayout:
     head_dim: int  # K's (MLA: latent + rotary key)
     v_head_dim: int | None = None  # V's, where it differs from K's (MLA: 0, no V)
     codec_version: int = 2
+    # how a token's row is laid out where the model says (DeepSeek-V4's two-pool row); named
+    # in the namespace only when set, so every other layout keeps its keys
+    row_layout: str | None = None
 
     @property
     def v_dim(self) -> int:
@@ -44,7 +47,8 @@ class KVLayout:
 
     def namespace(self) -> str:
         """32 hex characters fingerprinting the layout; part of every block's hash and key."""
-        text = json.dumps(self.__dict__, sort_keys=True).encode()
+        fields = {k: v for k, v in self.__dict__.items() if k != "row_layout" or v is not None}
+        text = json.dumps(fields, sort_keys=True).encode()
         return hashlib.sha256(text).hexdigest()[:32]
 
 

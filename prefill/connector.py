@@ -53,7 +53,7 @@ class PrefillConnector:
     def computed(self, blocks: BlockManager, seq: Sequence) -> list[BlockToSave]:
         sent = self.sent.get(seq.index, 0)
         out = full_blocks(blocks, seq, sent)
-        sent = self.sent[seq.index] = sent + len(out)
+        sent = self.sent[seq.index] = max([sent] + [b.index + 1 for b in out])
         rest = seq.prompt_len - sent * blocks.block_size
         done = seq.num_computed_tokens >= seq.prompt_len
         if self.partial_hash is not None and done and 0 < rest < blocks.block_size:

@@ -123,7 +123,13 @@ class BlockManager:
         hashes = self.hashes(seq)
         for i in range(full):
             block = self.blocks[seq.block_ids[i]]
-            if block.hash is None and hashes[i] not in self.cached:
+            if block.hash is not None:
+                continue
+            named = self.cached.get(hashes[i])
+            if named is not None and self._whole(block.id) and not self._whole(named):
+                self.blocks[named].hash = None  # the name goes to the copy with its window part
+                named = None
+            if named is None:
                 block.hash = hashes[i]
                 self.cached[hashes[i]] = block.id
                 self.cache_version += 1
@@ -198,6 +204,9 @@ class BlockManager:
 
     def savable(self, block_id: int) -> bool:
         """Whether a block's every part is in the pool (a store value must be whole)."""
+        return self._whole(block_id)
+
+    def _whole(self, block_id: int) -> bool:
         return self.windows is None or self.windows.has(block_id)
 
     def _drop_windows(self, seq: Sequence, end: int) -> None:

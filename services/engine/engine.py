@@ -132,9 +132,9 @@ class Engine:
         wanted = config.max_num_seqs * (keep + 3) + -(-config.max_num_batched_tokens // bs)
         if config.num_blocks:
             return config.num_blocks, min(config.num_blocks, wanted)
-        if wanted * whole >= config.kv_cache_bytes:
-            return max(1, config.kv_cache_bytes // whole), None
         window = bs * mc.window_elements * itemsize
+        if wanted * whole >= config.kv_cache_bytes or window == whole:
+            return max(1, config.kv_cache_bytes // whole), None
         return (config.kv_cache_bytes - wanted * window) // (whole - window), wanted
 
     # -- requests --------------------------------------------------------------------

@@ -133,6 +133,7 @@ def layout(model_id: str, kv_dtype: str, block_size: int, config: ModelConfig) -
     return KVLayout(
         model_id, kv_dtype, block_size, config.cache_layers, heads, k_dim,
         None if v_dim == k_dim else v_dim,  # named only where V differs (MLA's latent: none)
+        row_layout="v4: shares, then window part" if config.window_width else None,
     )  # fmt: skip
 
 

@@ -46,7 +46,9 @@ def read(cache: torch.Tensor, slots: torch.Tensor, offset: int, width: int) -> t
     on CPUs, kernels/rows.c)."""
     library = _library()
     if library is not None and cache.device.type == "cpu" and cache.dtype in _C_DTYPES:
-        _, _, dim, bs = cache.shape
+        blocks, _, dim, bs = cache.shape
+        if len(slots) and not 0 <= int(slots.min()) <= int(slots.max()) < blocks * bs:
+            raise IndexError(f"a slot outside the pool's {blocks * bs}")  # a released part
         slots, out = slots.contiguous(), cache.new_empty(len(slots), width)
         fn = library.rows_read_pairs if kv_cache.paired(cache.dtype) else library.rows_read_f32
         fn(cache.contiguous().data_ptr(), slots.data_ptr(), len(slots), dim, bs, offset, width,

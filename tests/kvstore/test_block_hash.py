@@ -43,3 +43,6 @@ def test_namespace_changes_with_layout():
     assert base.namespace() != KVLayout("m", "float32", 16, 30, 3, 64).namespace()
     assert base.namespace() != KVLayout("m", "bfloat16", 32, 30, 3, 64).namespace()
     assert base.namespace() == KVLayout("m", "bfloat16", 16, 30, 3, 64).namespace()
+    # a row laid out otherwise (DeepSeek-V4's two pools) is another namespace: no store value
+    # of the earlier layout is read as this one
+    assert base.namespace() != KVLayout("m", "bfloat16", 16, 30, 3, 64, row_layout="x").namespace()

@@ -88,6 +88,22 @@ def test_a_prefix_hit_ends_where_its_last_blocks_have_their_window_part():
     bm.check()
 
 
+def test_a_recomputed_block_takes_the_name_from_a_copy_without_its_window_part():
+    bm = manager(16, 3)
+    a = seq(range(16))
+    steps(bm, a, 4)  # 3 window blocks: block 0's is evicted by block 3's
+    windows = bm.windows
+    first = a.block_ids[0]
+    assert windows is not None and not windows.has(first)
+    bm.release(a)
+    b = seq([*range(4), 99])
+    assert bm.admit(b) == 0  # block 0 is cached, but without its window part
+    step(bm, b, 4)
+    assert bm.lookup(bm.hashes(b)[:1]) == [b.block_ids[0]] != [first]
+    assert bm.admit(seq([*range(4), 77])) == 4  # the copy serves the next ones
+    bm.check()
+
+
 def test_an_import_refills_a_last_block_that_lost_its_window_part():
     bm = manager(16, 6)
     a = seq(range(16))
