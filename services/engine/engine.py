@@ -44,7 +44,7 @@ from services.engine.scheduler import ScheduledChunk, Scheduler
 from services.engine.seeds import choice_seed
 from services.engine.speculative import Speculator
 from services.engine.structured import Grammars
-from services.engine.window_pool import WindowPool
+from services.engine.window_pool import WindowPool, pool_sizes
 from services.model import kv_cache
 from services.model.allocator import keep_freed_memory
 from services.model.batch import ForwardBatch, SeqChunk
@@ -82,7 +82,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.config = config = config or EngineConfig()
         mc = model.config
-        num_blocks, num_window_blocks = self._pools()
+        num_blocks, num_window_blocks = pool_sizes(mc, config, model.embed.element_size())
         self.kv = model.new_kv_cache(num_blocks, config.block_size, num_window_blocks)
         windows = None
         if self.kv.windowed:
@@ -117,25 +117,6 @@ class Engine:
         self.requests: dict[str, _Request] = {}
         self.times = StepTimes()
         self._arrivals = itertools.count()
-
-    def _pools(self) -> tuple[int, int | None]:
-        """Blocks, and window blocks (None: one per block), from the settings: --num-blocks,
-        or as many as the KV budget holds. Window blocks: as many as the running sequences'
-        windows and a step's new tokens can hold at once (window_pool.py), the rest of the
-        budget in blocks without a window part."""
-        mc, config = self.model.config, self.config
-        bs, itemsize = config.block_size, self.model.embed.element_size()
-        whole = mc.cache_layers * bs * mc.cache_elements * itemsize
-        if not mc.window_elements:
-            return config.num_blocks or max(1, config.kv_cache_bytes // whole), None
-        keep = -(-mc.window_keep // bs)
-        wanted = config.max_num_seqs * (keep + 3) + -(-config.max_num_batched_tokens // bs)
-        if config.num_blocks:
-            return config.num_blocks, min(config.num_blocks, wanted)
-        window = bs * mc.window_elements * itemsize
-        if wanted * whole >= config.kv_cache_bytes or window == whole:
-            return max(1, config.kv_cache_bytes // whole), None
-        return (config.kv_cache_bytes - wanted * window) // (whole - window), wanted
 
     # -- requests --------------------------------------------------------------------
 
