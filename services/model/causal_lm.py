@@ -10,6 +10,7 @@ import torch
 from services.model.batch import ForwardBatch
 from services.model.config import ModelConfig
 from services.model.kv_cache import KVCache
+from services.model.moe import Moe
 
 
 class CausalLM(Protocol):
@@ -26,6 +27,10 @@ class CausalLM(Protocol):
     def new_kv_cache(
         self, num_blocks: int, block_size: int, num_window_blocks: int | None = None
     ) -> KVCache: ...
+
+    def moe_layers(self) -> dict[int, Moe]:
+        """The mixture-of-experts layers, by layer index (empty for dense models)."""
+        ...
 
     def expert_counts(self) -> dict[int, list[int]]:
         """Tokens routed to each expert since start, by MoE layer (empty for dense models)."""

@@ -193,10 +193,13 @@ class DecoderModel:
         assert moe is not None
         p += moe.prefix + "."
         mixtral = moe.prefix == "block_sparse_moe"
-        experts = [
-            DenseMlp(linear(e + "w1", e + "w3"), linear(e + "w2")) if mixtral else _mlp(e, linear)
-            for e in (f"{p}experts.{j}." for j in range(moe.num_experts))
-        ]
+
+        def expert(j: int) -> DenseMlp:
+            e = f"{p}experts.{j}."
+            if mixtral:
+                return DenseMlp(linear(e + "w1", e + "w3"), linear(e + "w2"))
+            return _mlp(e, linear)
+
         shared = None
         if moe.shared_intermediate_size:
             shared = _mlp(p + ("shared_expert." if moe.shared_gate else "shared_experts."), linear)
@@ -211,18 +214,18 @@ class DecoderModel:
                 if moe.topk_method == "noaux_tc"
                 else None
             ),
-            experts=experts,
+            experts=[expert(j) for j in range(moe.num_experts)],
             shared=shared,
             shared_gate=linear(p + "shared_expert_gate") if moe.shared_gate else None,
+            build=expert,
         )
+
+    def moe_layers(self) -> dict[int, Moe]:
+        return {i: layer.mlp for i, layer in enumerate(self.layers) if isinstance(layer.mlp, Moe)}
 
     def expert_counts(self) -> dict[int, list[int]]:
         """Tokens routed to each expert since start, by MoE layer (empty for dense models)."""
-        return {
-            i: layer.mlp.counts.tolist()
-            for i, layer in enumerate(self.layers)
-            if isinstance(layer.mlp, Moe)
-        }
+        return {i: moe.counts.tolist() for i, moe in self.moe_layers().items()}
 
     def new_kv_cache(
         self, num_blocks: int, block_size: int = BLOCK_SIZE, num_window_blocks: int | None = None

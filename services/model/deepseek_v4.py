@@ -187,12 +187,13 @@ class DeepseekV4Model(PagedModel):
             None if hashed else w(f + "gate.bias", True),
             [mlp(f"{f}experts.{e}.") for e in range(moe.num_experts)],
             mlp(f + "shared_experts."), None,
+            build=lambda e: mlp(f"{f}experts.{e}."),
             tid2eid=self._ids(f + "gate.tid2eid") if hashed else None,
             scoring=v4.scoring,
         )  # fmt: skip
 
-    def expert_counts(self) -> dict[int, list[int]]:
-        return {i: layer.moe.counts.tolist() for i, layer in enumerate(self.layers)}
+    def moe_layers(self) -> dict[int, Moe]:
+        return {i: layer.moe for i, layer in enumerate(self.layers)}
 
     def new_kv_cache(
         self, num_blocks: int, block_size: int = BLOCK_SIZE, num_window_blocks: int | None = None

@@ -1,4 +1,4 @@
-"""Errors raised while finding and loading a model."""
+"""Errors raised while finding and loading a model, and running one over processes."""
 
 from __future__ import annotations
 
@@ -14,6 +14,11 @@ class ModelLoadError(Exception):
         self.path = str(path)
         self.problem = problem
         super().__init__(f"{self.path}: {problem}")
+
+
+class ExpertRankLost(RuntimeError):
+    """A rank holding experts stopped answering (expert_parallel.py): the engine cannot finish
+    a forward pass, and its worker leaves service."""
 
 
 def read_json_object(path: Path) -> dict[str, Any]:

@@ -97,17 +97,26 @@ class GptOssModel(PagedModel):
         assert oss is not None and moe is not None
         gate_up, gate_up_bias = w(m + "experts.gate_up_proj"), w(m + "experts.gate_up_proj_bias")
         down, down_bias = w(m + "experts.down_proj"), w(m + "experts.down_proj_bias")
-        experts: list[DenseMlp] = []
-        for e in range(moe.num_experts):  # [hidden, 2 ff], gate and up columns interleaved
+
+        def expert(e: int, stacked: tuple[torch.Tensor, ...] | None = None) -> DenseMlp:
+            # the layer's experts are stacked in four tensors; one expert alone reads them anew
+            gate_up, gate_up_bias, down, down_bias = stacked or (
+                w(m + f"experts.{name}")
+                for name in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+            )
+            # [hidden, 2 ff], gate and up columns interleaved
             weight = torch.cat((gate_up[e][:, 0::2].T, gate_up[e][:, 1::2].T))
             bias = torch.cat((gate_up_bias[e][0::2], gate_up_bias[e][1::2]))
-            experts.append(OssMlp(linear(weight, bias), linear(down[e].T, down_bias[e]),
-                                  oss.swiglu_limit, oss.swiglu_alpha))  # fmt: skip
-        router = linear(w(m + "router.weight"), w(m + "router.bias"))
-        return OssMoe(moe, router, self.dtype, None, experts, None, None)
+            return OssMlp(linear(weight, bias), linear(down[e].T, down_bias[e]),
+                          oss.swiglu_limit, oss.swiglu_alpha)  # fmt: skip
 
-    def expert_counts(self) -> dict[int, list[int]]:
-        return {i: layer.moe.counts.tolist() for i, layer in enumerate(self.layers)}
+        stacked = (gate_up, gate_up_bias, down, down_bias)
+        experts = [expert(e, stacked) for e in range(moe.num_experts)]
+        router = linear(w(m + "router.weight"), w(m + "router.bias"))
+        return OssMoe(moe, router, self.dtype, None, experts, None, None, build=expert)
+
+    def moe_layers(self) -> dict[int, Moe]:
+        return {i: layer.moe for i, layer in enumerate(self.layers)}
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:

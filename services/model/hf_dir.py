@@ -32,7 +32,37 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def read_weights(path: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
+class Weights(dict[str, torch.Tensor]):
+    """A checkpoint's tensors by (canonical) name. Once the model is built, `release()` drops
+    them; a tensor asked for after that is read from its file again, and not kept (an expert
+    built for another slot while serving: expert_parallel.py)."""
+
+    def __init__(self, files: dict[str, tuple[Path, str]]) -> None:
+        super().__init__()
+        self.files = files  # name -> (its file, its name there)
+
+    def release(self) -> None:
+        self.clear()
+
+    def __missing__(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        file, stored = self.files[name]  # KeyError: not in the checkpoint
+        with safe_open(str(file), framework="pt") as f:
+            return f.get_tensor(stored)
+
+    def __contains__(self, name: object) -> bool:
+        return super().__contains__(name) or name in self.files
+
+    def get(  # type: ignore[override]
+        self, name: str, default: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        if name in self:  # (dict.get would not read a released tensor)
+            return self[name]
+        return default
+
+
+def read_weights(path: Path, config: ModelConfig) -> Weights:
     """Every tensor the config calls for, as stored (dtype unchanged: an FP8 checkpoint's
     weights stay e4m3 beside their block scales, `<name>_scale_inv`, checked here; the model
     dequantizes them or keeps them, as its kernels can use them), shape-checked."""
@@ -43,7 +73,7 @@ def read_weights(path: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
         wanted |= {name.removesuffix(".weight") + ".scale" for name in wanted}
     elif config.fp8_block is not None:
         wanted |= {name + SCALE for name in wanted if name.endswith(".weight")}
-    out: dict[str, torch.Tensor] = {}
+    out = Weights({})
     canonical = canonical_name if config.v4 is not None else _same
     for file in safetensors_files(path):
         try:
@@ -51,6 +81,7 @@ def read_weights(path: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
                 # e.g. rotary inv_freq buffers, a tied lm_head copy or MTP layers are skipped
                 names = {canonical(name): name for name in f.keys()}  # noqa: SIM118
                 tensors = {n: f.get_tensor(names[n]) for n in names if n in wanted}
+                out.files |= {n: (file, names[n]) for n in tensors}
         except Exception as e:  # safetensors raises several types for a bad header
             raise ModelLoadError(file, f"not a valid safetensors file: {e}") from e
         check_shapes(file, config, {name: t.shape for name, t in tensors.items()})

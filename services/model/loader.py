@@ -96,4 +96,5 @@ def load_model(
         calibration = tokenizer.encode(quantize.calibration_text(), add_special_tokens=False)
         assert isinstance(model, DecoderModel)
         quantize.quantize_int8(model, weights, calibration)
+    weights.release()  # what the model keeps, it holds; an expert rebuilt later reads its file
     return LoadedModel(model, tokenizer, path)

@@ -7,11 +7,16 @@ each active expert runs one product over its contiguous rows, never a loop over 
 Batch invariance: a token's output depends on its own row only. Each expert's products give a
 row the same bits at any row count (linear.py's prepacked products, as the dense layers), and
 a token sums its experts' outputs in its own choice order, in float32, whoever else chose them.
+The same holds across processes: with expert parallelism (expert_parallel.py) a row goes to
+whichever slot holds a copy of its expert, on whichever rank, and comes back with the bits it
+would have had here.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -31,6 +36,18 @@ class DenseMlp:
         return self.down(ops.silu_mul(self.gate_up(x)))
 
 
+class Dispatch(Protocol):
+    """Where a layer's routed rows are computed when its experts are spread over processes
+    (expert_parallel.ExpertGroup)."""
+
+    def compute(
+        self, moe: Moe, x: torch.Tensor, experts: torch.Tensor, ops: LayerOps
+    ) -> torch.Tensor:
+        """Each choice's expert output [T * k, hidden]: choice i is row x[i // k] through
+        expert experts[i]."""
+        ...
+
+
 class Moe:
     def __init__(
         self,
@@ -41,12 +58,17 @@ class Moe:
         experts: list[DenseMlp],
         shared: DenseMlp | None,
         shared_gate: Linear | None,  # hidden -> 1 (Qwen2-MoE)
+        build: Callable[[int], DenseMlp] | None = None,  # expert e, read from the checkpoint
     ) -> None:
         self.shape = shape
         self.gate = gate  # prepacked like every product: a row's logits never depend on the batch
         self.router_dtype = router_dtype
         self.correction_bias = None if correction_bias is None else correction_bias.float()
-        self.experts = experts
+        self.experts = experts  # by expert id; empty once the layer holds slots (`hold`)
+        self.build = build
+        self.slot_experts: list[int] = []  # with expert parallelism: this process's slots'
+        self.slots: list[DenseMlp] = []  # experts, and each slot's copy
+        self.dispatch: Dispatch | None = None  # where rows go (on the rank that routes)
         self.shared = shared
         self.shared_gate = shared_gate
         # tokens routed to each expert since start (metrics; the balancer's input)
@@ -101,18 +123,50 @@ class Moe:
         """sum_j weights[t, j] * expert[ids[t, j]](x[t]), grouped by expert."""
         tokens, k = ids.shape
         flat = ids.flatten()  # [T * k]: choice j of token t at t * k + j
-        order = flat.argsort(stable=True)  # the choices, grouped by expert
-        counts = torch.bincount(flat, minlength=self.shape.num_experts)
-        self.counts += counts.cpu()
-        grouped = x.index_select(0, order // k)  # [T * k, hidden], each expert's rows together
-        outputs = torch.empty_like(grouped)
-        start = 0
-        for expert, n in enumerate(counts.tolist()):
-            if n:
-                rows = slice(start, start + n)
-                outputs[rows] = self.experts[expert](grouped[rows], ops)
-                start += n
-        per_choice = torch.empty_like(outputs)
-        per_choice[order] = outputs  # back in (token, choice) order
+        self.counts += torch.bincount(flat, minlength=self.shape.num_experts).cpu()
+        if self.dispatch is not None:
+            per_choice = self.dispatch.compute(self, x, flat, ops)
+        else:
+            per_choice = run_grouped(x, k, flat, self.experts, ops)
         summed = (per_choice.view(tokens, k, -1).float() * weights[..., None]).sum(dim=1)
         return summed.to(x.dtype)
+
+    def hold(self, slot_experts: Sequence[int]) -> int:
+        """Keep a copy of expert slot_experts[i] in slot i, and no other expert (expert
+        parallelism: this process's share). Copies already held move between slots; the
+        others are built from the checkpoint. Returns how many were built."""
+        held = dict(zip(self.slot_experts, self.slots, strict=True)) or dict(
+            enumerate(self.experts)
+        )
+        built = [e for e in set(slot_experts) if e not in held]
+        if built:
+            assert self.build is not None, "this layer's experts cannot be rebuilt"
+            held |= {e: self.build(e) for e in built}
+        self.slot_experts = list(slot_experts)
+        self.slots = [held[e] for e in slot_experts]
+        self.experts = []
+        return len(built)
+
+
+def run_grouped(
+    x: torch.Tensor,
+    k: int,
+    keys: torch.Tensor,
+    modules: Sequence[Callable[[torch.Tensor, LayerOps], torch.Tensor]],
+    ops: LayerOps,
+) -> torch.Tensor:
+    """modules[keys[i]](x[i // k]) for every i [len(keys), hidden]: the rows of a key grouped
+    (in order) through one call of its module."""
+    order = keys.argsort(stable=True)  # the rows, grouped by key
+    counts = torch.bincount(keys, minlength=len(modules))
+    grouped = x.index_select(0, order // k)
+    outputs = torch.empty_like(grouped)
+    start = 0
+    for key, n in enumerate(counts.tolist()):
+        if n:
+            rows = slice(start, start + n)
+            outputs[rows] = modules[key](grouped[rows], ops)
+            start += n
+    out = torch.empty_like(outputs)
+    out[order] = outputs  # back in the keys' order
+    return out

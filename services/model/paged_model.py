@@ -12,6 +12,7 @@ from services.model.attention import resolve_kernels
 from services.model.config import ModelConfig
 from services.model.kv_cache import KVCache
 from services.model.linear import Linear, amx_linear_library, make_linear, packed_linear_available
+from services.model.moe import Moe
 from services.settings import DEFAULTS
 
 
@@ -48,5 +49,8 @@ class PagedModel:
             self.config, num_blocks, block_size, self.dtype, self.device, num_window_blocks
         )
 
-    def expert_counts(self) -> dict[int, list[int]]:
+    def moe_layers(self) -> dict[int, Moe]:
         return {}
+
+    def expert_counts(self) -> dict[int, list[int]]:
+        return {i: moe.counts.tolist() for i, moe in self.moe_layers().items()}

@@ -31,7 +31,9 @@ def check(settings: Settings) -> Settings:
             check_model(settings.engine.speculative.draft_model)
     if role == "up":
         _up(settings)
-    check_model(settings.model.model)
+    path = check_model(settings.model.model)
+    if role in WORKER and settings.experts.expert_parallel > 1:
+        _experts(settings, path)
     return settings
 
 
@@ -43,6 +45,26 @@ def check_model(spec: str) -> Path:
     path = sources.resolve(spec)
     hf_config.read_config(path)
     return path
+
+
+def _experts(s: Settings, path: Path) -> None:
+    """--expert-parallel: a MoE model whose slots divide over the ranks, a policy that fits."""
+    from services.model import eplb, hf_config
+
+    es, moe = s.experts, hf_config.read_config(path).moe
+    if moe is None:
+        raise SettingsError(f"expert_parallel: {path} is not a mixture-of-experts model")
+    slots = moe.num_experts + es.redundant_experts
+    if slots % es.expert_parallel:
+        raise SettingsError(
+            f"expert_parallel: {moe.num_experts} experts + {es.redundant_experts} redundant "
+            f"slots do not divide over {es.expert_parallel} ranks"
+        )
+    try:
+        eplb.choose_policy(es.eplb_policy, es.eplb_nodes, max(moe.n_group, 1),
+                           es.expert_parallel, slots)  # fmt: skip
+    except ValueError as e:
+        raise SettingsError(f"eplb_policy: {e}") from e
 
 
 def _trace_file(s: Settings) -> None:

@@ -204,6 +204,30 @@ class WorkerSettings(Section):
 
 
 @dataclass(frozen=True)
+class ExpertSettings(Section):
+    """A MoE model's experts over processes and their balancer (services/model/
+    expert_parallel.py, eplb.py)."""
+
+    expert_parallel: int = setting(1, "processes a MoE model's routed experts are spread over: "
+                                   "the worker and N - 1 expert ranks it starts (gloo on CPUs, "
+                                   "NCCL on GPUs, a GPU each)", WORKER, minimum=1)  # fmt: skip
+    redundant_experts: int = setting(0, "expert slots per MoE layer beyond one per expert, for "
+                                     "the balancer's second copies of hot experts (experts + "
+                                     "redundant must divide by --expert-parallel)", WORKER,
+                                     minimum=0)  # fmt: skip
+    eplb_interval: int = setting(0, "forward passes between rebalances of the experts' "
+                                 "placement, from the load since the last (0: only on POST "
+                                 "/experts/rebalance to the metrics port)", WORKER,
+                                 minimum=0)  # fmt: skip
+    eplb_policy: str = setting("auto", "hierarchical (expert groups packed onto nodes first), "
+                               "global, or auto (hierarchical where --eplb-nodes > 1 divides "
+                               "the groups and ranks)", WORKER,
+                               choices=("auto", "hierarchical", "global"))  # fmt: skip
+    eplb_nodes: int = setting(1, "nodes the expert ranks span, for the hierarchical policy",
+                              WORKER, minimum=1)  # fmt: skip
+
+
+@dataclass(frozen=True)
 class RouterSettings(Section):
     """The router (router/)."""
 
@@ -269,6 +293,7 @@ class Settings:
     engine: EngineConfig = field(default_factory=EngineConfig)
     store: StoreSettings = field(default_factory=StoreSettings)
     worker: WorkerSettings = field(default_factory=WorkerSettings)
+    experts: ExpertSettings = field(default_factory=ExpertSettings)
     router: RouterSettings = field(default_factory=RouterSettings)
     up: UpSettings = field(default_factory=UpSettings)
 

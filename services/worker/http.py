@@ -1,5 +1,7 @@
 """A worker's HTTP side door (with `--metrics-port`): Prometheus `/metrics` for scrapers and
-autoscalers, and `/health` (200 when serving, 503 otherwise) for probes that speak HTTP.
+autoscalers, `/health` (200 when serving, 503 otherwise) for probes that speak HTTP, and for
+MoE models `/experts` (tokens per expert; with `--expert-parallel`, the placement and the
+ranks' balance) and `POST /experts/rebalance` (plan a new placement at the next pass).
 
 It runs on a thread of its own and reads what the gRPC side already keeps: the engine's
 load snapshot, the store's counters and the worker's own. It sees the worker as `WorkerView`,
@@ -57,6 +59,12 @@ class _Model(Protocol):
     def expert_counts(self) -> dict[int, list[int]]: ...
 
 
+class _Experts(Protocol):
+    def snapshot(self) -> dict[str, Any]: ...
+
+    def request_rebalance(self) -> None: ...
+
+
 class _Engine(Protocol):
     @property
     def speculator(self) -> _Speculator | None: ...
@@ -87,6 +95,9 @@ class WorkerView(Protocol):
 
     @property
     def engine(self) -> _Engine: ...
+
+    @property
+    def experts(self) -> _Experts | None: ...  # with --expert-parallel
 
 
 class WorkerCollector:
@@ -139,6 +150,31 @@ class WorkerCollector:
                 for expert, count in enumerate(counts):
                     routed.add_metric([w.role, str(layer), str(expert)], float(count))
             yield routed
+        if w.experts is not None:
+            yield from _balance_metrics(w.role, w.experts.snapshot())
+
+
+def _balance_metrics(role: str, group: dict[str, Any]) -> Iterator[Metric]:
+    """Expert parallelism's balance: rows per rank, the imbalance, the rebalances."""
+    rows = CounterMetricFamily(
+        "pdserve_moe_rank_tokens", "Routed rows each expert rank computed, by MoE layer",
+        labels=["role", "layer", "rank"],
+    )  # fmt: skip
+    for layer, per_rank in group["rank_tokens"].items():
+        for rank, count in enumerate(per_rank):
+            rows.add_metric([role, layer, str(rank)], float(count))
+    yield rows
+    imbalance = GaugeMetricFamily(
+        "pdserve_moe_imbalance", "Busiest rank's rows over the mean, summed over MoE layers "
+        "and passes since the last rebalance (1.0: balanced)", labels=["role"],
+    )  # fmt: skip
+    imbalance.add_metric([role], group["imbalance"])
+    yield imbalance
+    rebalances = CounterMetricFamily(
+        "pdserve_moe_rebalances", "Placements planned by the balancer", labels=["role"]
+    )
+    rebalances.add_metric([role], float(group["rebalances"]))
+    yield rebalances
 
 
 def serve_http(worker: WorkerView, host: str, port: int) -> ThreadingHTTPServer:
@@ -152,13 +188,24 @@ def serve_http(worker: WorkerView, host: str, port: int) -> ThreadingHTTPServer:
                 self._send(200, generate_latest(registry), "text/plain; version=0.0.4")
             elif self.path == "/experts":  # the same counts as JSON, by layer
                 counts = worker.engine.model.expert_counts()
-                body = json.dumps({"role": worker.role, "layers": counts}).encode()
-                self._send(200, body, "application/json")
+                shown: dict[str, Any] = {"role": worker.role, "layers": counts}
+                if worker.experts is not None:
+                    shown["parallel"] = worker.experts.snapshot()
+                self._send(200, json.dumps(shown).encode(), "application/json")
             elif self.path == "/health":
                 ok = worker.ready
                 self._send(200 if ok else 503, b"ok\n" if ok else b"not ready\n", "text/plain")
             else:
                 self._send(404, b"not found\n", "text/plain")
+
+        def do_POST(self) -> None:
+            if self.path != "/experts/rebalance":
+                self._send(404, b"not found\n", "text/plain")
+            elif worker.experts is None:
+                self._send(409, b"expert parallelism is off (--expert-parallel 1)\n", "text/plain")
+            else:
+                worker.experts.request_rebalance()
+                self._send(202, b"rebalance planned at the next forward pass\n", "text/plain")
 
         def _send(self, status: int, body: bytes, content_type: str) -> None:
             self.send_response(status)

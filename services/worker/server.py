@@ -28,6 +28,9 @@ from services.engine.outputs import SequenceDelta
 from services.engine.params import ValidationError
 from services.model import kv_cache, sources
 from services.model.allocator import keep_freed_memory
+from services.model.expert_parallel import ExpertGroup
+from services.model.expert_rank import Spec
+from services.model.expert_rank import start as start_ranks
 from services.model.loader import load_model
 from services.model.openmp import release_this_threads_team
 from services.rpc import worker_pb2 as pb
@@ -55,6 +58,13 @@ class Worker:
         keep_freed_memory()
         ms, store = settings.model, settings.store
         loaded = load_model(ms.model, ms.dtype, ms.device, ms.quantization, ms.kernels)
+        self.experts: ExpertGroup | None = None  # the experts' other processes, when spread
+        es = settings.experts
+        if es.expert_parallel > 1:
+            spec = Spec(ms.model, ms.dtype, ms.device, ms.kernels, es.expert_parallel,
+                        es.redundant_experts)  # fmt: skip
+            self.experts = start_ranks(loaded.model, spec, es.eplb_policy, es.eplb_nodes,
+                                       es.eplb_interval)  # fmt: skip
         self.model_name = loaded.config.name
         cache_dtype = loaded.model.dtype
         storage = StorageDtype.parse(
@@ -185,6 +195,8 @@ class Worker:
             await server.stop(grace)
             await self.driver.abort_all()
             await self.driver.stop()
+        if self.experts is not None:  # the engine thread is stopped, or dead: kill its ranks
+            self.experts.stop(kill=bool(self.exit_code))
         with contextlib.suppress(StoreUnavailable):
             await self.store.close()
         if side_door is not None:
@@ -196,7 +208,7 @@ class Worker:
         `engine_stall_timeout` seconds with work queued, stops the worker (exit code 1)."""
         while True:
             await asyncio.sleep(WATCH_INTERVAL)
-            why = self.driver.failure
+            why = self.driver.failure or (self.experts and self.experts.lost())
             stalled = self.driver.stalled_for()
             if why is None and stalled > self.settings.worker.engine_stall_timeout:
                 why = f"no engine step for {stalled:.0f}s with requests queued"
