@@ -23,7 +23,8 @@ def test_copies_go_to_the_most_load_per_copy():
 
 def test_the_global_policy_balances_the_ranks_exactly_here():
     current = eplb.initial(8, 10)
-    assert eplb.imbalance(LOAD, current, 2) == pytest.approx(122.5 / 95)  # rank 0: 50 + 2.5 + 5 + 5 + 60
+    # rank 0: 100 / 2 + 5 / 2 + 5 + 5 + 60 of a mean 95
+    assert eplb.imbalance(LOAD, current, 2) == pytest.approx(122.5 / 95)
     placed = eplb.plan(LOAD, current, 2)
     # the copies of each hot expert on both ranks; each rank's load 95 of 190
     assert sorted(placed[:5]) == [0, 1, 3, 4, 6] and sorted(placed[5:]) == [0, 2, 4, 5, 7]
