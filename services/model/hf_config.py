@@ -204,8 +204,6 @@ def _refuse_unimplemented(arch: str, raw: dict[str, Any]) -> None:
             experts, groups = int(raw["n_routed_experts"]), int(raw["n_group"])
             if experts % groups:
                 refuse("n_group", f"{experts} experts do not split into {groups} groups")
-        if raw.get("ep_size", 1) != 1:
-            refuse("ep_size", "expert parallelism is not implemented")
     if arch == "deepseek_v4":
         hf_families.refuse_v4(raw, refuse)
     if arch == "gemma3_text" and raw.get("use_bidirectional_attention"):

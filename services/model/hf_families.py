@@ -134,5 +134,3 @@ def refuse_v4(raw: dict[str, Any], refuse: Any) -> None:
     main = (raw.get("rope_parameters") or {}).get("main")
     if isinstance(main, dict) and main.get("rope_type", "default") != "default":
         refuse("rope_parameters", "the main rope set (sliding layers) is unscaled in DeepSeek-V4")
-    if raw.get("ep_size", 1) != 1:
-        refuse("ep_size", "expert parallelism is not implemented")

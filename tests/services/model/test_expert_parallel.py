@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bench.expert_parallel import skewed_prompts
 from services.engine.engine import Engine, EngineConfig
 from services.engine.params import SamplingParams
 from services.model.expert_parallel import Balance
@@ -60,36 +61,8 @@ def test_two_ranks_answer_as_one_process(tiny_dir, family, dtype):
 
 # -- the balancer under a skewed load ------------------------------------------------------
 
-# rank 0 holds experts 0-4, rank 1 experts 5-7 and second copies of 0 and 1 (10 slots): the
-# share of a choice rank 0 computes, by expert
-RANK_0_SHARE = torch.tensor([0.5, 0.5, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0])
-
-
-def skewed_prompts(loaded, n: int = 8, length: int = 128) -> list[list[int]]:
-    """Prompts whose tokens go mostly to experts on rank 0: a token repeated routes every
-    position alike (identical rows attend to identical values), so each prompt repeats the
-    token whose own routes load rank 0 most (run with prefix caching off: prompts repeat)."""
-    chosen: dict[int, torch.Tensor] = {}
-
-    def recording(i, route):
-        def routed(x, ops):
-            weights, ids = route(x, ops)
-            chosen[i] = ids  # each candidate's experts, in its row
-            return weights, ids
-
-        return routed
-
-    for i, moe in loaded.model.moe_layers().items():
-        moe.route = recording(i, moe.route)
-    candidates = list(range(1000, 1500))
-    config = EngineConfig(num_blocks=600, max_num_seqs=512, max_num_batched_tokens=512)
-    engine = Engine(loaded.model, loaded.tokenizer, config)
-    engine.generate([[v] for v in candidates], SamplingParams(max_tokens=1, temperature=0))
-    for moe in loaded.model.moe_layers().values():
-        del moe.route  # the class's again
-    assert all(len(ids) == len(candidates) for ids in chosen.values())  # one pass for all
-    share = sum(RANK_0_SHARE[ids].sum(1) for ids in chosen.values())
-    return [[candidates[int(share.argmax())]] * length] * n
+# 10 slots: rank 0 holds experts 0-4, rank 1 experts 5-7 and second copies of 0 and 1
+ONLY_ON_RANK_0 = {2, 3, 4}
 
 
 def stream(engine: Engine, prompts, params, between=lambda passes: None) -> dict[str, list]:
@@ -115,7 +88,7 @@ def test_rebalancing_a_skewed_load_evens_the_ranks_and_changes_no_token(tiny_dir
     layer a pass at passes 5-7; the same passes from 7 on are compared with and without it."""
     path = tiny_dir("qwen3_moe")
     reference = load_model(str(path), dtype=dtype, device="cpu")
-    prompts = skewed_prompts(reference)
+    prompts = skewed_prompts(reference, 8, 128, ONLY_ON_RANK_0)
     params = [PARAMS[j % 2] for j in range(len(prompts))]  # greedy and seeded
     config = EngineConfig(num_blocks=256, max_num_batched_tokens=64, enable_prefix_caching=False)
     one = stream(Engine(reference.model, reference.tokenizer, config), prompts, params)

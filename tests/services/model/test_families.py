@@ -105,7 +105,6 @@ def test_bfloat16_logits_follow_transformers(checkpoint, dtype):
         ("topk_method", "noaux_tc", "DeepseekV2ForCausalLM"),
         ("topk_method", "random", "DeepseekV2ForCausalLM"),
         ("n_group", 3, "DeepseekV3ForCausalLM"),
-        ("ep_size", 4, "DeepseekV3ForCausalLM"),
         ("router_jitter_noise", 0.1, "MixtralForCausalLM"),
         ("use_sliding_window", True, "Qwen3MoeForCausalLM"),
         ("hidden_act", "gelu", "DeepseekV3ForCausalLM"),
