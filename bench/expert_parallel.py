@@ -164,10 +164,12 @@ def skew_table(path: Path, dtype: str) -> str:
         loaded, group = spread(path, dtype, redundant=2)
         layers = len(group.layers)
 
-        def between(passes: int, group: ExpertGroup = group, rebalance: bool = rebalance) -> None:
+        def between(
+            passes: int, group: ExpertGroup = group, rebalance: bool = rebalance, layers=layers
+        ) -> None:
             if passes == 3 and rebalance:
                 group.request_rebalance()  # planned at pass 4, applied at passes 5..4+layers
-            if passes == 4 + layers and not rebalance:
+            if passes == 3 + layers and not rebalance:
                 group.balance = Balance()  # the same window as the rebalanced run's "after"
 
         try:
