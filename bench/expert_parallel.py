@@ -46,8 +46,8 @@ def skewed_prompts(loaded: LoadedModel, n: int, length: int, rank_0: set[int]) -
     token whose own routes land most there (serve them with prefix caching off)."""
     chosen: dict[int, torch.Tensor] = {}
 
-    def recording(i, route):  # type: ignore[no-untyped-def]
-        def routed(x, ops):  # type: ignore[no-untyped-def]
+    def recording(i, route):
+        def routed(x, ops):
             weights, ids = route(x, ops)
             chosen[i] = ids  # each candidate's experts, in its row
             return weights, ids
@@ -67,11 +67,11 @@ def skewed_prompts(loaded: LoadedModel, n: int, length: int, rank_0: set[int]) -
             del moe.route  # the class's again
     assert all(len(ids) == len(candidates) for ids in chosen.values())  # one pass for all
     hot = torch.tensor(sorted(rank_0))
-    share = sum(torch.isin(ids, hot).sum(1) for ids in chosen.values())
+    share = torch.stack([torch.isin(ids, hot).sum(1) for ids in chosen.values()]).sum(0)
     return [[candidates[int(share.argmax())]] * length] * n
 
 
-def run(engine: Engine, prompts, params, between=lambda passes: None):  # type: ignore[no-untyped-def]
+def run(engine: Engine, prompts, params, between=lambda passes: None):
     """Each request's tokens, and passes and seconds, stepping the engine by hand."""
     for j, prompt in enumerate(prompts):
         engine.add_request(EngineRequest(f"r{j}", prompt, params))
