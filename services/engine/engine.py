@@ -31,7 +31,6 @@ from services.engine.outputs import (
 )
 from services.engine.params import SamplingParams, ValidationError, validate_prompt
 from services.engine.prompt_scores import score_prompts, scores_prompt
-from services.engine.proposers import DraftModel
 from services.engine.request import (
     EngineRequest,
     FinishReason,
@@ -42,7 +41,7 @@ from services.engine.request import (
 from services.engine.sampler import Sampler
 from services.engine.scheduler import ScheduledChunk, Scheduler
 from services.engine.seeds import choice_seed
-from services.engine.speculative import Speculator
+from services.engine.speculative import Speculator, draft_proposer
 from services.engine.structured import Grammars
 from services.engine.window_pool import WindowPool, pool_sizes
 from services.model import kv_cache
@@ -51,6 +50,7 @@ from services.model.batch import ForwardBatch, SeqChunk
 from services.model.causal_lm import CausalLM
 from services.model.decoder import DecoderModel
 from services.model.gpu.graphs import DecodeGraphs
+from services.model.mtp import Mtp
 from services.settings import EngineConfig
 from services.tokenizer.detokenize import IncrementalDetokenizer
 from services.tokenizer.tokenizer import Tokenizer
@@ -69,11 +69,11 @@ class Engine:
         model: CausalLM,
         tokenizer: Tokenizer,
         config: EngineConfig | None = None,
-        draft: CausalLM | None = None,
+        draft: CausalLM | Mtp | None = None,
         namespace: str | None = None,
         kv_connector: KVConnectorWorker | None = None,
     ) -> None:
-        """`draft`: the draft model, for speculative method `draft` (same tokenizer);
+        """`draft`: the draft model (same tokenizer) or MTP layer, for speculative `draft`/`mtp`;
         `namespace`: the block-hash namespace (a worker's: block names in the engine are keys
         in its store); None: the model's layout. `kv_connector`: the worker half of the KV
         seam, which loads and saves the blocks requests' connectors ask for."""
@@ -106,9 +106,7 @@ class Engine:
         )
         self.speculator = None
         if config.speculative.enabled:
-            drafter = None
-            if draft is not None:
-                drafter = DraftModel(draft, mc.vocab_size, num_blocks, config.block_size)
+            drafter = draft_proposer(draft, mc.vocab_size, num_blocks, config.block_size)
             self.speculator = Speculator(config.speculative, mc.max_model_len, drafter)
         self.scheduler = Scheduler(config, self.blocks, self._admit, self.speculator)
         self.grammars = Grammars(tokenizer, mc.vocab_size, mc.eos_token_ids)
@@ -251,6 +249,8 @@ class Engine:
             logits = self.graphs.forward(batch)
         else:
             logits = self.model.forward(batch, self.kv)
+        if self.speculator is not None:  # an MTP layer drafts from the target's hidden rows
+            self.speculator.observe(scheduled.chunks, self.model)
         t2 = time.perf_counter()
         timing = StepTiming(start_ns, time.time_ns(), len(scheduled.chunks), scheduled.num_tokens)
         for chunk in scheduled.chunks:

@@ -7,6 +7,8 @@
   (agent loops and repeated tasks speculate from earlier answers); the longer match wins.
 - `DraftModel` (`draft`): a smaller model with the same tokenizer drafts the tokens, each
   drawn from its own distribution q (returned with them, for rejection sampling).
+- `MtpProposer` (`mtp`, mtp_proposer.py): the checkpoint's own multi-token-prediction layer,
+  from the target's hidden states; drawn the same way.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 
 from services.engine.block_manager import BlockManager, NoFreeBlocks
 from services.engine.request import Sequence
-from services.engine.sampler import distributions, draw, uniforms
+from services.engine.sampler import distributions, draw, sample_rows, uniforms
 from services.engine.seeds import choice_seed
 from services.model.batch import ForwardBatch, SeqChunk
 from services.model.causal_lm import CausalLM
@@ -181,6 +183,24 @@ class SuffixLookup(PromptLookup):
             self.index.add(seq.token_ids[max(0, seq.prompt_len - lead) :])
 
 
+def draft_token(
+    logits: torch.Tensor, seq: Sequence, j: int, coupled: bool = False
+) -> tuple[int, torch.Tensor | None]:
+    """A drafter's j-th token for seq from its logits [vocab]: the argmax for a greedy request
+    (one-hot), else a draw from its distribution q (returned) on a uniform stream of its own.
+    `coupled`, for a request with its own seed: drawn with the uniform the target will draw
+    that position with (one-hot: kept only where the target's own draw is the same token, so
+    the answer is the one without speculation; the closer q is to the target's, the likelier)."""
+    if seq.params.greedy:
+        return int(logits.argmax()), None
+    if coupled and seq.params.seed is not None:
+        u = uniforms([seq.seed], [seq.num_tokens + j])
+        return int(sample_rows(logits[None].double(), [seq.params], u)[0]), None
+    q = distributions(logits[None], [seq.params])
+    u = uniforms([choice_seed(seq.seed, DRAFT_STREAM)], [seq.num_tokens + j])
+    return int(draw(q, u)[0]), q[0]
+
+
 class DraftModel:
     """The `draft` proposer: a smaller model sharing the target's tokenizer drafts k tokens,
     one forward pass each, on its own KV pool: each sequence has its own block table here,
@@ -215,13 +235,9 @@ class DraftModel:
             for r, i in enumerate(rows):
                 seq, state = seqs[i], states[i]
                 state.num_computed_tokens = state.num_tokens
-                if seq.params.greedy:
-                    token = int(logits[r].argmax())
-                else:
-                    q = distributions(logits[r : r + 1], [seq.params])
-                    u = uniforms([choice_seed(seq.seed, DRAFT_STREAM)], [seq.num_tokens + j])
-                    token = int(draw(q, u)[0])
-                    probs[i].append(q[0])
+                token, q = draft_token(logits[r], seq, j)
+                if q is not None:
+                    probs[i].append(q)
                 tokens[i].append(token)
                 state.token_ids.append(token)
         return [

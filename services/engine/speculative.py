@@ -16,11 +16,12 @@ Rejected tokens' KV is rolled back by the engine: the sequence's computed length
 its last accepted token and its blocks past that go back to the pool (BlockManager.truncate).
 
 Proposers (services/engine/proposers.py): `ngram` (prompt lookup), `suffix` (also over recent
-outputs), `draft` (a smaller model). A draft model's tokens are drawn from its distribution
-q: for a sampled request the target keeps a drafted token with probability min(1, p/q) and
-replaces the first it refuses by a draw from max(0, p - q) (standard rejection sampling: the
-tokens follow the target's distribution exactly, though they are not the tokens of a run
-without speculation); greedy requests keep the rule above.
+outputs), `draft` (a smaller model), `mtp` (the checkpoint's own MTP layer, mtp_proposer.py).
+A draft model's (or MTP layer's) tokens are drawn from its distribution q: for a sampled
+request the target keeps a drafted token with probability min(1, p/q) and replaces the
+first it refuses by a draw from max(0, p - q) (standard rejection sampling: the tokens
+follow the target's distribution exactly, though they are not the tokens of a run without
+speculation); greedy requests keep the rule above.
 
 Adaptive: a sequence proposes up to its own length k, which shrinks to one past the accepted
 run after a rejection and grows by one after a run accepted whole; nothing is proposed while
@@ -35,10 +36,14 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from services.engine.mtp_proposer import MtpProposer
 from services.engine.proposers import DraftModel, PromptLookup, Proposer, SuffixLookup
 from services.engine.request import Sequence, TokenLogprobs
 from services.engine.sampler import Sampler, draw, score_tokens, uniforms
+from services.engine.scheduler import ScheduledChunk
 from services.engine.seeds import choice_seed
+from services.model.causal_lm import CausalLM
+from services.model.mtp import Mtp
 from services.settings import SpeculativeConfig
 
 PAUSE = 4  # steps without proposals after a lone proposed token was refused
@@ -60,10 +65,22 @@ class SpecStats:
         return self.accepted / self.steps if self.steps else 0.0
 
 
-def make_proposer(config: SpeculativeConfig, draft: DraftModel | None = None) -> Proposer:
-    if config.method == "draft":
+def draft_proposer(
+    draft: CausalLM | Mtp | None, vocab_size: int, num_blocks: int, block_size: int
+) -> Proposer | None:
+    """The proposer around a draft model (`draft`) or an MTP layer (`mtp`), with a pool of
+    its own as large as the target's."""
+    if draft is None:
+        return None
+    if isinstance(draft, Mtp):
+        return MtpProposer(draft, vocab_size, num_blocks, block_size)
+    return DraftModel(draft, vocab_size, num_blocks, block_size)
+
+
+def make_proposer(config: SpeculativeConfig, draft: Proposer | None = None) -> Proposer:
+    if config.method in ("draft", "mtp"):
         if draft is None:
-            raise ValueError("speculative method 'draft' needs a draft model")
+            raise ValueError(f"speculative method {config.method!r} needs its draft model")
         return draft
     if config.method == "suffix":
         return SuffixLookup(config.min_n, config.max_n, config.index_tokens)
@@ -75,7 +92,7 @@ class Speculator:
     the statistics and each sequence's adaptive length."""
 
     def __init__(
-        self, config: SpeculativeConfig, max_model_len: int, draft: DraftModel | None = None
+        self, config: SpeculativeConfig, max_model_len: int, draft: Proposer | None = None
     ) -> None:
         self.config = config
         self.max_model_len = max_model_len
@@ -146,6 +163,12 @@ class Speculator:
 
     def finished(self, seq: Sequence) -> None:
         self.proposer.finished(seq)
+
+    def observe(self, chunks: list[ScheduledChunk], model: object) -> None:
+        """After a target pass: a proposer that drafts from the target's hidden states (MTP)
+        takes each chunk's rows."""
+        if isinstance(self.proposer, MtpProposer):
+            self.proposer.observe(chunks, getattr(model, "hidden", None))
 
 
 def keep_drawn(

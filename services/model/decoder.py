@@ -95,6 +95,7 @@ class DecoderModel:
         # every product of a model and every row count take the same path
         amx = amx_linear_library() if packed and dtype == torch.bfloat16 else None
         self.amx = amx is not None
+        self.hidden: torch.Tensor | None = None  # the last forward's normed rows (forward)
 
         fp8 = config.fp8_block
 
@@ -235,8 +236,12 @@ class DecoderModel:
         )
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
-        """Logits [len(batch.logits_rows), vocab] in float32; K/V of every row is cached.
+    def forward(
+        self, batch: ForwardBatch, kv: KVCache, embeds: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Logits [len(batch.logits_rows), vocab] in float32; K/V of every row is cached;
+        every row's final normed hidden state [T, hidden] kept in `self.hidden` (what MTP
+        drafts from). `embeds`: the rows' inputs [T, hidden] in place of the embeddings.
 
         The residual stream h is updated in place; each add is fused with the norm after it.
         """
@@ -245,7 +250,7 @@ class DecoderModel:
         at = ops.positions(batch.positions)
         if self.mla_rotary is not None:
             at = self.mla_rotary.tables(batch.positions)
-        h = self.embed.index_select(0, batch.token_ids)  # [T, hidden]
+        h = self.embed.index_select(0, batch.token_ids) if embeds is None else embeds.clone()
         x = ops.add_rms_norm(h, None, self.layers[0].input_norm, c.rms_norm_eps)
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = kv.layer(i)
@@ -255,6 +260,7 @@ class DecoderModel:
             last = i + 1 == len(self.layers)
             norm = self.norm if last else self.layers[i + 1].input_norm
             x = ops.add_rms_norm(h, mlp, norm, c.rms_norm_eps)
+        self.hidden = x
         return self.lm_head(x[batch.logits_rows]).float()
 
     def _attention(

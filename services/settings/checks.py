@@ -34,6 +34,12 @@ def check(settings: Settings) -> Settings:
     path = check_model(settings.model.model)
     if role in WORKER and settings.experts.expert_parallel > 1:
         _experts(settings, path)
+    if role in WORKER and settings.engine.speculative.method == "mtp":
+        from services.model.mtp import mtp_layers
+
+        if mtp_layers(path) < 1:
+            raise SettingsError(f"speculative: mtp: {path} has no MTP layer "
+                                "(num_nextn_predict_layers)")  # fmt: skip
     return settings
 
 

@@ -26,7 +26,7 @@ EVERY = ROLES
 OFFLINE = ("generate",)  # `pdserve generate` takes the model's settings
 DEFAULT_PORTS = {"router": 8000, "prefill": 50051, "decode": 50052, "up": 8000, "generate": 0}
 SECRETS = ("api_keys", "admin_key")  # shown as <set>
-SPECULATIVE_METHODS = ("ngram", "suffix", "draft")
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft", "mtp")
 GIB = 1 << 30
 
 
@@ -90,8 +90,9 @@ class SpeculativeConfig(Section):
 
     speculative: str = setting("none", "speculative decoding: ngram (prompt lookup), suffix "
                                "(also over recent outputs), draft:MODEL (a smaller model with "
-                               "the same tokenizer: .gguf or Hugging Face directory) or none",
-                               WORKER)  # fmt: skip
+                               "the same tokenizer: .gguf or Hugging Face directory), mtp (a "
+                               "DeepSeek-V3 checkpoint's own multi-token-prediction layer) or "
+                               "none", WORKER)  # fmt: skip
     num_tokens: int = setting(4, "tokens proposed per step, at most", WORKER, minimum=1,
                               name="num_speculative_tokens")  # fmt: skip
     max_batch: int = setting(4, "running sequences above which nothing is proposed "
@@ -111,7 +112,7 @@ class SpeculativeConfig(Section):
 
     @property
     def malformed(self) -> str:
-        return f"speculative: {self.speculative!r} is not none, ngram, suffix or draft:MODEL"
+        return f"speculative: {self.speculative!r} is not none, ngram, suffix, draft:MODEL or mtp"
 
     @property
     def enabled(self) -> bool:
@@ -119,7 +120,8 @@ class SpeculativeConfig(Section):
 
     @property
     def method(self) -> str:
-        """ngram, suffix or draft (the engine is given the draft model); none: off."""
+        """ngram, suffix, draft (the engine is given the draft model) or mtp (the checkpoint's
+        MTP layer); none: off."""
         return self.speculative.partition(":")[0]
 
     @property

@@ -28,10 +28,12 @@ from services.engine.outputs import SequenceDelta
 from services.engine.params import ValidationError
 from services.model import kv_cache, sources
 from services.model.allocator import keep_freed_memory
+from services.model.causal_lm import CausalLM
 from services.model.expert_parallel import ExpertGroup
 from services.model.expert_rank import Spec
 from services.model.expert_rank import start as start_ranks
 from services.model.loader import load_model
+from services.model.mtp import Mtp, load_mtp
 from services.model.openmp import release_this_threads_team
 from services.rpc import worker_pb2 as pb
 from services.settings import Settings
@@ -80,11 +82,14 @@ class Worker:
             weights_id, storage.name.lower(), settings.engine.block_size, mc
         )
         self.namespace = self.layout.namespace()
-        draft = None
+        draft: CausalLM | Mtp | None = None
         if settings.engine.speculative.draft_model is not None:
             draft = load_model(
                 settings.engine.speculative.draft_model, ms.dtype, ms.device, kernels=ms.kernels
             ).model
+        elif settings.engine.speculative.method == "mtp":
+            model = loaded.model
+            draft = load_mtp(loaded.path, mc, model.dtype, model.device, model.kernels)
         self.link = KVLink(
             self.layout, storage, store, cached_hashes=lambda: self.driver.cached_hashes
         )

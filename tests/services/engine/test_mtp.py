@@ -1,0 +1,97 @@
+"""`--speculative mtp`: a DeepSeek-V3 checkpoint's own multi-token-prediction layer drafts
+(services/model/mtp.py, services/engine/mtp_proposer.py), on checkpoints made here: one whose
+MTP layer is random (its guesses refused), one whose MTP layer repeats the target's only layer
+(it drafts what the target computes next: accepted). Either way greedy and seeded answers,
+tokens and logprobs, equal the engine's without speculation, in every dtype this CPU computes
+in; unseeded sampled requests are verified by rejection sampling; the layer's pool is empty
+once everything has finished."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.engine.engine import Engine, EngineConfig
+from services.engine.params import SamplingParams
+from services.model.errors import ModelLoadError
+from services.model.loader import load_model
+from services.model.mtp import load_mtp, mtp_layers
+from services.settings import SpeculativeConfig
+from tests.support.dtypes import COMPUTE_DTYPES
+from tests.support.tiny_models import save_tiny_mtp
+
+MTP = SpeculativeConfig("mtp", num_tokens=3, max_batch=64)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory, embedded_dir):
+    made = {}
+    for kind in ("random", "copy"):
+        made[kind] = tmp_path_factory.mktemp(f"mtp-{kind}")
+        save_tiny_mtp(made[kind], embedded_dir, copy=kind == "copy")
+    return made
+
+
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(100, 40000, (n,), generator=g).tolist() for n in (30, 7, 50, 19)]
+
+
+PARAMS = [
+    SamplingParams(max_tokens=24, temperature=0.0, logprobs=2),
+    SamplingParams(max_tokens=24, temperature=0.8, seed=5, logprobs=2),
+    SamplingParams(max_tokens=24, temperature=0.0),
+    SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, seed=9, logprobs=1),
+]
+
+
+def run(loaded, mtp, spec=MTP):
+    engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(num_blocks=256, speculative=spec),
+                    draft=mtp)  # fmt: skip
+    out = engine.generate(prompts(), PARAMS)
+    answers = [(c.token_ids, [lp.logprob for lp in c.logprobs]) for o in out for c in o.choices]
+    return answers, engine
+
+
+@pytest.mark.parametrize("dtype", COMPUTE_DTYPES)
+@pytest.mark.parametrize("kind", ["random", "copy"])
+def test_mtp_drafts_leave_greedy_and_seeded_answers_unchanged(checkpoints, kind, dtype):
+    loaded = load_model(str(checkpoints[kind]), dtype=dtype, device="cpu")
+    mtp = load_mtp(checkpoints[kind], loaded.config, loaded.model.dtype, loaded.model.device,
+                   loaded.model.kernels)  # fmt: skip
+    plain, _ = run(loaded, None, SpeculativeConfig())
+    drafted, engine = run(loaded, mtp)
+    assert drafted == plain
+    stats = engine.speculator.stats
+    print(f"{kind} {dtype}: {stats.accepted} of {stats.proposed} proposed accepted")
+    if kind == "copy":  # it drafts what the target computes: most kept
+        assert stats.proposed >= 40 and stats.accepted >= 0.6 * stats.proposed
+    else:  # random guesses: the adaptive length falls to 1 and pauses
+        assert stats.accepted <= 0.2 * stats.proposed
+    proposer = engine.speculator.proposer
+    assert not proposer.states and proposer.blocks.num_free == 256  # everything given back
+
+
+def test_unseeded_sampled_requests_verify_by_rejection_sampling(checkpoints):
+    loaded = load_model(str(checkpoints["copy"]), dtype="float32", device="cpu")
+    mtp = load_mtp(checkpoints["copy"], loaded.config, loaded.model.dtype, loaded.model.device,
+                   loaded.model.kernels)  # fmt: skip
+    engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(num_blocks=256, speculative=MTP),
+                    draft=mtp)  # fmt: skip
+    params = SamplingParams(max_tokens=24, temperature=0.7)  # no seed: drawn from the layer's q
+    out = engine.generate(prompts(), params)
+    assert [len(o.choices[0].token_ids) for o in out] == [24] * 4
+    stats = engine.speculator.stats
+    assert stats.proposed > 0 and stats.accepted >= 0.5 * stats.proposed  # q close to p
+
+
+def test_a_checkpoint_without_an_mtp_layer_is_refused(tiny_dir):
+    path = tiny_dir("deepseek_v3")  # transformers declares one (num_nextn_predict_layers 1)
+    loaded = load_model(str(path), dtype="float32", device="cpu")  # and saves no weights
+    with pytest.raises(ModelLoadError, match="no MTP layer: model.layers.3.eh_proj.weight"):
+        load_mtp(path, loaded.config, loaded.model.dtype, loaded.model.device, "auto")
+    qwen = tiny_dir("qwen3_moe")
+    assert mtp_layers(qwen) == 0
+    loaded = load_model(str(qwen), dtype="float32", device="cpu")
+    with pytest.raises(ModelLoadError, match="num_nextn_predict_layers"):
+        load_mtp(qwen, loaded.config, loaded.model.dtype, loaded.model.device, "auto")
