@@ -88,7 +88,7 @@ def test_unseeded_sampled_requests_verify_by_rejection_sampling(checkpoints):
 def test_a_checkpoint_without_an_mtp_layer_is_refused(tiny_dir):
     path = tiny_dir("deepseek_v3")  # transformers declares one (num_nextn_predict_layers 1)
     loaded = load_model(str(path), dtype="float32", device="cpu")  # and saves no weights
-    with pytest.raises(ModelLoadError, match="no MTP layer: model.layers.3.eh_proj.weight"):
+    with pytest.raises(ModelLoadError, match=r"no MTP layer: model\.layers\.3\.eh_proj\.weight"):
         load_mtp(path, loaded.config, loaded.model.dtype, loaded.model.device, "auto")
     qwen = tiny_dir("qwen3_moe")
     assert mtp_layers(qwen) == 0
