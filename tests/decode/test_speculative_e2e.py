@@ -121,11 +121,11 @@ def test_a_decode_worker_speculating_with_a_draft_model(embedded_dir, tmp_path, 
     assert counts["pdserve_spec_accepted_tokens"] == counts["pdserve_spec_proposed_tokens"]
 
 
-@pytest.mark.parametrize("value", ["eagle", "draft", "draft:", "ngram:x"])
+@pytest.mark.parametrize("value", ["eagle", "draft", "draft:", "ngram:x", "mtp:x"])
 def test_a_bad_speculative_setting_is_refused_before_the_model_loads(value, tmp_path):
     result = subprocess.run(
         [PDSERVE, "decode", "--speculative", value, "--kv-store", "memory://"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert result.returncode != 0
-    assert f"speculative: {value!r} is not none, ngram, suffix or draft:MODEL" in result.stderr
+    assert f"speculative: {value!r} is not none, ngram, suffix, draft:MODEL or mtp" in result.stderr

@@ -119,48 +119,11 @@ def save_tiny(name: str, path: Path, embedded_dir: Path) -> transformers.PreTrai
 
 
 def save_tiny_mtp(path: Path, embedded_dir: Path, copy: bool) -> None:
-    """A DeepSeek-V3 checkpoint with one MTP layer (`num_nextn_predict_layers` 1, weights
-    `model.layers.{N}.*` in a file of their own, as DeepSeek ships them).
+    """The tiny DeepSeek-V3 with one MTP layer (bench.mtp.save_with_mtp): its 3 layers and a
+    random MTP layer, or (copy) one MoE layer and an MTP layer repeating it."""
+    from bench.mtp import save_with_mtp
 
-    copy=False: the family's 3 layers, the MTP layer's weights random.
-    copy=True: one MoE layer whose MTP layer repeats it, so that it drafts what the target
-    computes one position on: eh_proj passes the token's embedding through ([I | 0]; rows of
-    RMS 1, so enorm keeps them), the shared head is the target's norm and head. It misses only
-    the first token of the context: acceptance is high, not total."""
-    from safetensors.torch import load_file, save_file
-
-    torch.manual_seed(0)
     config = FAMILIES["deepseek_v3"]()
     if copy:
         config.num_hidden_layers, config.first_k_dense_replace = 1, 0
-    config.num_nextn_predict_layers = 1
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    n, hidden = config.num_hidden_layers, config.hidden_size
-    with torch.no_grad():
-        for buffer_name, b in model.named_buffers():
-            if buffer_name.endswith("e_score_correction_bias"):
-                b.normal_(0, 0.1)
-        embed = model.model.embed_tokens.weight
-        if copy:
-            embed /= embed.pow(2).mean(-1, keepdim=True).sqrt()
-    model.save_pretrained(path)
-    state = load_file(str(path / "model.safetensors"))  # the hub's names (experts one by one)
-    last = f"model.layers.{n - 1}."
-    mtp = {
-        f"model.layers.{n}.{name.removeprefix(last)}": t.clone()
-        if copy else t.clone().normal_(0, float(t.float().std()) or 0.02)
-        for name, t in state.items() if name.startswith(last)
-    }  # fmt: skip
-    own = f"model.layers.{n}."
-    eh = torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], dim=1)
-    mtp |= {
-        own + "enorm.weight": torch.ones(hidden),
-        own + "hnorm.weight": torch.ones(hidden),
-        own + "eh_proj.weight": eh if copy else torch.randn(hidden, 2 * hidden) * 0.05,
-        own + "embed_tokens.weight": state["model.embed_tokens.weight"].clone(),
-        own + "shared_head.norm.weight": state["model.norm.weight"].clone(),
-        own + "shared_head.head.weight": state["lm_head.weight"].clone(),
-    }
-    save_file({k: v.contiguous() for k, v in mtp.items()}, str(path / "model-mtp.safetensors"))
-    for file in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(embedded_dir / file, path / file)
+    save_with_mtp(config, path, embedded_dir, copy)

@@ -1,0 +1,161 @@
+"""DeepSeek-V3's MTP layer as the speculative proposer (`--speculative mtp`), against n-gram
+drafting and none, in one run.
+
+    python -m bench.mtp [--dtype bfloat16] [--tokens 64] [--prompts 4]
+
+Two random checkpoints of bench.deepseek's width (hidden 1,024, MLA 512 + 64, 32 experts top 4
+of 4 groups, one shared), each with one MTP layer, made once with transformers:
+- `copy`: one MoE layer, its MTP layer a copy of it (save_with_mtp: it drafts what the target
+  computes one position on): the best case, acceptance near 1;
+- `random`: bench.deepseek's 8 layers and a random MTP layer: acceptance near 0, so what
+  drafting costs when it wins nothing (the adaptive length falls to 1 and pauses).
+Random-token prompts, greedy: every configuration's tokens are the same (checked). One stream,
+then `--prompts` concurrent streams (the default speculative_max_batch, 4, lets them all
+propose). A Markdown table: tokens/s, the ratio to none, tokens proposed and accepted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+from bench.deepseek import SHAPE, log
+from services.engine.engine import Engine, EngineConfig
+from services.engine.params import SamplingParams
+from services.model.loader import LoadedModel, cpu_has_bf16_units, load_model
+from services.model.mtp import load_mtp
+from services.model.sources import EMBEDDED, cache_root, resolve
+from services.settings import SpeculativeConfig
+
+
+def save_with_mtp(
+    config: transformers.DeepseekV3Config, path: Path, embedded_dir: Path, copy: bool
+) -> None:
+    """A DeepSeek-V3 checkpoint with one MTP layer (`num_nextn_predict_layers` 1, weights
+    `model.layers.{N}.*` in a file of their own, as DeepSeek ships them).
+
+    copy=False: the MTP layer's weights random (drawn around the last layer's spread).
+    copy=True (for a one-layer `config`): the MTP layer repeats the target's layer, so that it
+    drafts what the target computes one position on: eh_proj passes the token's embedding
+    through ([I | 0]; rows of RMS 1, so enorm keeps them), the shared head is the target's
+    norm and head. It misses only the first token of the context: acceptance is high, not
+    total."""
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(0)
+    config.num_nextn_predict_layers = 1
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    n, hidden = config.num_hidden_layers, config.hidden_size
+    with torch.no_grad():
+        for buffer_name, b in model.named_buffers():
+            if buffer_name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.1)
+        embed = model.model.embed_tokens.weight
+        if copy:
+            embed /= embed.pow(2).mean(-1, keepdim=True).sqrt()
+    model.save_pretrained(path)
+    state = load_file(str(path / "model.safetensors"))  # the hub's names (experts one by one)
+    last = f"model.layers.{n - 1}."
+    mtp = {
+        f"model.layers.{n}.{name.removeprefix(last)}": t.clone()
+        if copy else t.clone().normal_(0, float(t.float().std()) or 0.02)
+        for name, t in state.items() if name.startswith(last)
+    }  # fmt: skip
+    own = f"model.layers.{n}."
+    eh = torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], dim=1)
+    mtp |= {
+        own + "enorm.weight": torch.ones(hidden),
+        own + "hnorm.weight": torch.ones(hidden),
+        own + "eh_proj.weight": eh if copy else torch.randn(hidden, 2 * hidden) * 0.05,
+        own + "embed_tokens.weight": state["model.embed_tokens.weight"].clone(),
+        own + "shared_head.norm.weight": state["model.norm.weight"].clone(),
+        own + "shared_head.head.weight": state["lm_head.weight"].clone(),
+    }
+    save_file({k: v.contiguous() for k, v in mtp.items()}, str(path / "model-mtp.safetensors"))
+    for file in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(embedded_dir / file, path / file)
+
+
+def checkpoint(kind: str) -> Path:
+    path = cache_root() / "bench" / f"deepseek-v3-mtp-{kind}"
+    if (path / "config.json").is_file():
+        return path
+    log(f"making {path} (random weights, once)")
+    config = transformers.DeepseekV3Config(**SHAPE, topk_method="noaux_tc")
+    if kind == "copy":
+        config.num_hidden_layers, config.first_k_dense_replace = 1, 0
+    tmp = path.with_suffix(".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_with_mtp(config, tmp, resolve(EMBEDDED), copy=kind == "copy")
+    tmp.rename(path)
+    return path
+
+
+def run(loaded: LoadedModel, method: str, prompts: list[list[int]], tokens: int):
+    """(tokens of each prompt, seconds, stats or None)."""
+    draft = None
+    if method == "mtp":
+        m = loaded.model
+        draft = load_mtp(loaded.path, loaded.config, m.dtype, m.device, m.kernels)
+    spec = SpeculativeConfig(method if method != "none" else "none", num_tokens=3)
+    engine = Engine(loaded.model, loaded.tokenizer,
+                    EngineConfig(num_blocks=1024, speculative=spec), draft=draft)  # fmt: skip
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    engine.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0))  # warm-up
+    if engine.speculator is not None:
+        engine.speculator.stats = type(engine.speculator.stats)()
+    start = time.perf_counter()
+    out = engine.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    stats = engine.speculator.stats if engine.speculator is not None else None
+    return [o.choices[0].token_ids for o in out], seconds, stats
+
+
+def table(dtype: str, tokens: int, concurrent: int) -> str:
+    rows = [
+        "| checkpoint | streams | method | tokens/s | vs none | proposed | accepted "
+        "| same tokens |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(100, 40000, (64,), generator=g).tolist() for _ in range(concurrent)]
+    for kind in ("copy", "random"):
+        loaded = load_model(str(checkpoint(kind)), dtype=dtype, device="cpu")
+        for streams in (1, concurrent):
+            base: tuple | None = None
+            for method in ("none", "ngram", "mtp"):
+                log(f"{kind}: {streams} stream(s), {method}")
+                out, seconds, stats = run(loaded, method, prompts[:streams], tokens)
+                rate = streams * tokens / seconds
+                base = base or (out, rate)
+                proposed = accepted = ""
+                if stats is not None:
+                    share = stats.accepted / max(stats.proposed, 1)
+                    proposed, accepted = f"{stats.proposed}", f"{stats.accepted} ({share:.0%})"
+                rows.append(f"| {kind} | {streams} | {method} | {rate:.1f} | "
+                            f"{rate / base[1]:.2f}x | {proposed} | {accepted} | "
+                            f"{out == base[0]} |")  # fmt: skip
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--dtype", default="bfloat16" if cpu_has_bf16_units() else "float32")
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--prompts", type=int, default=4)
+    a = p.parse_args(argv)
+    print(f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+          f"{a.dtype}\n")  # fmt: skip
+    print(table(a.dtype, a.tokens, a.prompts))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
