@@ -5,8 +5,9 @@ drafting and none, in one run.
 
 Two random checkpoints of bench.deepseek's width (hidden 1,024, MLA 512 + 64, 32 experts top 4
 of 4 groups, one shared), each with one MTP layer, made once with transformers:
-- `copy`: one MoE layer, its MTP layer a copy of it (save_with_mtp: it drafts what the target
-  computes one position on): the best case, acceptance near 1;
+- `copy`: 8 MoE layers of which only the first changes the residual, its MTP layer a copy
+  of that one (save_with_mtp: it drafts what the target computes one position on, at an
+  eighth of its cost): the best case, acceptance near 1;
 - `random`: bench.deepseek's 8 layers and a random MTP layer: acceptance near 0, so what
   drafting costs when it wins nothing (the adaptive length falls to 1 and pauses).
 Random-token prompts, greedy: every configuration's tokens are the same (checked). One stream,
@@ -17,6 +18,7 @@ propose). A Markdown table: tokens/s, the ratio to none, tokens proposed and acc
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import shutil
 import sys
@@ -29,6 +31,7 @@ import transformers
 from bench.deepseek import SHAPE, log
 from services.engine.engine import Engine, EngineConfig
 from services.engine.params import SamplingParams
+from services.model import hf_dir
 from services.model.loader import LoadedModel, cpu_has_bf16_units, load_model
 from services.model.mtp import load_mtp
 from services.model.sources import EMBEDDED, cache_root, resolve
@@ -42,11 +45,12 @@ def save_with_mtp(
     `model.layers.{N}.*` in a file of their own, as DeepSeek ships them).
 
     copy=False: the MTP layer's weights random (drawn around the last layer's spread).
-    copy=True (for a one-layer `config`): the MTP layer repeats the target's layer, so that it
-    drafts what the target computes one position on: eh_proj passes the token's embedding
-    through ([I | 0]; rows of RMS 1, so enorm keeps them), the shared head is the target's
-    norm and head. It misses only the first token of the context: acceptance is high, not
-    total."""
+    copy=True: the MTP layer repeats the target's first layer and every later layer passes the
+    residual through (its output projections zero: it costs what it did, and adds nothing), so
+    that the layer drafts what the target computes one position on: eh_proj passes the
+    token's embedding through ([I | 0]; rows of RMS 1, so enorm keeps them), the shared head
+    is the target's norm and head. It misses only the first token of the context: acceptance
+    is high, not total; and it costs 1 / num_hidden_layers of the target, as a real one."""
     from safetensors.torch import load_file, save_file
 
     torch.manual_seed(0)
@@ -60,13 +64,19 @@ def save_with_mtp(
         embed = model.model.embed_tokens.weight
         if copy:
             embed /= embed.pow(2).mean(-1, keepdim=True).sqrt()
+            for name, p in model.named_parameters():
+                later = name.startswith("model.layers.") and not name.startswith("model.layers.0.")
+                if later and ("o_proj" in name or "down_proj" in name):
+                    p.zero_()
     model.save_pretrained(path)
-    state = load_file(str(path / "model.safetensors"))  # the hub's names (experts one by one)
-    last = f"model.layers.{n - 1}."
+    state: dict[str, torch.Tensor] = {}  # the hub's names (experts one by one)
+    for file in hf_dir.safetensors_files(path):
+        state |= load_file(str(file))
+    source = "model.layers.0." if copy else f"model.layers.{n - 1}."
     mtp = {
-        f"model.layers.{n}.{name.removeprefix(last)}": t.clone()
+        f"model.layers.{n}.{name.removeprefix(source)}": t.clone()
         if copy else t.clone().normal_(0, float(t.float().std()) or 0.02)
-        for name, t in state.items() if name.startswith(last)
+        for name, t in state.items() if name.startswith(source)
     }  # fmt: skip
     own = f"model.layers.{n}."
     eh = torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], dim=1)
@@ -79,8 +89,13 @@ def save_with_mtp(
         own + "shared_head.head.weight": state["lm_head.weight"].clone(),
     }
     save_file({k: v.contiguous() for k, v in mtp.items()}, str(path / "model-mtp.safetensors"))
-    for file in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(embedded_dir / file, path / file)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():  # sharded: the MTP file listed too
+        listed = json.loads(index.read_text())
+        listed["weight_map"] |= dict.fromkeys(mtp, "model-mtp.safetensors")
+        index.write_text(json.dumps(listed))
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(embedded_dir / name, path / name)
 
 
 def checkpoint(kind: str) -> Path:
@@ -89,8 +104,8 @@ def checkpoint(kind: str) -> Path:
         return path
     log(f"making {path} (random weights, once)")
     config = transformers.DeepseekV3Config(**SHAPE, topk_method="noaux_tc")
-    if kind == "copy":
-        config.num_hidden_layers, config.first_k_dense_replace = 1, 0
+    if kind == "copy":  # every layer MoE, as the first (copied) one
+        config.first_k_dense_replace = 0
     tmp = path.with_suffix(".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     save_with_mtp(config, tmp, resolve(EMBEDDED), copy=kind == "copy")
