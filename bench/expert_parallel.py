@@ -58,7 +58,7 @@ def skewed_prompts(loaded: LoadedModel, n: int, length: int, rank_0: set[int]) -
     for i, moe in layers.items():
         moe.route = recording(i, moe.route)  # type: ignore[method-assign]
     candidates = list(range(1000, 1500))
-    config = EngineConfig(num_blocks=600, max_num_seqs=512, max_num_batched_tokens=512)
+    config = EngineConfig(num_blocks=600, max_num_seqs=512)  # one pass: 500 tokens
     try:
         engine = Engine(loaded.model, loaded.tokenizer, config)
         engine.generate([[v] for v in candidates], SamplingParams(max_tokens=1, temperature=0))
