@@ -1,10 +1,12 @@
-"""The balancer's planner (services/model/eplb.py): exact placements for known loads."""
+"""The balancer's planner (services/model/eplb.py): exact placements for known loads; expert
+settings that cannot work refused before anything loads."""
 
 from __future__ import annotations
 
 import pytest
 
 from services.model import eplb
+from services.settings import SettingsError, build, check
 
 # 8 experts, expert 0 hot and expert 4 warm; 10 slots over 2 ranks (5 each)
 LOAD = [100, 5, 5, 5, 60, 5, 5, 5]
@@ -64,3 +66,22 @@ def test_imbalance_counts_each_copy_as_half_the_load():
     assert eplb.imbalance([10, 0], [0, 1], 2) == 2.0  # all on rank 0: max 10, mean 5
     assert eplb.imbalance([10, 0], [0, 0], 2) == 1.0  # two copies, one on each rank
     assert eplb.imbalance([0, 0], [0, 1], 2) == 1.0
+
+
+@pytest.mark.parametrize(
+    ("family", "values", "message"),
+    [
+        ("qwen3", {"expert_parallel": 2}, "is not a mixture-of-experts model"),
+        ("qwen3_moe", {"expert_parallel": 2, "redundant_experts": 1},
+         "8 experts \\+ 1 redundant slots do not divide over 2 ranks"),
+        ("deepseek_v3", {"expert_parallel": 2, "eplb_policy": "hierarchical"},
+         "the hierarchical policy needs --eplb-nodes > 1"),
+    ],
+)  # fmt: skip
+def test_expert_settings_that_cannot_work_are_refused_before_anything_loads(
+    tiny_dir, family, values, message
+):
+    with pytest.raises(SettingsError, match=message):
+        check(build("decode", model=str(tiny_dir(family)), **values))
+    check(build("decode", model=str(tiny_dir("deepseek_v3")), expert_parallel=2,
+                eplb_policy="hierarchical", eplb_nodes=2))  # fmt: skip  # 4 groups over 2 nodes
