@@ -48,6 +48,12 @@ def read_config(path: Path) -> ModelConfig:
         raise ModelLoadError(file, f"missing or malformed field: {e}") from e
 
 
+def mtp_layers(path: Path) -> int:
+    """How many multi-token-prediction layers the checkpoint's config declares (0: none;
+    services/model/mtp.py serves the first)."""
+    return int(read_json_object(path / "config.json").get("num_nextn_predict_layers") or 0)
+
+
 def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
     archs = raw.get("architectures") or []
     arch = next((HF_ARCHITECTURES[a] for a in archs if a in HF_ARCHITECTURES), None)

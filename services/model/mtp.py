@@ -24,15 +24,11 @@ from services.model import hf_dir
 from services.model.batch import ForwardBatch
 from services.model.config import ModelConfig
 from services.model.decoder import DecoderModel
-from services.model.errors import ModelLoadError, read_json_object
+from services.model.errors import ModelLoadError
+from services.model.hf_config import mtp_layers
 from services.model.kv_cache import KVCache
 from services.model.layer_ops import rms_norm
 from services.model.linear import Linear, make_linear
-
-
-def mtp_layers(path: Path) -> int:
-    """How many MTP layers the checkpoint's config declares (0: none)."""
-    return int(read_json_object(path / "config.json").get("num_nextn_predict_layers") or 0)
 
 
 class Mtp:

@@ -35,7 +35,7 @@ def check(settings: Settings) -> Settings:
     if role in WORKER and settings.experts.expert_parallel > 1:
         _experts(settings, path)
     if role in WORKER and settings.engine.speculative.method == "mtp":
-        from services.model.mtp import mtp_layers
+        from services.model.hf_config import mtp_layers
 
         if mtp_layers(path) < 1:
             raise SettingsError(f"speculative: mtp: {path} has no MTP layer "

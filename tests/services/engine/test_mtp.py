@@ -14,8 +14,9 @@ import torch
 from services.engine.engine import Engine, EngineConfig
 from services.engine.params import SamplingParams
 from services.model.errors import ModelLoadError
+from services.model.hf_config import mtp_layers
 from services.model.loader import load_model
-from services.model.mtp import load_mtp, mtp_layers
+from services.model.mtp import load_mtp
 from services.settings import SpeculativeConfig
 from tests.support.dtypes import COMPUTE_DTYPES
 from tests.support.tiny_models import save_tiny_mtp

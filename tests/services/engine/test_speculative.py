@@ -292,7 +292,7 @@ def test_adaptive_length_follows_acceptance(embedded):
 
 
 def test_bad_configs_are_refused():
-    with pytest.raises(ValueError, match="not none, ngram, suffix or draft:MODEL"):
+    with pytest.raises(ValueError, match="not none, ngram, suffix, draft:MODEL or mtp"):
         SpeculativeConfig("eagle")
     with pytest.raises(ValueError):
         SpeculativeConfig("ngram", num_tokens=0)
