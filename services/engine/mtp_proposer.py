@@ -32,7 +32,9 @@ from services.engine.scheduler import ScheduledChunk
 from services.model.batch import ForwardBatch, SeqChunk
 from services.model.mtp import Mtp
 
-MAX_WAITING = 4096  # target hidden rows a sequence keeps for the layer, at most
+# target hidden rows a sequence keeps for the layer, at most: a sequence that does not propose
+# (more than speculative_max_batch running) keeps its latest, and the layer starts there
+MAX_WAITING = 512
 
 
 @dataclass
@@ -44,8 +46,15 @@ class _State:
 
 
 class MtpProposer:
-    def __init__(self, mtp: Mtp, vocab_size: int, num_blocks: int, block_size: int) -> None:
-        self.mtp, self.vocab_size = mtp, vocab_size
+    def __init__(
+        self,
+        mtp: Mtp,
+        vocab_size: int,
+        num_blocks: int,
+        block_size: int,
+        max_waiting: int = MAX_WAITING,
+    ) -> None:
+        self.mtp, self.vocab_size, self.max_waiting = mtp, vocab_size, max_waiting
         self.kv = mtp.new_kv_cache(num_blocks, block_size)
         self.blocks = BlockManager(num_blocks, block_size, "mtp", enable_caching=False)
         self.states: dict[tuple[str, int], _State] = {}
@@ -57,12 +66,13 @@ class MtpProposer:
         r = 0
         for c in chunks:
             state = self._state(c.seq)
+            rows = hidden[r : r + c.num_tokens].clone()  # not a view: the pass's rows go
             for j in range(c.num_tokens):
                 if c.start + j >= state.origin + state.exact:
-                    state.waiting[c.start + j] = hidden[r + j]
+                    state.waiting[c.start + j] = rows[j]
             r += c.num_tokens
-            if len(state.waiting) > MAX_WAITING:  # never proposed for: start afresh later
-                for position in sorted(state.waiting)[:-MAX_WAITING]:
+            if len(state.waiting) > self.max_waiting:  # not proposing: it starts afresh later
+                for position in sorted(state.waiting)[: -self.max_waiting]:
                     del state.waiting[position]
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:

@@ -96,3 +96,29 @@ def test_a_checkpoint_without_an_mtp_layer_is_refused(tiny_dir):
     loaded = load_model(str(qwen), dtype="float32", device="cpu")
     with pytest.raises(ModelLoadError, match="num_nextn_predict_layers"):
         load_mtp(qwen, loaded.config, loaded.model.dtype, loaded.model.device, "auto")
+
+
+def test_a_layer_without_the_prompts_states_starts_at_the_first_it_has(checkpoints):
+    """Hidden rows beyond max_waiting are dropped (a sequence that does not propose keeps its
+    latest): the layer then starts at an origin past 0, answers unchanged, drafts accepted."""
+    loaded = load_model(str(checkpoints["copy"]), dtype="float32", device="cpu")
+    mtp = load_mtp(checkpoints["copy"], loaded.config, loaded.model.dtype, loaded.model.device,
+                   loaded.model.kernels)  # fmt: skip
+    plain, _ = run(loaded, None, SpeculativeConfig())
+    engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(num_blocks=256, speculative=MTP),
+                    draft=mtp)  # fmt: skip
+    proposer = engine.speculator.proposer
+    proposer.max_waiting = 16  # every prompt longer: its first rows are gone by the first draft
+    origins = []
+    propose = proposer.propose
+
+    def watching(seqs, ks):
+        out = propose(seqs, ks)
+        origins.extend(proposer.states[(s.request_id, s.index)].origin for s in seqs)
+        return out
+
+    proposer.propose = watching
+    out = engine.generate(prompts(), PARAMS)
+    answers = [(c.token_ids, [lp.logprob for lp in c.logprobs]) for o in out for c in o.choices]
+    assert answers == plain
+    assert max(origins) > 0 and engine.speculator.stats.accepted > 0
