@@ -14,7 +14,7 @@ import httpx
 import openai
 
 from services.launcher import WorkerProcess, free_port
-from tests.support.up import Up
+from tests.support.up import Up, stream_completion
 
 PROMPT = "The lighthouse keeper climbed the stairs and"
 
@@ -55,13 +55,8 @@ def test_up_restarts_a_worker_whose_engine_died_and_its_stream_completes(tmp_pat
         expected = client.completions.create(**args).choices[0].text
 
         mark = len(out.lines)
-        text, finishes = "", []
-        for i, chunk in enumerate(client.completions.create(**args, stream=True, timeout=120)):
-            for choice in chunk.choices:
-                text += choice.text
-                finishes += [choice.finish_reason] if choice.finish_reason else []
-            if i == 5:
-                os.kill(pid, signal.SIGUSR1)  # mid-stream: the worker's engine thread dies
+        # mid-stream: the worker's engine thread dies
+        text, finishes = stream_completion(client, args, 5, lambda: os.kill(pid, signal.SIGUSR1))
         out.wait_for(r"pdserve: decode-0 exited with code 1; restarting", 5, mark)
         assert text == expected and finishes == ["length"]  # migrated to the restarted worker
         new = int(out.wait_for(r"pdserve: decode-0 started \(pid (\d+)\)", 5, mark).group(1))

@@ -16,7 +16,7 @@ from services.engine.engine import Engine, EngineConfig
 from services.engine.params import SamplingParams
 from services.launcher import free_port
 from services.model.loader import load_model
-from tests.support.up import Up
+from tests.support.up import Up, stream_completion
 
 PROMPT = "The lighthouse keeper climbed the stairs and"
 NAME = "tiny-moe"
@@ -44,13 +44,8 @@ def test_spread_experts_answer_as_one_process_and_a_dead_rank_restarts_its_worke
         pid = int(out.wait_for(r"pdserve: decode-0 started \(pid (\d+)\)", 5).group(1))
         (rank,) = [p for p in psutil.Process(pid).children() if "expert_rank" in p.cmdline()[2]]
         mark = len(out.lines)
-        text, finishes = "", []
-        for i, chunk in enumerate(client.completions.create(**args, stream=True, timeout=120)):
-            for choice in chunk.choices:
-                text += choice.text
-                finishes += [choice.finish_reason] if choice.finish_reason else []
-            if i == 5:
-                rank.send_signal(signal.SIGKILL)  # mid-stream: rank 1 of the decode worker
+        kill = lambda: rank.send_signal(signal.SIGKILL)  # noqa: E731  (mid-stream: rank 1)
+        text, finishes = stream_completion(client, args, 5, kill)
         out.wait_for(r"pdserve: decode-0 exited with code 1; restarting", 10, mark)
         assert text == expected and finishes == ["length"]  # migrated to the restarted worker
         assert client.completions.create(**args).choices[0].text == expected

@@ -8,6 +8,8 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 from services.launcher import PDSERVE
 
@@ -52,3 +54,18 @@ class Up:
             except subprocess.TimeoutExpired:
                 self.process.kill()
         return self.process.wait()
+
+
+def stream_completion(
+    client: Any, args: dict[str, Any], at: int, act: Callable[[], None]
+) -> tuple[str, list[str]]:
+    """A streamed completion's text and finish reasons; `act()` runs once, after chunk `at`
+    (a fault injected mid-stream)."""
+    text, finishes = "", []
+    for i, chunk in enumerate(client.completions.create(**args, stream=True, timeout=120)):
+        for choice in chunk.choices:
+            text += choice.text
+            finishes += [choice.finish_reason] if choice.finish_reason else []
+        if i == at:
+            act()
+    return text, finishes
