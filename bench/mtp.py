@@ -88,12 +88,16 @@ def save_with_mtp(
         own + "shared_head.norm.weight": state["model.norm.weight"].clone(),
         own + "shared_head.head.weight": state["lm_head.weight"].clone(),
     }
+    # sharded, as DeepSeek's (transformers reads an index only where no model.safetensors is)
     save_file({k: v.contiguous() for k, v in mtp.items()}, str(path / "model-mtp.safetensors"))
     index = path / "model.safetensors.index.json"
-    if index.is_file():  # sharded: the MTP file listed too
+    if index.is_file():
         listed = json.loads(index.read_text())
-        listed["weight_map"] |= dict.fromkeys(mtp, "model-mtp.safetensors")
-        index.write_text(json.dumps(listed))
+    else:
+        (path / "model.safetensors").rename(path / "model-main.safetensors")
+        listed = {"metadata": {}, "weight_map": dict.fromkeys(state, "model-main.safetensors")}
+    listed["weight_map"] |= dict.fromkeys(mtp, "model-mtp.safetensors")
+    index.write_text(json.dumps(listed))
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(embedded_dir / name, path / name)
 

@@ -4,7 +4,8 @@ MTP layer is random (its guesses refused), one whose MTP layer repeats the targe
 (it drafts what the target computes next: accepted). Either way greedy and seeded answers,
 tokens and logprobs, equal the engine's without speculation, in every dtype this CPU computes
 in; unseeded sampled requests are verified by rejection sampling; the layer's pool is empty
-once everything has finished."""
+once everything has finished. The layer's logits equal those of transformers' MtpModel (its
+`generate(use_mtp=True)` drafter) on the same checkpoint."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 
 from services.engine.engine import Engine, EngineConfig
 from services.engine.params import SamplingParams
+from services.model.batch import ForwardBatch, SeqChunk
 from services.model.errors import ModelLoadError
 from services.model.hf_config import mtp_layers
 from services.model.loader import load_model
@@ -122,3 +124,34 @@ def test_a_layer_without_the_prompts_states_starts_at_the_first_it_has(checkpoin
     answers = [(c.token_ids, [lp.logprob for lp in c.logprobs]) for o in out for c in o.choices]
     assert answers == plain
     assert max(origins) > 0 and engine.speculator.stats.accepted > 0
+
+
+def test_the_layers_logits_equal_transformers_mtp_model(checkpoints):
+    """At every position of a prompt: the target's final hidden states, then the MTP layer over
+    (token j + 1, h[j]) -> logits, ours against transformers' (float32)."""
+    import transformers
+    from transformers.modeling_layers import MtpModel
+
+    path = checkpoints["random"]
+    main = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    n = main.config.num_hidden_layers  # DeepseekV3 names layer 61 (the real V3's) as its MTP
+    main._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{n}\..*"]
+    reference = MtpModel.from_pretrained(main).eval()
+    tokens = prompts()[2]
+    with torch.no_grad():
+        h = main(torch.tensor([tokens]), output_hidden_states=True).hidden_states[-1]
+        positions = torch.arange(1, len(tokens))[None]
+        rows = reference.forward_layer(0, h[:, :-1], positions, None,
+                                       input_ids=torch.tensor([tokens[1:]]))  # fmt: skip
+        expected = reference._project_to_logits(rows)[0]
+
+    loaded = load_model(str(path), dtype="float32", device="cpu")
+    mtp = load_mtp(path, loaded.config, loaded.model.dtype, loaded.model.device,
+                   loaded.model.kernels)  # fmt: skip
+    blocks = list(range(4))
+    batch = ForwardBatch.build([SeqChunk(tokens, 0, blocks, all_logits=True)], 16, "cpu")
+    loaded.model.forward(batch, loaded.model.new_kv_cache(4, 16))
+    shifted = ForwardBatch.build([SeqChunk(tokens[1:], 0, blocks, all_logits=True)], 16, "cpu")
+    logits, _ = mtp.forward(shifted, mtp.new_kv_cache(4, 16), loaded.model.hidden[:-1])
+    assert torch.allclose(logits, expected, atol=1e-5)
+    assert torch.equal(logits.argmax(-1), expected.argmax(-1))
