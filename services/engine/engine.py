@@ -78,8 +78,7 @@ class Engine:
         in its store); None: the model's layout. `kv_connector`: the worker half of the KV
         seam, which loads and saves the blocks requests' connectors ask for."""
         keep_freed_memory()  # each step's temporaries reuse the last one's pages (allocator.py)
-        self.model = model
-        self.tokenizer = tokenizer
+        self.model, self.tokenizer = model, tokenizer
         self.config = config = config or EngineConfig()
         mc = model.config
         num_blocks, num_window_blocks = pool_sizes(mc, config, model.embed.element_size())
@@ -90,8 +89,9 @@ class Engine:
                                  config.block_size)  # fmt: skip
         self.graphs: DecodeGraphs | None = None
         on_gpu = model.kernels == "triton" and model.device.type == "cuda"
-        # not for latent attention yet: its plan and KV write do not take padded rows
+        # not for latent attention (its plan, KV write: no padded rows) nor spread experts
         graphable = isinstance(model, DecoderModel) and model.config.mla is None
+        graphable &= not any(moe.dispatch for moe in model.moe_layers().values())
         if on_gpu and config.cuda_graph_max_batch > 0 and graphable:
             assert isinstance(model, DecoderModel)
             self.graphs = DecodeGraphs(model, self.kv, config.cuda_graph_max_batch)
@@ -106,7 +106,7 @@ class Engine:
         )
         self.speculator = None
         if config.speculative.enabled:
-            drafter = draft_proposer(draft, mc.vocab_size, num_blocks, config.block_size)
+            drafter = draft_proposer(draft, model, num_blocks, config.block_size)
             self.speculator = Speculator(config.speculative, mc.max_model_len, drafter)
         self.scheduler = Scheduler(config, self.blocks, self._admit, self.speculator)
         self.grammars = Grammars(tokenizer, mc.vocab_size, mc.eos_token_ids)

@@ -66,10 +66,12 @@ class MtpProposer:
         r = 0
         for c in chunks:
             state = self._state(c.seq)
-            rows = hidden[r : r + c.num_tokens].clone()  # not a view: the pass's rows go
-            for j in range(c.num_tokens):
-                if c.start + j >= state.origin + state.exact:
-                    state.waiting[c.start + j] = rows[j]
+            end = c.start + c.num_tokens
+            first = max(c.start, end - self.max_waiting, state.origin + state.exact)
+            if first < end:  # a copy of the rows kept, not a view of the pass's
+                rows = hidden[r + first - c.start : r + c.num_tokens].clone()
+                for j, position in enumerate(range(first, end)):
+                    state.waiting[position] = rows[j]
             r += c.num_tokens
             if len(state.waiting) > self.max_waiting:  # not proposing: it starts afresh later
                 for position in sorted(state.waiting)[: -self.max_waiting]:
@@ -86,6 +88,9 @@ class MtpProposer:
                     inputs[i] = caught
         for j in range(max(ks, default=0)):
             rows = [i for i in inputs if j < ks[i] and self._reserve(seqs[i], inputs[i][0])]
+            for i in [i for i in inputs if j == 0 and i not in rows]:  # no blocks: its
+                self._reset(seqs[i])  # catch-up is lost, it starts afresh at the next rows
+                del inputs[i]
             if not rows:
                 break
             states = [self._state(seqs[i]) for i in rows]
@@ -143,6 +148,12 @@ class MtpProposer:
         except NoFreeBlocks:
             return False
         return True
+
+    def _reset(self, seq: Sequence) -> None:
+        state = self._state(seq)
+        self.blocks.release(state.seq)
+        state.seq.num_computed_tokens = state.exact = 0
+        state.origin, state.waiting = seq.num_computed_tokens, {}
 
     def _state(self, seq: Sequence) -> _State:
         key = (seq.request_id, seq.index)

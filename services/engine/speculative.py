@@ -43,6 +43,7 @@ from services.engine.sampler import Sampler, draw, score_tokens, uniforms
 from services.engine.scheduler import ScheduledChunk
 from services.engine.seeds import choice_seed
 from services.model.causal_lm import CausalLM
+from services.model.decoder import DecoderModel
 from services.model.mtp import Mtp
 from services.settings import SpeculativeConfig
 
@@ -66,13 +67,16 @@ class SpecStats:
 
 
 def draft_proposer(
-    draft: CausalLM | Mtp | None, vocab_size: int, num_blocks: int, block_size: int
+    draft: CausalLM | Mtp | None, target: CausalLM, num_blocks: int, block_size: int
 ) -> Proposer | None:
-    """The proposer around a draft model (`draft`) or an MTP layer (`mtp`), with a pool of
-    its own as large as the target's."""
+    """The proposer around a draft model (`draft`) or an MTP layer (`mtp`: the target then
+    keeps its hidden rows), with a pool of its own as large as the target's."""
+    vocab_size = target.config.vocab_size
     if draft is None:
         return None
     if isinstance(draft, Mtp):
+        if isinstance(target, DecoderModel):  # (load_mtp takes DeepSeek-V3s only)
+            target.keep_hidden = True
         return MtpProposer(draft, vocab_size, num_blocks, block_size)
     return DraftModel(draft, vocab_size, num_blocks, block_size)
 

@@ -95,7 +95,8 @@ class DecoderModel:
         # every product of a model and every row count take the same path
         amx = amx_linear_library() if packed and dtype == torch.bfloat16 else None
         self.amx = amx is not None
-        self.hidden: torch.Tensor | None = None  # the last forward's normed rows (forward)
+        self.keep_hidden = False  # keep the last forward's normed rows in `hidden` (MTP)
+        self.hidden: torch.Tensor | None = None
 
         fp8 = config.fp8_block
 
@@ -240,8 +241,9 @@ class DecoderModel:
         self, batch: ForwardBatch, kv: KVCache, embeds: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Logits [len(batch.logits_rows), vocab] in float32; K/V of every row is cached;
-        every row's final normed hidden state [T, hidden] kept in `self.hidden` (what MTP
-        drafts from). `embeds`: the rows' inputs [T, hidden] in place of the embeddings.
+        with `keep_hidden`, every row's final normed hidden state [T, hidden] kept in
+        `self.hidden` (what MTP drafts from). `embeds`: the rows' inputs in place of the
+        embeddings [T, hidden].
 
         The residual stream h is updated in place; each add is fused with the norm after it.
         """
@@ -260,7 +262,7 @@ class DecoderModel:
             last = i + 1 == len(self.layers)
             norm = self.norm if last else self.layers[i + 1].input_norm
             x = ops.add_rms_norm(h, mlp, norm, c.rms_norm_eps)
-        self.hidden = x
+        self.hidden = x if self.keep_hidden else None
         return self.lm_head(x[batch.logits_rows]).float()
 
     def _attention(

@@ -160,8 +160,8 @@ class ExpertGroup:
             computed = time.perf_counter_ns()
             for work in pending:
                 work.wait()
-        except RuntimeError as e:
-            raise ExpertRankLost(str(e)) from e
+        except Exception as e:  # the ranks and rank 0 may now be out of step: no more passes
+            raise ExpertRankLost(f"{type(e).__name__}: {e}") from e
         with self._lock:
             self.timing.local_ns += computed - start
             self.timing.wait_ns += time.perf_counter_ns() - computed
@@ -251,8 +251,8 @@ class ExpertGroup:
             acks[0] += self.layers[layer].hold(slot_experts[:p])
             for work in pending:
                 work.wait()
-        except RuntimeError as e:
-            raise ExpertRankLost(str(e)) from e
+        except Exception as e:  # the ranks may hold the new placement, rank 0 the old
+            raise ExpertRankLost(f"{type(e).__name__}: {e}") from e
         self._set(layer, slot_experts)
         rb = self.rebalancing
         rb.experts_loaded += int(sum(a.item() for a in acks))
@@ -350,24 +350,29 @@ def connect(
     rank: int,
     ranks: int,
     device: torch.device,
-    timeout: float = 300.0,
+    timeout: float = 3600.0,
     check: Callable[[], None] = lambda: None,
 ) -> Group:
-    """Join the group (rank 0 hosts its rendezvous store at host:port). `check` runs every
-    half second while rank 0 waits for the others, to raise if one has died."""
+    """Join the group (rank 0 hosts its rendezvous store at host:port) within `timeout`
+    seconds (ranks load the model first). `check` runs every half second while rank 0 waits
+    for the others, to raise if one has died."""
     from torch.distributed import TCPStore
 
     limit = datetime.timedelta(seconds=timeout)
     store = TCPStore(host, port, ranks, rank == 0, limit, wait_for_workers=False)
+    # no timeout on the exchanges: a rank waits for rank 0's next command as long as it is
+    # idle; a rank or rank 0 that dies closes its sockets (and ranks watch their parent)
+    forever = datetime.timedelta(days=365)
     made: list[Group | BaseException] = []
 
     def make() -> None:
         try:
             if device.type == "cuda":
                 options = torch.distributed.ProcessGroupNCCL.Options()
+                options._timeout = forever
                 made.append(torch.distributed.ProcessGroupNCCL(store, rank, ranks, options))
             else:
-                made.append(torch.distributed.ProcessGroupGloo(store, rank, ranks, limit))
+                made.append(torch.distributed.ProcessGroupGloo(store, rank, ranks, forever))
         except BaseException as e:
             made.append(e)
 

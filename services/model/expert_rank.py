@@ -72,7 +72,7 @@ def start(
     policy: str = "auto",
     nodes: int = 1,
     interval: int = 0,
-    timeout: float = 300.0,
+    timeout: float = 3600.0,
 ) -> ExpertGroup:
     """Start ranks 1..N-1 and the group around `model` (rank 0's, loaded from spec.model)."""
     from services.launcher import free_port
@@ -140,7 +140,12 @@ def main(argv: list[str] | None = None) -> int:
         mine = eplb.initial(moe.shape.num_experts, slots)[a.rank * per_rank :][:per_rank]
         moe.hold(mine)
     ops, hidden, dtype = cast(Any, model).ops, model.config.hidden_size, model.dtype
-    del model  # its experts beyond these slots go with it
+    # a rank computes experts only: the rest of the model goes (the experts' build closures
+    # keep the model object, not what it holds)
+    for name in ("layers", "embed", "lm_head", "norm", "attention", "mla"):
+        if hasattr(model, name):
+            setattr(model, name, None)
+    del model
     try:
         pg = connect("127.0.0.1", a.port, a.rank, a.ranks, device)
         serve(pg, layers, ops, hidden, dtype, device)

@@ -100,6 +100,8 @@ def load_mtp(
     layers = dataclasses.replace(moe, layers=(0,)) if experts and moe is not None else None
     one = dataclasses.replace(config, num_layers=1, moe=layers, tie_word_embeddings=False)
     block = DecoderModel(one, renamed, dtype, device, kernels=kernels)
+    block.keep_hidden = True  # h' chains the drafts
+    renamed.clear()  # what the block keeps, it holds (its experts are never rebuilt)
     eh = found[own + "eh_proj.weight"].to(device, dtype)
     return Mtp(
         block,

@@ -35,11 +35,11 @@ def check(settings: Settings) -> Settings:
     if role in WORKER and settings.experts.expert_parallel > 1:
         _experts(settings, path)
     if role in WORKER and settings.engine.speculative.method == "mtp":
-        from services.model.hf_config import mtp_layers
+        from services.model.hf_config import mtp_layers, read_config
 
-        if mtp_layers(path) < 1:
+        if mtp_layers(path) < 1 or read_config(path).mla is None:
             raise SettingsError(f"speculative: mtp: {path} has no MTP layer "
-                                "(num_nextn_predict_layers)")  # fmt: skip
+                                "(num_nextn_predict_layers) of a DeepSeek-V3")  # fmt: skip
     return settings
 
 

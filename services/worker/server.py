@@ -201,7 +201,7 @@ class Worker:
             await self.driver.abort_all()
             await self.driver.stop()
         if self.experts is not None:  # the engine thread is stopped, or dead: kill its ranks
-            self.experts.stop(kill=bool(self.exit_code))
+            self.experts.stop(kill=bool(self.exit_code) or self.driver.failure is not None)
         with contextlib.suppress(StoreUnavailable):
             await self.store.close()
         if side_door is not None:

@@ -149,9 +149,29 @@ def test_the_layers_logits_equal_transformers_mtp_model(checkpoints):
     mtp = load_mtp(path, loaded.config, loaded.model.dtype, loaded.model.device,
                    loaded.model.kernels)  # fmt: skip
     blocks = list(range(4))
+    loaded.model.keep_hidden = True  # as the engine sets it for --speculative mtp
     batch = ForwardBatch.build([SeqChunk(tokens, 0, blocks, all_logits=True)], 16, "cpu")
     loaded.model.forward(batch, loaded.model.new_kv_cache(4, 16))
     shifted = ForwardBatch.build([SeqChunk(tokens[1:], 0, blocks, all_logits=True)], 16, "cpu")
     logits, _ = mtp.forward(shifted, mtp.new_kv_cache(4, 16), loaded.model.hidden[:-1])
     assert torch.allclose(logits, expected, atol=1e-5)
     assert torch.equal(logits.argmax(-1), expected.argmax(-1))
+
+
+def test_a_layer_short_of_blocks_drafts_less_and_changes_nothing(checkpoints):
+    """The layer's pool holds 3 blocks (48 tokens): the 50-token prompt's catch-up cannot be
+    reserved, so its state starts afresh each time; the others draft; answers unchanged and
+    every block given back."""
+    from services.engine.mtp_proposer import MtpProposer
+
+    loaded = load_model(str(checkpoints["copy"]), dtype="float32", device="cpu")
+    mtp = load_mtp(checkpoints["copy"], loaded.config, loaded.model.dtype, loaded.model.device,
+                   loaded.model.kernels)  # fmt: skip
+    plain, _ = run(loaded, None, SpeculativeConfig())
+    engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(num_blocks=256, speculative=MTP),
+                    draft=mtp)  # fmt: skip
+    small = engine.speculator.proposer = MtpProposer(mtp, loaded.config.vocab_size, 3, 16)
+    out = engine.generate(prompts(), PARAMS)
+    answers = [(c.token_ids, [lp.logprob for lp in c.logprobs]) for o in out for c in o.choices]
+    assert answers == plain
+    assert engine.speculator.stats.accepted > 0 and small.blocks.num_free == 3
