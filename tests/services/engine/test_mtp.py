@@ -48,6 +48,15 @@ PARAMS = [
 ]
 
 
+def drafting(path, dtype: str = "float32"):
+    """The checkpoint loaded, its MTP layer, and an engine drafting with it."""
+    loaded = load_model(str(path), dtype=dtype, device="cpu")
+    m = loaded.model
+    mtp = load_mtp(path, loaded.config, m.dtype, m.device, m.kernels)
+    config = EngineConfig(num_blocks=256, speculative=MTP)
+    return loaded, mtp, Engine(m, loaded.tokenizer, config, draft=mtp)
+
+
 def run(loaded, mtp, spec=MTP):
     engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(num_blocks=256, speculative=spec),
                     draft=mtp)  # fmt: skip
@@ -103,12 +112,8 @@ def test_a_checkpoint_without_an_mtp_layer_is_refused(tiny_dir):
 def test_a_layer_without_the_prompts_states_starts_at_the_first_it_has(checkpoints):
     """Hidden rows beyond max_waiting are dropped (a sequence that does not propose keeps its
     latest): the layer then starts at an origin past 0, answers unchanged, drafts accepted."""
-    loaded = load_model(str(checkpoints["copy"]), dtype="float32", device="cpu")
-    mtp = load_mtp(checkpoints["copy"], loaded.config, loaded.model.dtype, loaded.model.device,
-                   loaded.model.kernels)  # fmt: skip
+    loaded, _, engine = drafting(checkpoints["copy"])
     plain, _ = run(loaded, None, SpeculativeConfig())
-    engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(num_blocks=256, speculative=MTP),
-                    draft=mtp)  # fmt: skip
     proposer = engine.speculator.proposer
     proposer.max_waiting = 16  # every prompt longer: its first rows are gone by the first draft
     origins = []
@@ -164,12 +169,8 @@ def test_a_layer_short_of_blocks_drafts_less_and_changes_nothing(checkpoints):
     every block given back."""
     from services.engine.mtp_proposer import MtpProposer
 
-    loaded = load_model(str(checkpoints["copy"]), dtype="float32", device="cpu")
-    mtp = load_mtp(checkpoints["copy"], loaded.config, loaded.model.dtype, loaded.model.device,
-                   loaded.model.kernels)  # fmt: skip
+    loaded, mtp, engine = drafting(checkpoints["copy"])
     plain, _ = run(loaded, None, SpeculativeConfig())
-    engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(num_blocks=256, speculative=MTP),
-                    draft=mtp)  # fmt: skip
     small = engine.speculator.proposer = MtpProposer(mtp, loaded.config.vocab_size, 3, 16)
     out = engine.generate(prompts(), PARAMS)
     answers = [(c.token_ids, [lp.logprob for lp in c.logprobs]) for o in out for c in o.choices]
