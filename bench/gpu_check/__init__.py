@@ -36,6 +36,10 @@ bf16 units) is recorded first.
    the same token prompt. TTFT and the stream's decode tok/s are recorded. Pass: every text
    equal, blocks read and no prompt token recomputed by the decode worker, `up` exits 0 on
    SIGINT and no process of the stack is left running.
+5. families (families.py): tiny random checkpoints of the MoE and latent-attention families
+   (made by the transformers in use) greedy on the device against transformers' there, float32;
+   and DeepSeek-V3's MTP layer drafting (`--speculative mtp`). Pass: every family transformers
+   builds identical, the drafted tokens equal to the plain engine's with drafts accepted.
 
 Sizes (check.py): all the kernel tests; parity 8 prompts x 64 tokens; decode at batch 1, 32
 and 256 (32-token prompts, 4 warm steps, 64 timed); a 4,096-token prefill; 4 served prompts
@@ -66,7 +70,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from bench.gpu_check import disaggregated, kernel_tests, parity, throughput
+from bench.gpu_check import disaggregated, families, kernel_tests, parity, throughput
 from bench.gpu_check.check import DRY, FULL, Check, Skip
 from bench.offline import log
 from services.model.loader import cpu_has_bf16_units
@@ -97,6 +101,7 @@ SECTIONS = {
     "parity": Steps(parity.run, parity.summary),
     "throughput": Steps(throughput.run, throughput.summary),
     "disaggregated": Steps(disaggregated.run, disaggregated.summary),
+    "families": Steps(families.run, families.summary),
 }
 
 

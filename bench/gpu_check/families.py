@@ -1,0 +1,110 @@
+"""Section 5: the MoE and latent-attention families on the device, against transformers there.
+
+Each family of tests/support/tiny_models.py (random checkpoints made by the transformers in use,
+saved under DIR/families and removed after) is loaded in float32 and run greedily by the
+engine, every prompt in one batch; transformers' `generate(do_sample=False)` runs each prompt
+alone on the same device. Then DeepSeek-V3's own MTP layer drafts (`--speculative mtp`, a
+checkpoint whose MTP layer repeats its one layer): the tokens must equal the plain engine's.
+Pass: every family that transformers builds identical, and the MTP run identical with drafts
+accepted. A family transformers does not have (an older version) is recorded as missing.
+"""
+
+from __future__ import annotations
+
+import shutil
+from typing import Any
+
+import torch
+
+from bench.gpu_check.check import Check
+from bench.gpu_check.parity import first_divergence
+from bench.offline import log
+from services.engine.engine import Engine, EngineConfig
+from services.engine.params import SamplingParams
+from services.model.loader import load_model
+from services.model.mtp import load_mtp
+from services.model.sources import EMBEDDED, resolve
+from services.settings import SpeculativeConfig
+
+PROMPT_LENGTHS = (40, 17, 5)
+
+
+def prompts(vocab: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
+
+
+def engine_tokens(
+    loaded: Any, batch: list[list[int]], tokens: int, draft: Any = None,
+    spec: SpeculativeConfig | None = None,
+) -> tuple[list[list[int]], Any]:  # fmt: skip
+    engine = Engine(loaded.model, loaded.tokenizer,
+                    EngineConfig(num_blocks=64, speculative=spec or SpeculativeConfig()),
+                    draft=draft)  # fmt: skip
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    out = [o.choices[0].token_ids for o in engine.generate(batch, params)]
+    return out, engine.speculator.stats if engine.speculator is not None else None
+
+
+def hf_tokens(reference: Any, prompt: list[int], tokens: int, device: torch.device) -> list[int]:
+    ids = torch.tensor([prompt], device=device)
+    with torch.inference_mode():
+        out = reference.to(device).generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, do_sample=False,
+            eos_token_id=None, pad_token_id=0,
+        )  # fmt: skip
+    return list(out[0, len(prompt) :].tolist())
+
+
+def run(check: Check, numbers: dict[str, Any]) -> bool:
+    from tests.support.tiny_models import FAMILIES, VOCAB, save_tiny, save_tiny_mtp
+
+    tokens = 8 if check.dry else 24
+    names = ["deepseek_v3"] if check.dry else sorted(FAMILIES)
+    root, embedded = check.out / "families", resolve(EMBEDDED)
+    batch = prompts(VOCAB)
+    results: dict[str, Any] = {}
+    try:
+        for name in names:
+            log(f"  {name}")
+            try:
+                reference = save_tiny(name, root / name, embedded)
+            except (AttributeError, ValueError, KeyError) as e:  # not in this transformers
+                results[name] = {"missing": f"{type(e).__name__}: {e}"}
+                continue
+            loaded = load_model(str(root / name), "float32", str(check.device))
+            ours, _ = engine_tokens(loaded, batch, tokens)
+            theirs = [hf_tokens(reference, p, tokens, check.device) for p in batch]
+            results[name] = {"first_divergence": [first_divergence(a, b) for a, b in
+                                                  zip(ours, theirs, strict=True)]}  # fmt: skip
+            del loaded, reference
+        log("  deepseek_v3 with its MTP layer (a copy of its one layer)")
+        save_tiny_mtp(root / "mtp", embedded, copy=True)
+        loaded = load_model(str(root / "mtp"), "float32", str(check.device))
+        m = loaded.model
+        draft = load_mtp(loaded.path, loaded.config, m.dtype, m.device, m.kernels)
+        plain, _ = engine_tokens(loaded, batch, tokens)
+        spec = SpeculativeConfig("mtp", num_tokens=3)
+        drafted, stats = engine_tokens(loaded, batch, tokens, draft, spec)
+        numbers["mtp"] = {"equal": drafted == plain, "proposed": stats.proposed,
+                          "accepted": stats.accepted}  # fmt: skip
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    numbers["families"] = results
+    ran = [r for r in results.values() if "first_divergence" in r]
+    identical = all(d is None for r in ran for d in r["first_divergence"])
+    return bool(ran) and identical and numbers["mtp"]["equal"] and numbers["mtp"]["accepted"] > 0
+
+
+def summary(n: dict[str, Any]) -> str:
+    fams = n["families"]
+    same = [k for k, r in fams.items() if all(d is None for d in r.get("first_divergence", [0]))]
+    differ = {k: r["first_divergence"] for k, r in fams.items()
+              if "first_divergence" in r and k not in same}  # fmt: skip
+    missing = [k for k, r in fams.items() if "missing" in r]
+    m = n["mtp"]
+    return (
+        f"float32 identical: {', '.join(same) or 'none'}; differ: {differ or 'none'}; "
+        f"not in this transformers: {', '.join(missing) or 'none'}; MTP drafts: tokens "
+        f"{'equal' if m['equal'] else 'DIFFER'}, {m['accepted']}/{m['proposed']} accepted"
+    )
