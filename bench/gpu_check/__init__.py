@@ -46,7 +46,8 @@ and 256 (32-token prompts, 4 warm steps, 64 timed); a 4,096-token prefill; 4 ser
 x 32 tokens. `--dry`: one kernel test a file, 2 prompts x 8 tokens, decode at 1 and 4
 (transformers at 1; 16-token prompts, 1 warm step, 2 timed), a 32-token prefill, 1 served
 prompt x 8 tokens, so that the CPU test suite runs every section end to end
-(tests/bench/test_gpu_check.py). `--budget-s`: sections not started by then are skipped
+(tests/bench/test_gpu_check.py). `--only a,b`: those sections alone.
+`--budget-s`: sections not started by then are skipped
 ("budget"). Exit status 1 when a section failed. docs/gpu.md says how to carry the
 dependencies to a machine without internet.
 """
@@ -187,7 +188,11 @@ def main(argv: list[str] | None = None) -> int:
                    default="cuda" if torch.cuda.is_available() else "cpu")  # fmt: skip
     p.add_argument("--dry", action="store_true", help="tiny shapes (the CPU test suite's run)")
     p.add_argument("--budget-s", type=float, default=450, help="no section starts after this")
+    p.add_argument("--only", type=lambda v: v.split(","), default=list(SECTIONS),
+                   help=f"sections to run, comma-separated (of {','.join(SECTIONS)})")  # fmt: skip
     args = p.parse_args(argv)
+    if unknown := set(args.only) - set(SECTIONS):
+        p.error(f"--only: no section {', '.join(sorted(unknown))}")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: torch sees no CUDA device")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -196,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     check = Check(device, DRY if args.dry else FULL, args.dry, started + args.budget_s, args.out)
     env = environment(device)
     log(f"environment: {json.dumps(env)}")
-    sections = [run_section(check, name) for name in SECTIONS]
+    sections = [run_section(check, name) for name in SECTIONS if name in args.only]
     total = time.monotonic() - started
     result = {"mode": "dry" if args.dry else "full", "budget_s": args.budget_s,
               "seconds": total, "environment": env,

@@ -72,12 +72,15 @@ def run(check: Check, numbers: dict[str, Any]) -> bool:
             except (AttributeError, ValueError, KeyError) as e:  # not in this transformers
                 results[name] = {"missing": f"{type(e).__name__}: {e}"}
                 continue
-            loaded = load_model(str(root / name), "float32", str(check.device))
-            ours, _ = engine_tokens(loaded, batch, tokens)
-            theirs = [hf_tokens(reference, p, tokens, check.device) for p in batch]
+            try:
+                loaded = load_model(str(root / name), "float32", str(check.device))
+                ours, _ = engine_tokens(loaded, batch, tokens)
+                theirs = [hf_tokens(reference, p, tokens, check.device) for p in batch]
+            except Exception as e:  # recorded; the next family runs
+                results[name] = {"error": f"{type(e).__name__}: {e}"}
+                continue
             results[name] = {"first_divergence": [first_divergence(a, b) for a, b in
                                                   zip(ours, theirs, strict=True)]}  # fmt: skip
-            del loaded, reference
         log("  deepseek_v3 with its MTP layer (a copy of its one layer)")
         save_tiny_mtp(root / "mtp", embedded, copy=True)
         loaded = load_model(str(root / "mtp"), "float32", str(check.device))
@@ -93,6 +96,7 @@ def run(check: Check, numbers: dict[str, Any]) -> bool:
     numbers["families"] = results
     ran = [r for r in results.values() if "first_divergence" in r]
     identical = all(d is None for r in ran for d in r["first_divergence"])
+    identical &= not any("error" in r for r in results.values())
     return bool(ran) and identical and numbers["mtp"]["equal"] and numbers["mtp"]["accepted"] > 0
 
 
@@ -102,9 +106,11 @@ def summary(n: dict[str, Any]) -> str:
     differ = {k: r["first_divergence"] for k, r in fams.items()
               if "first_divergence" in r and k not in same}  # fmt: skip
     missing = [k for k, r in fams.items() if "missing" in r]
+    errors = {k: r["error"] for k, r in fams.items() if "error" in r}
     m = n["mtp"]
     return (
         f"float32 identical: {', '.join(same) or 'none'}; differ: {differ or 'none'}; "
-        f"not in this transformers: {', '.join(missing) or 'none'}; MTP drafts: tokens "
+        f"not in this transformers: {', '.join(missing) or 'none'}; failed: {errors or 'none'}; "
+        f"MTP drafts: tokens "
         f"{'equal' if m['equal'] else 'DIFFER'}, {m['accepted']}/{m['proposed']} accepted"
     )

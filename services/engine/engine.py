@@ -89,9 +89,9 @@ class Engine:
                                  config.block_size)  # fmt: skip
         self.graphs: DecodeGraphs | None = None
         on_gpu = model.kernels == "triton" and model.device.type == "cuda"
-        # not for latent attention (its plan, KV write: no padded rows) nor spread experts
+        # not for latent attention (its plan, KV write: no padded rows) nor experts (run_grouped)
         graphable = isinstance(model, DecoderModel) and model.config.mla is None
-        graphable &= not any(moe.dispatch for moe in model.moe_layers().values())
+        graphable &= not model.moe_layers()
         if on_gpu and config.cuda_graph_max_batch > 0 and graphable:
             assert isinstance(model, DecoderModel)
             self.graphs = DecodeGraphs(model, self.kv, config.cuda_graph_max_batch)

@@ -123,7 +123,9 @@ class Moe:
         """sum_j weights[t, j] * expert[ids[t, j]](x[t]), grouped by expert."""
         tokens, k = ids.shape
         flat = ids.flatten()  # [T * k]: choice j of token t at t * k + j
-        self.counts += torch.bincount(flat, minlength=self.shape.num_experts).cpu()
+        if self.counts.device != flat.device:  # kept where the routing runs: no sync a step
+            self.counts = self.counts.to(flat.device)
+        self.counts.index_add_(0, flat, torch.ones_like(flat))
         if self.dispatch is not None:
             per_choice = self.dispatch.compute(self, x, flat, ops)
         else:
