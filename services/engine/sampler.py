@@ -16,6 +16,7 @@ with them, so its token is the one the sequence would draw there.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -238,21 +239,53 @@ def _counts(rows: Seq[Seq[int]], vocab: int, device: torch.device) -> torch.Tens
 
 
 def sample_rows(x: torch.Tensor, params: Seq[SamplingParams], u: torch.Tensor) -> torch.Tensor:
-    """One draw per row of x [R, V] (processed logits) with uniforms u [R]."""
-    probs, order = _final_probs(x, params)
-    cdf = probs.cumsum(dim=-1)
-    target = (u.to(cdf.dtype) * cdf[:, -1])[:, None]
-    index = torch.searchsorted(cdf, target, right=True).clamp_(max=x.shape[1] - 1)[:, 0]
-    return index if order is None else order.gather(1, index[:, None])[:, 0]
+    """One draw per row of x [R, V] (processed logits) with uniforms u [R]; a row's token
+    depends on that row alone (_by_order)."""
+
+    def rows(x: torch.Tensor, params: Seq[SamplingParams], u: torch.Tensor) -> torch.Tensor:
+        probs, order = _final_probs(x, params)
+        cdf = probs.cumsum(dim=-1)
+        target = (u.to(cdf.dtype) * cdf[:, -1])[:, None]
+        index = torch.searchsorted(cdf, target, right=True).clamp_(max=x.shape[1] - 1)[:, 0]
+        return index if order is None else order.gather(1, index[:, None])[:, 0]
+
+    return _by_order(rows, x, params, u)
 
 
 def distributions(x: torch.Tensor, params: Seq[SamplingParams]) -> torch.Tensor:
     """What sample_rows draws from, per row of x [R, V]: [R, V] float64 summing to 1, in
     vocabulary order (speculative decoding's rejection sampling)."""
-    probs, order = _final_probs(x, params)
-    if order is not None:
-        probs = torch.zeros_like(probs).scatter_(1, order, probs)
-    return probs / probs.sum(dim=-1, keepdim=True)
+
+    def rows(x: torch.Tensor, params: Seq[SamplingParams], _: torch.Tensor) -> torch.Tensor:
+        probs, order = _final_probs(x, params)
+        if order is not None:
+            probs = torch.zeros_like(probs).scatter_(1, order, probs)
+        return probs / probs.sum(dim=-1, keepdim=True)
+
+    return _by_order(rows, x, params, x.new_empty(len(params)))
+
+
+def _by_order(
+    fn: Callable[[torch.Tensor, Seq[SamplingParams], torch.Tensor], torch.Tensor],
+    x: torch.Tensor, params: Seq[SamplingParams], u: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """fn over the rows with top-p (whose draw runs over the vocabulary sorted by
+    probability) and, apart, over the others (in vocabulary order): one inverse CDF over
+    another order picks another token for the same uniform, so a seeded request's token
+    would depend on whether a top-p request shares its batch."""
+    sorted_rows = [i for i, p in enumerate(params) if p.top_p < 1.0]
+    if len(sorted_rows) in (0, len(params)):
+        return fn(x, params, u)
+    plain_rows = [i for i, p in enumerate(params) if p.top_p >= 1.0]
+    parts = []
+    for rows in (sorted_rows, plain_rows):
+        index = torch.tensor(rows, device=x.device)
+        parts.append((index, fn(x[index], [params[i] for i in rows], u[index.to(u.device)])))
+    first = parts[0][1]
+    out = first.new_empty((len(params), *first.shape[1:]))
+    for index, values in parts:
+        out[index] = values
+    return out
 
 
 def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -85,6 +85,24 @@ def test_a_row_draws_the_same_whatever_its_batch():
     assert sampler(batch, crowd).token_ids[2] == alone
 
 
+def test_a_row_without_top_p_draws_the_same_beside_one_with_it():
+    """Top-p draws over the vocabulary sorted by probability; a row without it must still
+    draw in vocabulary order when a top-p row shares its batch (its seeded answer would
+    otherwise depend on its neighbours: found by MTP drafting, whose verify steps batch
+    differently). Logits out of order, 50 seeds: tokens and distributions equal exactly."""
+    sampler = Sampler(50, eos_token_ids=())
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(0))
+    plain, nucleus = SamplingParams(temperature=0.8), SamplingParams(temperature=1.0, top_p=0.9)
+    for seed in range(50):
+        rows = [seq(plain, seed=seed), seq(nucleus, seed=seed + 100)]
+        together = sampler(logits.expand(2, -1).clone(), rows).token_ids
+        assert together[0] == sampler(logits[None].clone(), rows[:1]).token_ids[0]
+        assert together[1] == sampler(logits[None].clone(), rows[1:]).token_ids[0]
+    both = sampler.distributions(logits.expand(2, -1).clone(), rows, [(), ()])
+    assert torch.equal(both[0], sampler.distributions(logits[None].clone(), rows[:1], [()])[0])
+    assert torch.equal(both[1], sampler.distributions(logits[None].clone(), rows[1:], [()])[0])
+
+
 def test_greedy_and_logprobs():
     sampler = Sampler(len(LOGITS), eos_token_ids=())
     out = sampler(LOGITS[None].clone(), [seq(SamplingParams(temperature=0, logprobs=2))])
