@@ -44,6 +44,7 @@ from services.engine.scheduler import ScheduledChunk
 from services.engine.seeds import choice_seed
 from services.model.causal_lm import CausalLM
 from services.model.decoder import DecoderModel
+from services.model.deepseek_v4 import DeepseekV4Model
 from services.model.mtp import Mtp
 from services.settings import SpeculativeConfig
 
@@ -75,7 +76,7 @@ def draft_proposer(
     if draft is None:
         return None
     if isinstance(draft, Mtp):
-        if isinstance(target, DecoderModel):  # (load_mtp takes DeepSeek-V3s only)
+        if isinstance(target, DecoderModel | DeepseekV4Model):  # (load_mtp's: V3 and V4)
             target.keep_hidden = True
         return MtpProposer(draft, vocab_size, num_blocks, block_size)
     return DraftModel(draft, vocab_size, num_blocks, block_size)

@@ -123,6 +123,8 @@ class DeepseekV4Model(PagedModel):
         # the experts' products are linear.py's; the ops are only passed through to them
         tiny = dataclasses.replace(config, max_position_embeddings=1)
         self.ops: LayerOps = TorchLayerOps(config, Rotary(tiny, dtype, self.device, 2))
+        self.keep_hidden = False  # keep the last forward's streams in `hidden` (MTP)
+        self.hidden: torch.Tensor | None = None
 
     def _layer(self, i: int) -> V4Layer:
         w, linear, p = self._w, self._linear, f"layers.{i}."
@@ -203,12 +205,18 @@ class DeepseekV4Model(PagedModel):
         return super().new_kv_cache(num_blocks, block_size, num_window_blocks)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
-        """Logits [len(batch.logits_rows), vocab] in float32; every row's cache row written."""
+    def forward(
+        self, batch: ForwardBatch, kv: KVCache, streams: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Logits [len(batch.logits_rows), vocab] in float32; every row's cache row written.
+        `streams` [T, N, hidden]: the first layer's input in place of the tokens' embeddings
+        (an MTP layer's); with `keep_hidden`, every row's last streams [T, N hidden] kept in
+        `hidden` (the head's input, before its collapse: what an MTP layer reads)."""
         c = self.config
         cache = Pools.of(kv)
-        h = self.embed.index_select(0, batch.token_ids)  # [T, hidden]
-        streams = h[:, None, :].expand(-1, self.v4.hc_mult, -1).contiguous()  # [T, N, hidden]
+        if streams is None:
+            h = self.embed.index_select(0, batch.token_ids)  # [T, hidden]
+            streams = h[:, None, :].expand(-1, self.v4.hc_mult, -1).contiguous()  # [T, N, hidden]
         for i, layer in enumerate(self.layers):
             x, post, comb = self._collapse(layer.attn_hc, streams)
             x = _rms_norm(x, layer.attn_norm, c.rms_norm_eps)
@@ -217,6 +225,7 @@ class DeepseekV4Model(PagedModel):
             x, post, comb = self._collapse(layer.ffn_hc, streams)
             x = _rms_norm(x, layer.ffn_norm, c.rms_norm_eps)
             streams = _expand(layer.moe.forward(x, self.ops, batch.token_ids), post, comb, streams)
+        self.hidden = streams.flatten(1) if self.keep_hidden else None
         rows = streams[batch.logits_rows]
         flat = _unweighted_rms_norm(rows.flatten(1).float(), c.rms_norm_eps)
         pre = pointwise.sigmoid(self.head_hc.fn(flat) * self.head_hc.scale + self.head_hc.base)

@@ -11,6 +11,16 @@ h[j] is the target's final normed hidden state at position j (what its head read
 SGLang and vLLM hand their MTP too). Chained for more tokens, h' takes h's place and the draft
 token t's. The layer is served as a one-layer DecoderModel (its attention latent, its MLP
 experts, its cache a pool of its own): `Mtp.forward` gives it the mixed rows as its inputs.
+
+DeepSeek-V4's (`V4Mtp`), stored as `mtp.0.*` beside the model's own tensors, is a V4 block
+(hyper-connected streams, its attention a sliding window unless the config says otherwise)
+over streams rather than one row:
+
+    x  = e_proj(enorm(embed(t[j + 1])))[None] + h_proj(hnorm(H[j]))   per stream, [N, hidden]
+    H' = the block's output streams;  logits = head(norm(collapse(H')))  its own hc_head, norm
+
+H[j] is the target's last streams at position j (before the head collapses them); the
+embeddings and head are the target's. Chained, H' takes H's place.
 """
 
 from __future__ import annotations
@@ -24,11 +34,14 @@ from services.model import hf_dir
 from services.model.batch import ForwardBatch
 from services.model.config import ModelConfig
 from services.model.decoder import DecoderModel
-from services.model.errors import ModelLoadError
+from services.model.deepseek_v4 import DeepseekV4Model
+from services.model.errors import ModelLoadError, read_json_object
 from services.model.hf_config import mtp_layers
 from services.model.kv_cache import KVCache
 from services.model.layer_ops import rms_norm
 from services.model.linear import Linear, make_linear
+from services.model.v4_attention import _rms_norm
+from services.model.v4_config import canonical_name, mtp_layer_type
 
 
 class Mtp:
@@ -60,15 +73,40 @@ class Mtp:
         return logits, block.hidden
 
 
+class V4Mtp(Mtp):
+    def __init__(
+        self, block: DeepseekV4Model, enorm: torch.Tensor, hnorm: torch.Tensor,
+        e_proj: Linear, h_proj: Linear,
+    ) -> None:  # fmt: skip
+        super().__init__(block, enorm, hnorm, e_proj)  # type: ignore[arg-type]
+        self.v4_block, self.e_proj, self.h_proj = block, e_proj, h_proj
+
+    @torch.inference_mode()
+    def forward(
+        self, batch: ForwardBatch, kv: KVCache, previous: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As Mtp.forward; previous [T, N hidden] the streams before each row, h' alike."""
+        block, rows = self.v4_block, previous.shape[0]
+        e = _rms_norm(block.embed.index_select(0, batch.token_ids), self.enorm, self.eps)
+        p = _rms_norm(previous.to(block.dtype).view(rows * block.v4.hc_mult, -1), self.hnorm,
+                      self.eps)  # fmt: skip
+        streams = self.h_proj(p).view(rows, block.v4.hc_mult, -1) + self.e_proj(e)[:, None, :]
+        logits = block.forward(batch, kv, streams=streams)
+        assert block.hidden is not None
+        return logits, block.hidden
+
+
 def load_mtp(
     path: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device, kernels: str
 ) -> Mtp:
     """The checkpoint's first MTP layer; ModelLoadError where it has none."""
     from safetensors import safe_open
 
-    if config.mla is None or mtp_layers(path) < 1:
-        raise ModelLoadError(path, "--speculative mtp needs a DeepSeek-V3 checkpoint with "
-                             "num_nextn_predict_layers >= 1")  # fmt: skip
+    if (config.mla is None and config.v4 is None) or mtp_layers(path) < 1:
+        raise ModelLoadError(path, "--speculative mtp needs a DeepSeek-V3 or V4 checkpoint "
+                             "with num_nextn_predict_layers >= 1")  # fmt: skip
+    if config.v4 is not None:
+        return _load_v4(path, config, dtype, device, kernels)
     n = config.num_layers
     own, main = f"model.layers.{n}.", ("model.embed_tokens.weight", "lm_head.weight")
     found: dict[str, torch.Tensor] = {}
@@ -109,3 +147,51 @@ def load_mtp(
         found[own + "hnorm.weight"].to(device, dtype),
         make_linear(eh, None, block.packed, None),
     )
+
+
+V4_OWN = ("e_proj.", "h_proj.", "enorm.", "hnorm.")  # the MTP layer's besides its block
+
+
+def _load_v4(
+    path: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device, kernels: str
+) -> V4Mtp:
+    from safetensors import safe_open
+
+    assert config.v4 is not None and config.moe is not None
+    own, main = "mtp.0.", ("embed.weight", "head.weight")
+    found: dict[str, torch.Tensor] = {}
+    for file in hf_dir.safetensors_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for stored in f.keys():  # noqa: SIM118
+                name = canonical_name(stored)
+                if name.startswith(own) or name in main:
+                    found[name] = f.get_tensor(stored)
+    if own + "e_proj.weight" not in found:
+        raise ModelLoadError(path, f"no MTP layer: {own}e_proj.weight is missing")
+    head = "embed.weight" if config.tie_word_embeddings else "head.weight"
+    weights = {"embed.weight": found["embed.weight"], "head.weight": found[head]}
+    for name, t in found.items():
+        rest = name.removeprefix(own)
+        if not name.startswith(own):
+            continue
+        if rest.startswith(("norm.", "hc_head_", *V4_OWN)):  # the head's parts, the mix's
+            weights[rest] = t
+        else:
+            weights["layers.0." + rest] = t
+    raw = read_json_object(path / "config.json")
+    try:
+        kind = mtp_layer_type(raw, config.num_layers)
+    except ValueError as e:
+        raise ModelLoadError(path, str(e)) from None
+    hashed = "layers.0.ffn.gate.tid2eid" in weights
+    v4 = dataclasses.replace(config.v4, layer_types=(kind,), hash_layers=(0,) if hashed else ())
+    one = dataclasses.replace(config, num_layers=1, v4=v4, tie_word_embeddings=False,
+                              moe=dataclasses.replace(config.moe, layers=(0,)))  # fmt: skip
+    block = DeepseekV4Model(one, weights, dtype, device, kernels=kernels)
+    block.keep_hidden = True  # H' chains the drafts
+    mtp = V4Mtp(
+        block, block._w("enorm.weight", True), block._w("hnorm.weight", True),
+        block._linear("e_proj.weight"), block._linear("h_proj.weight"),
+    )  # fmt: skip
+    weights.clear()  # what the block keeps, it holds
+    return mtp

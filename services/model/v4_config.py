@@ -176,6 +176,20 @@ def v4_from_hf(raw: dict[str, Any], head_dim: int, layers: int) -> V4Shape:
     )
 
 
+def mtp_layer_type(raw: dict[str, Any], layers: int) -> str:
+    """The attention of the MTP layer after the `layers` decoder layers: DeepSeek's config
+    lists it as entry `layers` of `compress_ratios` (or `layer_types`); sliding if absent."""
+    types = raw.get("layer_types") or []
+    if len(types) > layers:
+        kind = str(types[layers])
+    else:
+        ratios = raw.get("compress_ratios") or []
+        kind = RATIO_TO_TYPE.get(int(ratios[layers]), "") if len(ratios) > layers else SLIDING
+    if kind not in LAYER_TYPES:
+        raise ValueError(f"the MTP layer's attention {kind!r} (of {', '.join(LAYER_TYPES)})")
+    return kind
+
+
 def main_rope_theta(raw: dict[str, Any]) -> float:
     main, _ = _rope_sets(raw)
     return float(main.get("rope_theta") or raw.get("rope_theta") or 10000.0)

@@ -37,9 +37,10 @@ def check(settings: Settings) -> Settings:
     if role in WORKER and settings.engine.speculative.method == "mtp":
         from services.model.hf_config import mtp_layers, read_config
 
-        if mtp_layers(path) < 1 or read_config(path).mla is None:
+        config = read_config(path)
+        if mtp_layers(path) < 1 or (config.mla is None and config.v4 is None):
             raise SettingsError(f"speculative: mtp: {path} has no MTP layer "
-                                "(num_nextn_predict_layers) of a DeepSeek-V3")  # fmt: skip
+                                "(num_nextn_predict_layers) of a DeepSeek-V3 or V4")  # fmt: skip
     return settings
 
 

@@ -3,6 +3,7 @@ transformers (no hub): what tests serve and compare with transformers token for 
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -92,9 +93,21 @@ ARCHITECTURE = {"deepseek_v3_dense": "deepseek_v3", "gemma3": "gemma3_text"}
 def save_tiny(name: str, path: Path, embedded_dir: Path) -> transformers.PreTrainedModel:
     """A random checkpoint of family `name` saved at `path` with the embedded tokenizer; biases
     and correction biases drawn too, so that they matter."""
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(FAMILIES[name](), dtype=torch.float32)
+    return save_config(FAMILIES[name](), path, embedded_dir)
+
+
+def save_config(
+    config: transformers.PretrainedConfig, path: Path, embedded_dir: Path, seed: int = 0,
+    unit_embeddings: bool = False,
+) -> transformers.PreTrainedModel:  # fmt: skip
+    """save_tiny's checkpoint for a config (unit_embeddings: every embedding row of RMS 1)."""
+    name = config.model_type
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
+        if unit_embeddings:
+            embed = model.get_input_embeddings().weight
+            embed /= embed.pow(2).mean(-1, keepdim=True).sqrt()
         for param_name, p in model.named_parameters():
             if param_name.endswith("bias"):
                 p.normal_(0, 0.5)
@@ -110,7 +123,7 @@ def save_tiny(name: str, path: Path, embedded_dir: Path) -> transformers.PreTrai
         for param_name, p in model.named_parameters():  # sinks, slot biases, HC mixes drawn too
             if param_name.endswith(("sinks", "position_bias", ".base", "hc_base")):
                 p.normal_(0, 0.5)
-            if name == "gemma3" and "norm" in param_name:  # (1 + weight): zeros would hide them
+            if name == "gemma3_text" and "norm" in param_name:  # (1 + weight): zeros hide them
                 p.normal_(0, 0.5)
     model.save_pretrained(path)
     for file in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
@@ -127,3 +140,48 @@ def save_tiny_mtp(path: Path, embedded_dir: Path, copy: bool) -> None:
     if copy:
         config.num_hidden_layers, config.first_k_dense_replace = 1, 0
     save_with_mtp(config, path, embedded_dir, copy)
+
+
+def save_tiny_v4_mtp(path: Path, embedded_dir: Path, copy: bool) -> None:
+    """A DeepSeek-V4 checkpoint with one MTP layer as DeepSeek ships it (`mtp.0.*` in a file
+    of its own; its attention sliding, its experts top-k). Not copy: the 4-layer V4 above and
+    a random MTP block. Copy: a one-layer target (sliding, top-k) whose MTP layer repeats its
+    layer, e_proj = I and h_proj = 0 over embedding rows of RMS 1, the target's head
+    collapse and norm: it drafts what the target computes one position on (its context lacks
+    the first token: acceptance high, not total)."""
+    from safetensors.torch import load_file, save_file
+
+    from services.model.hf_dir import safetensors_files
+
+    one = transformers.DeepseekV4Config(**dict(
+        V4, num_hidden_layers=1, layer_types=["sliding_attention"], mlp_layer_types=["moe"]
+    ))  # fmt: skip
+    save_config(one if copy else FAMILIES["deepseek_v4"](), path, embedded_dir,
+                unit_embeddings=copy)  # fmt: skip
+    source = path if copy else path / "mtp-source"
+    if not copy:
+        save_config(one, source, embedded_dir, seed=1)
+    state: dict[str, torch.Tensor] = {}
+    for file in safetensors_files(source):
+        state |= load_file(str(file))
+    if not copy:
+        shutil.rmtree(source)
+    mtp = {"mtp.0." + k.removeprefix("model.layers.0."): t.clone()
+           for k, t in state.items() if k.startswith("model.layers.0.")}  # fmt: skip
+    hidden, g = one.hidden_size, torch.Generator().manual_seed(2)
+    mtp |= {f"mtp.0.hc_head_{k}": state[f"model.hc_head.hc_{k}"] for k in ("fn", "base", "scale")}
+    mtp |= {
+        "mtp.0.norm.weight": state["model.norm.weight"],
+        "mtp.0.enorm.weight": torch.ones(hidden),
+        "mtp.0.hnorm.weight": torch.ones(hidden),
+        "mtp.0.e_proj.weight": torch.eye(hidden) if copy
+        else torch.randn(hidden, hidden, generator=g) / hidden**0.5,
+        "mtp.0.h_proj.weight": torch.zeros(hidden, hidden) if copy
+        else torch.randn(hidden, hidden, generator=g) / hidden**0.5,
+    }  # fmt: skip
+    save_file({k: v.contiguous() for k, v in mtp.items()}, str(path / "model-mtp.safetensors"))
+    (path / "model.safetensors").rename(path / "model-main.safetensors")
+    main = load_file(str(path / "model-main.safetensors"))
+    listed = {"metadata": {}, "weight_map": dict.fromkeys(main, "model-main.safetensors")}
+    listed["weight_map"] |= dict.fromkeys(mtp, "model-mtp.safetensors")
+    (path / "model.safetensors.index.json").write_text(json.dumps(listed))

@@ -1,11 +1,13 @@
-"""`--speculative mtp`: a DeepSeek-V3 checkpoint's own multi-token-prediction layer drafts
-(services/model/mtp.py, services/engine/mtp_proposer.py), on checkpoints made here: one whose
-MTP layer is random (its guesses refused), one whose MTP layer repeats the target's only layer
-(it drafts what the target computes next: accepted). Either way greedy and seeded answers,
-tokens and logprobs, equal the engine's without speculation, in every dtype this CPU computes
-in; unseeded sampled requests are verified by rejection sampling; the layer's pool is empty
-once everything has finished. The layer's logits equal those of transformers' MtpModel (its
-`generate(use_mtp=True)` drafter) on the same checkpoint."""
+"""`--speculative mtp`: a DeepSeek-V3 or V4 checkpoint's own multi-token-prediction layer
+drafts (services/model/mtp.py, services/engine/mtp_proposer.py), on checkpoints made here: one
+whose MTP layer is random (its guesses refused), one whose MTP layer repeats the target's only
+layer (it drafts what the target computes next: accepted). Either way greedy and seeded
+answers, tokens and logprobs, equal the engine's without speculation, in every dtype this CPU
+computes in; unseeded sampled requests are verified by rejection sampling; the layer's pool is
+empty once everything has finished. V3's layer's logits equal those of transformers' MtpModel
+(its `generate(use_mtp=True)` drafter) on the same checkpoint; V4's (transformers builds no V4
+MTP) those of transformers' own V4 decoder layer, hyper-connection head and norm run over the
+mixed streams (test_mtp_v4.py)."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from services.model.loader import load_model
 from services.model.mtp import load_mtp
 from services.settings import SpeculativeConfig
 from tests.support.dtypes import COMPUTE_DTYPES
-from tests.support.tiny_models import save_tiny_mtp
+from tests.support.tiny_models import save_tiny_mtp, save_tiny_v4_mtp
 
 MTP = SpeculativeConfig("mtp", num_tokens=3, max_batch=64)
 
@@ -29,9 +31,10 @@ MTP = SpeculativeConfig("mtp", num_tokens=3, max_batch=64)
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory, embedded_dir):
     made = {}
-    for kind in ("random", "copy"):
-        made[kind] = tmp_path_factory.mktemp(f"mtp-{kind}")
-        save_tiny_mtp(made[kind], embedded_dir, copy=kind == "copy")
+    for family, save in (("v3", save_tiny_mtp), ("v4", save_tiny_v4_mtp)):
+        for kind in ("random", "copy"):
+            made[family, kind] = tmp_path_factory.mktemp(f"mtp-{family}-{kind}")
+            save(made[family, kind], embedded_dir, copy=kind == "copy")
     return made
 
 
@@ -65,17 +68,22 @@ def run(loaded, mtp, spec=MTP):
     return answers, engine
 
 
+FAMILIES = pytest.mark.parametrize("family", ["v3", "v4"])
+
+
 @pytest.mark.parametrize("dtype", COMPUTE_DTYPES)
 @pytest.mark.parametrize("kind", ["random", "copy"])
-def test_mtp_drafts_leave_greedy_and_seeded_answers_unchanged(checkpoints, kind, dtype):
-    loaded = load_model(str(checkpoints[kind]), dtype=dtype, device="cpu")
-    mtp = load_mtp(checkpoints[kind], loaded.config, loaded.model.dtype, loaded.model.device,
+@FAMILIES
+def test_mtp_drafts_leave_greedy_and_seeded_answers_unchanged(checkpoints, family, kind, dtype):
+    path = checkpoints[family, kind]
+    loaded = load_model(str(path), dtype=dtype, device="cpu")
+    mtp = load_mtp(path, loaded.config, loaded.model.dtype, loaded.model.device,
                    loaded.model.kernels)  # fmt: skip
     plain, _ = run(loaded, None, SpeculativeConfig())
     drafted, engine = run(loaded, mtp)
     assert drafted == plain
     stats = engine.speculator.stats
-    print(f"{kind} {dtype}: {stats.accepted} of {stats.proposed} proposed accepted")
+    print(f"{family} {kind} {dtype}: {stats.accepted} of {stats.proposed} proposed accepted")
     if kind == "copy":  # it drafts what the target computes: most kept
         assert stats.proposed >= 40 and stats.accepted >= 0.6 * stats.proposed
     else:  # random guesses: the adaptive length falls to 1 and pauses
@@ -84,9 +92,11 @@ def test_mtp_drafts_leave_greedy_and_seeded_answers_unchanged(checkpoints, kind,
     assert not proposer.states and proposer.blocks.num_free == 256  # everything given back
 
 
-def test_unseeded_sampled_requests_verify_by_rejection_sampling(checkpoints):
-    loaded = load_model(str(checkpoints["copy"]), dtype="float32", device="cpu")
-    mtp = load_mtp(checkpoints["copy"], loaded.config, loaded.model.dtype, loaded.model.device,
+@FAMILIES
+def test_unseeded_sampled_requests_verify_by_rejection_sampling(checkpoints, family):
+    path = checkpoints[family, "copy"]
+    loaded = load_model(str(path), dtype="float32", device="cpu")
+    mtp = load_mtp(path, loaded.config, loaded.model.dtype, loaded.model.device,
                    loaded.model.kernels)  # fmt: skip
     engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(num_blocks=256, speculative=MTP),
                     draft=mtp)  # fmt: skip
@@ -102,6 +112,10 @@ def test_a_checkpoint_without_an_mtp_layer_is_refused(tiny_dir):
     loaded = load_model(str(path), dtype="float32", device="cpu")  # and saves no weights
     with pytest.raises(ModelLoadError, match=r"no MTP layer: model\.layers\.3\.eh_proj\.weight"):
         load_mtp(path, loaded.config, loaded.model.dtype, loaded.model.device, "auto")
+    v4 = tiny_dir("deepseek_v4")  # the same: DeepSeek's `mtp.0.*` absent
+    loaded = load_model(str(v4), dtype="float32", device="cpu")
+    with pytest.raises(ModelLoadError, match=r"no MTP layer: mtp\.0\.e_proj\.weight"):
+        load_mtp(v4, loaded.config, loaded.model.dtype, loaded.model.device, "auto")
     qwen = tiny_dir("qwen3_moe")
     assert mtp_layers(qwen) == 0
     loaded = load_model(str(qwen), dtype="float32", device="cpu")
@@ -109,10 +123,11 @@ def test_a_checkpoint_without_an_mtp_layer_is_refused(tiny_dir):
         load_mtp(qwen, loaded.config, loaded.model.dtype, loaded.model.device, "auto")
 
 
-def test_a_layer_without_the_prompts_states_starts_at_the_first_it_has(checkpoints):
+@FAMILIES
+def test_a_layer_without_the_prompts_states_starts_at_the_first_it_has(checkpoints, family):
     """Hidden rows beyond max_waiting are dropped (a sequence that does not propose keeps its
     latest): the layer then starts at an origin past 0, answers unchanged, drafts accepted."""
-    loaded, _, engine = drafting(checkpoints["copy"])
+    loaded, _, engine = drafting(checkpoints[family, "copy"])
     plain, _ = run(loaded, None, SpeculativeConfig())
     proposer = engine.speculator.proposer
     proposer.max_waiting = 16  # every prompt longer: its first rows are gone by the first draft
@@ -137,7 +152,7 @@ def test_the_layers_logits_equal_transformers_mtp_model(checkpoints):
     import transformers
     from transformers.modeling_layers import MtpModel
 
-    path = checkpoints["random"]
+    path = checkpoints["v3", "random"]
     main = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     n = main.config.num_hidden_layers  # DeepseekV3 names layer 61 (the real V3's) as its MTP
     main._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{n}\..*"]
@@ -163,13 +178,14 @@ def test_the_layers_logits_equal_transformers_mtp_model(checkpoints):
     assert torch.equal(logits.argmax(-1), expected.argmax(-1))
 
 
-def test_a_layer_short_of_blocks_drafts_less_and_changes_nothing(checkpoints):
+@FAMILIES
+def test_a_layer_short_of_blocks_drafts_less_and_changes_nothing(checkpoints, family):
     """The layer's pool holds 3 blocks (48 tokens): the 50-token prompt's catch-up cannot be
     reserved, so its state starts afresh each time; the others draft; answers unchanged and
     every block given back."""
     from services.engine.mtp_proposer import MtpProposer
 
-    loaded, mtp, engine = drafting(checkpoints["copy"])
+    loaded, mtp, engine = drafting(checkpoints[family, "copy"])
     plain, _ = run(loaded, None, SpeculativeConfig())
     small = engine.speculator.proposer = MtpProposer(mtp, loaded.config.vocab_size, 3, 16)
     out = engine.generate(prompts(), PARAMS)
