@@ -1,5 +1,5 @@
-"""`pdserve up --speculative mtp --no-colocated` over a DeepSeek-V3 checkpoint with an MTP
-layer (made here; the layer repeats the target's, so it drafts well): through the router and
+"""`pdserve up --speculative mtp --no-colocated` over a DeepSeek-V3 and a V4 checkpoint with
+an MTP layer (made here; the layer repeats the target's, so it drafts well): through the router and
 the official client, greedy and seeded answers equal the engine's without speculation, the
 decode worker drafting without the prompt's hidden states (the prefill worker computed them);
 its counters say what it proposed and kept. A checkpoint without an MTP layer is refused
@@ -12,21 +12,23 @@ import subprocess
 
 import httpx
 import openai
+import pytest
 import torch
 
 from services.engine.engine import Engine, EngineConfig
 from services.engine.params import SamplingParams
 from services.launcher import PDSERVE, free_port
 from services.model.loader import load_model
-from tests.support.tiny_models import save_tiny_mtp
+from tests.support.tiny_models import save_tiny_mtp, save_tiny_v4_mtp
 from tests.support.up import Up
 
 NAME = "tiny-mtp"
 
 
-def test_mtp_drafts_through_the_whole_path(tmp_path, embedded_dir):
+@pytest.mark.parametrize("save", [save_tiny_mtp, save_tiny_v4_mtp], ids=["v3", "v4"])
+def test_mtp_drafts_through_the_whole_path(tmp_path, embedded_dir, save):
     path = tmp_path / "mtp"
-    save_tiny_mtp(path, embedded_dir, copy=True)
+    save(path, embedded_dir, copy=True)
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(100, 40000, (n,), generator=g).tolist() for n in (40, 12, 25)]
     params = [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),
