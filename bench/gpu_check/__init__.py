@@ -38,8 +38,8 @@ bf16 units) is recorded first.
    SIGINT and no process of the stack is left running.
 5. families (families.py): tiny random checkpoints of the MoE and latent-attention families
    (made by the transformers in use) greedy on the device against transformers' there, float32;
-   and DeepSeek-V3's MTP layer drafting (`--speculative mtp`). Pass: every family transformers
-   builds identical, the drafted tokens equal to the plain engine's with drafts accepted.
+   and DeepSeek-V3's and V4's MTP layers drafting (`--speculative mtp`). Pass: every family
+   transformers builds identical, the drafted tokens equal the plain engine's, drafts accepted.
 
 Sizes (check.py): all the kernel tests; parity 8 prompts x 64 tokens; decode at batch 1, 32
 and 256 (32-token prompts, 4 warm steps, 64 timed); a 4,096-token prefill; 4 served prompts

@@ -3,7 +3,7 @@
 Each family of tests/support/tiny_models.py (random checkpoints made by the transformers in use,
 saved under DIR/families and removed after) is loaded in float32 and run greedily by the
 engine, every prompt in one batch; transformers' `generate(do_sample=False)` runs each prompt
-alone on the same device. Then DeepSeek-V3's own MTP layer drafts (`--speculative mtp`, a
+alone on the same device. Then DeepSeek-V3's and V4's own MTP layers draft (`--speculative mtp`, a
 checkpoint whose MTP layer repeats its one layer): the tokens must equal the plain engine's.
 Pass: every family that transformers builds identical, and the MTP run identical with drafts
 accepted. A family transformers does not have (an older version) is recorded as missing.
@@ -57,18 +57,18 @@ def hf_tokens(reference: Any, prompt: list[int], tokens: int, device: torch.devi
 
 
 def run(check: Check, numbers: dict[str, Any]) -> bool:
-    from tests.support.tiny_models import FAMILIES, VOCAB, save_tiny, save_tiny_mtp
+    from tests.support import tiny_models as tiny
 
     tokens = 8 if check.dry else 24
-    names = ["deepseek_v3"] if check.dry else sorted(FAMILIES)
+    names = ["deepseek_v3"] if check.dry else sorted(tiny.FAMILIES)
     root, embedded = check.out / "families", resolve(EMBEDDED)
-    batch = prompts(VOCAB)
+    batch = prompts(tiny.VOCAB)
     results: dict[str, Any] = {}
     try:
         for name in names:
             log(f"  {name}")
             try:
-                reference = save_tiny(name, root / name, embedded)
+                reference = tiny.save_tiny(name, root / name, embedded)
             except (AttributeError, ValueError, KeyError) as e:  # not in this transformers
                 results[name] = {"missing": f"{type(e).__name__}: {e}"}
                 continue
@@ -81,23 +81,29 @@ def run(check: Check, numbers: dict[str, Any]) -> bool:
                 continue
             results[name] = {"first_divergence": [first_divergence(a, b) for a, b in
                                                   zip(ours, theirs, strict=True)]}  # fmt: skip
-        log("  deepseek_v3 with its MTP layer (a copy of its one layer)")
-        save_tiny_mtp(root / "mtp", embedded, copy=True)
-        loaded = load_model(str(root / "mtp"), "float32", str(check.device))
-        m = loaded.model
-        draft = load_mtp(loaded.path, loaded.config, m.dtype, m.device, m.kernels)
-        plain, _ = engine_tokens(loaded, batch, tokens)
-        spec = SpeculativeConfig("mtp", num_tokens=3)
-        drafted, stats = engine_tokens(loaded, batch, tokens, draft, spec)
-        numbers["mtp"] = {"equal": drafted == plain, "proposed": stats.proposed,
-                          "accepted": stats.accepted}  # fmt: skip
+        numbers["mtp"] = {}
+        for name, save in (
+            ("deepseek_v3", tiny.save_tiny_mtp),
+            ("deepseek_v4", tiny.save_tiny_v4_mtp),
+        ):
+            log(f"  {name} with its MTP layer (a copy of its one layer)")
+            save(root / f"mtp-{name}", embedded, copy=True)
+            loaded = load_model(str(root / f"mtp-{name}"), "float32", str(check.device))
+            m = loaded.model
+            draft = load_mtp(loaded.path, loaded.config, m.dtype, m.device, m.kernels)
+            plain, _ = engine_tokens(loaded, batch, tokens)
+            spec = SpeculativeConfig("mtp", num_tokens=3)
+            drafted, stats = engine_tokens(loaded, batch, tokens, draft, spec)
+            numbers["mtp"][name] = {"equal": drafted == plain, "proposed": stats.proposed,
+                                    "accepted": stats.accepted}  # fmt: skip
     finally:
         shutil.rmtree(root, ignore_errors=True)
     numbers["families"] = results
     ran = [r for r in results.values() if "first_divergence" in r]
     identical = all(d is None for r in ran for d in r["first_divergence"])
     identical &= not any("error" in r for r in results.values())
-    return bool(ran) and identical and numbers["mtp"]["equal"] and numbers["mtp"]["accepted"] > 0
+    drafts = numbers["mtp"].values()
+    return bool(ran) and identical and all(m["equal"] and m["accepted"] > 0 for m in drafts)
 
 
 def summary(n: dict[str, Any]) -> str:
@@ -107,10 +113,13 @@ def summary(n: dict[str, Any]) -> str:
               if "first_divergence" in r and k not in same}  # fmt: skip
     missing = [k for k, r in fams.items() if "missing" in r]
     errors = {k: r["error"] for k, r in fams.items() if "error" in r}
-    m = n["mtp"]
+    drafts = ", ".join(
+        f"{k} tokens {'equal' if m['equal'] else 'DIFFER'}, "
+        f"{m['accepted']}/{m['proposed']} accepted"
+        for k, m in n["mtp"].items()
+    )
     return (
         f"float32 identical: {', '.join(same) or 'none'}; differ: {differ or 'none'}; "
         f"not in this transformers: {', '.join(missing) or 'none'}; failed: {errors or 'none'}; "
-        f"MTP drafts: tokens "
-        f"{'equal' if m['equal'] else 'DIFFER'}, {m['accepted']}/{m['proposed']} accepted"
+        f"MTP drafts: {drafts}"
     )
