@@ -91,8 +91,8 @@ class SpeculativeConfig(Section):
     speculative: str = setting("none", "speculative decoding: ngram (prompt lookup), suffix "
                                "(also over recent outputs), draft:MODEL (a smaller model with "
                                "the same tokenizer: .gguf or Hugging Face directory), mtp (a "
-                               "DeepSeek-V3 checkpoint's own multi-token-prediction layer) or "
-                               "none", WORKER)  # fmt: skip
+                               "DeepSeek-V3 or V4 checkpoint's own multi-token-prediction "
+                               "layer) or none", WORKER)  # fmt: skip
     num_tokens: int = setting(4, "tokens proposed per step, at most", WORKER, minimum=1,
                               name="num_speculative_tokens")  # fmt: skip
     max_batch: int = setting(4, "running sequences above which nothing is proposed "
