@@ -7,7 +7,9 @@ Over a prompt: the target's last streams H (its last layer's output), then
 
     x = e_proj(enorm(embed(t[j + 1])))[None] + h_proj(hnorm(H[j]))  -> layer -> head -> logits
 
-at every position j, ours against that (float32)."""
+at every position j, ours against that (float32). And as DeepSeek ships it (FP8 products with
+block scales, the layer's e_proj and h_proj too; FP4 experts): the layer's logits equal those
+of the same weights stored dequantized, bit for bit."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
     DeepseekV4RMSNorm,
 )
 
+from services.model import v4_quant
 from services.model.batch import ForwardBatch, SeqChunk
 from services.model.loader import load_model
 from services.model.mtp import V4Mtp, load_mtp
@@ -107,3 +110,63 @@ def test_the_layers_logits_equal_transformers_v4_parts(tmp_path, embedded_dir):
     logits, _ = layer.forward(shifted, layer.new_kv_cache(4, 16), model.hidden[:-1])
     assert torch.allclose(logits, expected, atol=1e-5)
     assert torch.equal(logits.argmax(-1), expected.argmax(-1))
+
+
+def quantized_copy(path, into, fp8: bool):
+    """The checkpoint as DeepSeek ships V4 (fp8: dense products FP8 per 16 x 16 block, routed
+    experts FP4, scales spelled both ways, the MTP layer's e_proj and h_proj too) or those
+    weights dequantized (not fp8): the two load to the same numbers."""
+    into.mkdir()
+    for file in ("model-main.safetensors", "model-mtp.safetensors"):
+        stored, out = load_file(str(path / file)), {}
+        for i, (name, t) in enumerate(sorted(stored.items())):
+            base = name.removesuffix(".weight")
+            routed = ".experts." in name and name.endswith(".weight")
+            dense = name.endswith(".weight") and "compressor" not in name and (
+                ".attn.w" in name or "shared_experts" in name or name.endswith("e_proj.weight")
+                or name.endswith("h_proj.weight")
+            )  # fmt: skip
+            if not routed and not dense:
+                out[name] = t
+                continue
+            q, s = v4_quant.quantize_fp4(t) if routed else v4_quant.quantize_fp8(t, (16, 16))
+            if fp8:
+                out |= {name: q, base + (".scale" if i % 2 else ".weight_scale_inv"): s}
+            else:
+                out[name] = v4_quant.dequantize({name: q, base + ".scale": s}, name, (16, 16))
+        save_file(out, str(into / file))
+    config = json.loads((path / "config.json").read_text())
+    if fp8:
+        config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
+                                         "scale_fmt": "ue8m0", "weight_block_size": [16, 16],
+                                         "expert_dtype": "fp4"}  # fmt: skip
+    (into / "config.json").write_text(json.dumps(config))
+    listed = json.loads((path / "model.safetensors.index.json").read_text())
+    names = {}
+    for file in ("model-main.safetensors", "model-mtp.safetensors"):
+        names |= dict.fromkeys(load_file(str(into / file)), file)
+    listed["weight_map"] = names
+    (into / "model.safetensors.index.json").write_text(json.dumps(listed))
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(path / file, into / file)
+
+
+def test_an_fp8_checkpoints_layer_equals_its_dequantized_weights(tmp_path, embedded_dir):
+    path = tmp_path / "v4-mtp"
+    save_tiny_v4_mtp(path, embedded_dir, copy=False)
+    tokens = torch.randint(100, 40000, (40,), generator=torch.Generator().manual_seed(4)).tolist()
+    logits = []
+    for fp8 in (True, False):
+        out = tmp_path / f"fp8-{fp8}"
+        quantized_copy(path, out, fp8)
+        loaded = load_model(str(out), dtype="float32", device="cpu")
+        model = loaded.model
+        layer = load_mtp(out, loaded.config, model.dtype, model.device, model.kernels)
+        model.keep_hidden = True
+        blocks = list(range(3))
+        model.forward(
+            ForwardBatch.build([SeqChunk(tokens, 0, blocks)], 16), model.new_kv_cache(3, 16)
+        )
+        shifted = ForwardBatch.build([SeqChunk(tokens[1:], 0, blocks, all_logits=True)], 16)
+        logits.append(layer.forward(shifted, layer.new_kv_cache(3, 16), model.hidden[:-1])[0])
+    assert torch.equal(logits[0], logits[1])
