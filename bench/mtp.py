@@ -102,6 +102,106 @@ def save_with_mtp(
         shutil.copy(embedded_dir / name, path / name)
 
 
+# DeepSeek-V4 at the same width: 8 layers (sliding, then CSA / HCA alternating; top-k experts
+# after the first, hashed, except in the `copy` model's first), 4 streams, a 128-token window
+V4_SHAPE = dict(
+    vocab_size=49152, hidden_size=1024, moe_intermediate_size=512, num_hidden_layers=8,
+    num_attention_heads=16, num_key_value_heads=1, head_dim=512, q_lora_rank=768,
+    qk_rope_head_dim=64, n_routed_experts=32, num_experts_per_tok=4, o_groups=4,
+    o_lora_rank=512, index_n_heads=32, index_head_dim=128, index_topk=256, sliding_window=128,
+    max_position_embeddings=4096,
+    layer_types=["sliding_attention", *["compressed_sparse_attention",
+                                        "heavily_compressed_attention"] * 3, "sliding_attention"],
+)  # fmt: skip
+SLIDING_MOE = dict(layer_types=["sliding_attention"], mlp_layer_types=["moe"])
+
+
+def write_v4_mtp(path: Path, source: dict[str, torch.Tensor], copy: bool) -> None:
+    """DeepSeek-V4's MTP layer added to the checkpoint transformers saved at `path` (as
+    DeepSeek ships it: `mtp.0.*` in a file of its own, an index over both). Its block, hc_head
+    and norm are `source`'s, a saved one-layer V4 (sliding attention, top-k experts): copy, the
+    target's own (e_proj = I, h_proj = 0: it computes what the target's first layer computes
+    for the next token); else random mixes (e_proj, h_proj ~ N(0, 1 / hidden))."""
+    from safetensors.torch import load_file, save_file
+
+    hidden = int(source["model.norm.weight"].shape[0])
+    g = torch.Generator().manual_seed(2)
+    mtp = {"mtp.0." + k.removeprefix("model.layers.0."): t.clone()
+           for k, t in source.items() if k.startswith("model.layers.0.")}  # fmt: skip
+    mtp |= {f"mtp.0.hc_head_{k}": source[f"model.hc_head.hc_{k}"] for k in ("fn", "base", "scale")}
+    mtp |= {
+        "mtp.0.norm.weight": source["model.norm.weight"],
+        "mtp.0.enorm.weight": torch.ones(hidden),
+        "mtp.0.hnorm.weight": torch.ones(hidden),
+        "mtp.0.e_proj.weight": torch.eye(hidden) if copy
+        else torch.randn(hidden, hidden, generator=g) / hidden**0.5,
+        "mtp.0.h_proj.weight": torch.zeros(hidden, hidden) if copy
+        else torch.randn(hidden, hidden, generator=g) / hidden**0.5,
+    }  # fmt: skip
+    save_file({k: v.contiguous() for k, v in mtp.items()}, str(path / "model-mtp.safetensors"))
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        listed = json.loads(index.read_text())
+    else:
+        (path / "model.safetensors").rename(path / "model-main.safetensors")
+        main = load_file(str(path / "model-main.safetensors"))
+        listed = {"metadata": {}, "weight_map": dict.fromkeys(main, "model-main.safetensors")}
+    listed["weight_map"] |= dict.fromkeys(mtp, "model-mtp.safetensors")
+    index.write_text(json.dumps(listed))
+
+
+def v4_checkpoint(kind: str) -> Path:
+    """bench's V4 with an MTP layer. copy: every layer after the first passes the streams
+    through (its outputs zero, its stream mix the identity: it costs what it did and adds
+    nothing) and the MTP layer repeats the first (write_v4_mtp), over embedding rows of RMS 1:
+    it drafts what the target computes next at an eighth of its cost. random: the MTP layer
+    random, the target's layers too."""
+    from safetensors.torch import load_file
+
+    path = cache_root() / "bench" / f"deepseek-v4-mtp-{kind}"
+    if (path / "config.json").is_file():
+        return path
+    log(f"making {path} (random weights, once)")
+    hashed = ["moe"] if kind == "copy" else ["hash_moe"]
+    config = transformers.DeepseekV4Config(**V4_SHAPE, mlp_layer_types=hashed + ["moe"] * 7)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    n = config.hc_mult
+    with torch.no_grad():
+        if kind == "copy":
+            embed = model.get_input_embeddings().weight
+            embed /= embed.pow(2).mean(-1, keepdim=True).sqrt()
+            for name, p in model.named_parameters():
+                if name.startswith("model.layers.0."):
+                    continue
+                if name.endswith(("o_b_proj.weight", "down_proj.weight", "experts.down_proj")):
+                    p.zero_()
+                if name.endswith("_hc.base"):  # comb: softmax of 50 on the diagonal
+                    p[2 * n :] = 50 * torch.eye(n).flatten()
+                if name.endswith("_hc.scale"):
+                    p[2] = 0.0
+    tmp = path.with_suffix(".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    source_dir = tmp / "mtp-source"
+    if kind == "copy":
+        source_dir = tmp
+    else:
+        torch.manual_seed(1)
+        one = transformers.DeepseekV4Config(**(V4_SHAPE | SLIDING_MOE | {"num_hidden_layers": 1}))
+        transformers.AutoModelForCausalLM.from_config(one).save_pretrained(source_dir)
+    source: dict[str, torch.Tensor] = {}
+    for file in hf_dir.safetensors_files(source_dir):
+        source |= load_file(str(file))
+    if kind != "copy":
+        shutil.rmtree(source_dir)
+    write_v4_mtp(tmp, source, copy=kind == "copy")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(resolve(EMBEDDED) / name, tmp / name)
+    tmp.rename(path)
+    return path
+
+
 def checkpoint(kind: str) -> Path:
     path = cache_root() / "bench" / f"deepseek-v3-mtp-{kind}"
     if (path / "config.json").is_file():
@@ -137,7 +237,7 @@ def run(loaded: LoadedModel, method: str, prompts: list[list[int]], tokens: int)
     return [o.choices[0].token_ids for o in out], seconds, stats
 
 
-def table(dtype: str, tokens: int, concurrent: int) -> str:
+def table(dtype: str, tokens: int, concurrent: int, family: str = "v3") -> str:
     rows = [
         "| checkpoint | streams | method | tokens/s | vs none | proposed | accepted "
         "| same tokens |",
@@ -146,7 +246,8 @@ def table(dtype: str, tokens: int, concurrent: int) -> str:
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, 40000, (64,), generator=g).tolist() for _ in range(concurrent)]
     for kind in ("copy", "random"):
-        loaded = load_model(str(checkpoint(kind)), dtype=dtype, device="cpu")
+        path = checkpoint(kind) if family == "v3" else v4_checkpoint(kind)
+        loaded = load_model(str(path), dtype=dtype, device="cpu")
         for streams in (1, concurrent):
             base: tuple | None = None
             for method in ("none", "ngram", "mtp"):
@@ -169,10 +270,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16" if cpu_has_bf16_units() else "float32")
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--family", choices=("v3", "v4"), default="v3", help="DeepSeek-V3 or V4")
     a = p.parse_args(argv)
     print(f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
-          f"{a.dtype}\n")  # fmt: skip
-    print(table(a.dtype, a.tokens, a.prompts))
+          f"{a.dtype}, DeepSeek-{a.family.upper()}\n")  # fmt: skip
+    print(table(a.dtype, a.tokens, a.prompts, a.family))
     return 0
 
 

@@ -3,7 +3,6 @@ transformers (no hub): what tests serve and compare with transformers token for 
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -143,19 +142,18 @@ def save_tiny_mtp(path: Path, embedded_dir: Path, copy: bool) -> None:
 
 
 def save_tiny_v4_mtp(path: Path, embedded_dir: Path, copy: bool) -> None:
-    """A DeepSeek-V4 checkpoint with one MTP layer as DeepSeek ships it (`mtp.0.*` in a file
-    of its own; its attention sliding, its experts top-k). Not copy: the 4-layer V4 above and
-    a random MTP block. Copy: a one-layer target (sliding, top-k) whose MTP layer repeats its
-    layer, e_proj = I and h_proj = 0 over embedding rows of RMS 1, the target's head
-    collapse and norm: it drafts what the target computes one position on (its context lacks
-    the first token: acceptance high, not total)."""
-    from safetensors.torch import load_file, save_file
+    """A DeepSeek-V4 checkpoint with one MTP layer as DeepSeek ships it (bench.mtp.write_v4_mtp:
+    `mtp.0.*` in a file of its own; its attention sliding, its experts top-k). Not copy: the
+    4-layer V4 above and a random MTP block. Copy: a one-layer target (sliding, top-k) whose
+    MTP layer repeats its layer, e_proj = I and h_proj = 0 over embedding rows of RMS 1, the
+    target's head collapse and norm: it drafts what the target computes one position on (its
+    context lacks the first token: acceptance high, not total)."""
+    from safetensors.torch import load_file
 
+    from bench.mtp import SLIDING_MOE, write_v4_mtp
     from services.model.hf_dir import safetensors_files
 
-    one = transformers.DeepseekV4Config(**dict(
-        V4, num_hidden_layers=1, layer_types=["sliding_attention"], mlp_layer_types=["moe"]
-    ))  # fmt: skip
+    one = transformers.DeepseekV4Config(**(V4 | SLIDING_MOE | {"num_hidden_layers": 1}))
     save_config(one if copy else FAMILIES["deepseek_v4"](), path, embedded_dir,
                 unit_embeddings=copy)  # fmt: skip
     source = path if copy else path / "mtp-source"
@@ -166,22 +164,4 @@ def save_tiny_v4_mtp(path: Path, embedded_dir: Path, copy: bool) -> None:
         state |= load_file(str(file))
     if not copy:
         shutil.rmtree(source)
-    mtp = {"mtp.0." + k.removeprefix("model.layers.0."): t.clone()
-           for k, t in state.items() if k.startswith("model.layers.0.")}  # fmt: skip
-    hidden, g = one.hidden_size, torch.Generator().manual_seed(2)
-    mtp |= {f"mtp.0.hc_head_{k}": state[f"model.hc_head.hc_{k}"] for k in ("fn", "base", "scale")}
-    mtp |= {
-        "mtp.0.norm.weight": state["model.norm.weight"],
-        "mtp.0.enorm.weight": torch.ones(hidden),
-        "mtp.0.hnorm.weight": torch.ones(hidden),
-        "mtp.0.e_proj.weight": torch.eye(hidden) if copy
-        else torch.randn(hidden, hidden, generator=g) / hidden**0.5,
-        "mtp.0.h_proj.weight": torch.zeros(hidden, hidden) if copy
-        else torch.randn(hidden, hidden, generator=g) / hidden**0.5,
-    }  # fmt: skip
-    save_file({k: v.contiguous() for k, v in mtp.items()}, str(path / "model-mtp.safetensors"))
-    (path / "model.safetensors").rename(path / "model-main.safetensors")
-    main = load_file(str(path / "model-main.safetensors"))
-    listed = {"metadata": {}, "weight_map": dict.fromkeys(main, "model-main.safetensors")}
-    listed["weight_map"] |= dict.fromkeys(mtp, "model-mtp.safetensors")
-    (path / "model.safetensors.index.json").write_text(json.dumps(listed))
+    write_v4_mtp(path, state, copy)
