@@ -1,7 +1,7 @@
-"""DeepSeek-V3's MTP layer as the speculative proposer (`--speculative mtp`), against n-gram
-drafting and none, in one run.
+"""DeepSeek-V3's (or V4's) MTP layer as the speculative proposer (`--speculative mtp`), against
+n-gram drafting and none, in one run.
 
-    python -m bench.mtp [--dtype bfloat16] [--tokens 64] [--prompts 4]
+    python -m bench.mtp [--dtype bfloat16] [--tokens 64] [--prompts 4] [--family v3|v4]
 
 Two random checkpoints of bench.deepseek's width (hidden 1,024, MLA 512 + 64, 32 experts top 4
 of 4 groups, one shared), each with one MTP layer, made once with transformers:
@@ -10,6 +10,7 @@ of 4 groups, one shared), each with one MTP layer, made once with transformers:
   eighth of its cost): the best case, acceptance near 1;
 - `random`: bench.deepseek's 8 layers and a random MTP layer: acceptance near 0, so what
   drafting costs when it wins nothing (the adaptive length falls to 1 and pauses).
+`--family v4`: the same two at DeepSeek-V4's shape (V4_SHAPE; v4_checkpoint, write_v4_mtp).
 Random-token prompts, greedy: every configuration's tokens are the same (checked). One stream,
 then `--prompts` concurrent streams (the default speculative_max_batch, 4, lets them all
 propose). A Markdown table: tokens/s, the ratio to none, tokens proposed and accepted.
