@@ -52,7 +52,7 @@ def save_with_mtp(
     token's embedding through ([I | 0]; rows of RMS 1, so enorm keeps them), the shared head
     is the target's norm and head. It misses only the first token of the context: acceptance
     is high, not total; and it costs 1 / num_hidden_layers of the target, as a real one."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     torch.manual_seed(0)
     config.num_nextn_predict_layers = 1
@@ -89,16 +89,7 @@ def save_with_mtp(
         own + "shared_head.norm.weight": state["model.norm.weight"].clone(),
         own + "shared_head.head.weight": state["lm_head.weight"].clone(),
     }
-    # sharded, as DeepSeek's (transformers reads an index only where no model.safetensors is)
-    save_file({k: v.contiguous() for k, v in mtp.items()}, str(path / "model-mtp.safetensors"))
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        listed = json.loads(index.read_text())
-    else:
-        (path / "model.safetensors").rename(path / "model-main.safetensors")
-        listed = {"metadata": {}, "weight_map": dict.fromkeys(state, "model-main.safetensors")}
-    listed["weight_map"] |= dict.fromkeys(mtp, "model-mtp.safetensors")
-    index.write_text(json.dumps(listed))
+    add_shard(path, mtp)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(embedded_dir / name, path / name)
 
@@ -123,7 +114,6 @@ def write_v4_mtp(path: Path, source: dict[str, torch.Tensor], copy: bool) -> Non
     and norm are `source`'s, a saved one-layer V4 (sliding attention, top-k experts): copy, the
     target's own (e_proj = I, h_proj = 0: it computes what the target's first layer computes
     for the next token); else random mixes (e_proj, h_proj ~ N(0, 1 / hidden))."""
-    from safetensors.torch import load_file, save_file
 
     hidden = int(source["model.norm.weight"].shape[0])
     g = torch.Generator().manual_seed(2)
@@ -139,14 +129,25 @@ def write_v4_mtp(path: Path, source: dict[str, torch.Tensor], copy: bool) -> Non
         "mtp.0.h_proj.weight": torch.zeros(hidden, hidden) if copy
         else torch.randn(hidden, hidden, generator=g) / hidden**0.5,
     }  # fmt: skip
+    add_shard(path, mtp)
+
+
+def add_shard(path: Path, mtp: dict[str, torch.Tensor]) -> None:
+    """The MTP layer's tensors in a file of their own beside the checkpoint at `path`, an index
+    naming both, as DeepSeek ships them (transformers reads an index only where no
+    model.safetensors is)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
     save_file({k: v.contiguous() for k, v in mtp.items()}, str(path / "model-mtp.safetensors"))
     index = path / "model.safetensors.index.json"
     if index.is_file():
         listed = json.loads(index.read_text())
     else:
         (path / "model.safetensors").rename(path / "model-main.safetensors")
-        main = load_file(str(path / "model-main.safetensors"))
-        listed = {"metadata": {}, "weight_map": dict.fromkeys(main, "model-main.safetensors")}
+        with safe_open(str(path / "model-main.safetensors"), framework="pt") as f:
+            names = list(f.keys())
+        listed = {"metadata": {}, "weight_map": dict.fromkeys(names, "model-main.safetensors")}
     listed["weight_map"] |= dict.fromkeys(mtp, "model-mtp.safetensors")
     index.write_text(json.dumps(listed))
 

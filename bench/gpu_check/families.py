@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from bench.gpu_check.check import Check
-from bench.gpu_check.parity import first_divergence
+from bench.gpu_check.parity import first_divergence, hf_generate
 from bench.offline import log
 from services.engine.engine import Engine, EngineConfig
 from services.engine.params import SamplingParams
@@ -46,16 +46,6 @@ def engine_tokens(
     return out, engine.speculator.stats if engine.speculator is not None else None
 
 
-def hf_tokens(reference: Any, prompt: list[int], tokens: int, device: torch.device) -> list[int]:
-    ids = torch.tensor([prompt], device=device)
-    with torch.inference_mode():
-        out = reference.to(device).generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, do_sample=False,
-            eos_token_id=None, pad_token_id=0,
-        )  # fmt: skip
-    return list(out[0, len(prompt) :].tolist())
-
-
 def run(check: Check, numbers: dict[str, Any]) -> bool:
     from tests.support import tiny_models as tiny
 
@@ -75,7 +65,7 @@ def run(check: Check, numbers: dict[str, Any]) -> bool:
             try:
                 loaded = load_model(str(root / name), "float32", str(check.device))
                 ours, _ = engine_tokens(loaded, batch, tokens)
-                theirs = [hf_tokens(reference, p, tokens, check.device) for p in batch]
+                theirs = [hf_generate(reference, p, tokens, check.device) for p in batch]
             except Exception as e:  # recorded; the next family runs
                 results[name] = {"error": f"{type(e).__name__}: {e}"}
                 continue

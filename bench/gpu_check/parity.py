@@ -29,9 +29,14 @@ def engine_generate(loaded: LoadedModel, prompts: list[list[int]], tokens: int) 
 
 
 def hf_greedy(check: Check, dtype: str, prompt: list[int], tokens: int) -> list[int]:
-    ids = torch.tensor([prompt], device=check.device)
+    return hf_generate(check.reference(dtype), prompt, tokens, check.device)
+
+
+def hf_generate(model: Any, prompt: list[int], tokens: int, device: torch.device) -> list[int]:
+    """transformers' greedy tokens for one prompt, on `device`."""
+    ids = torch.tensor([prompt], device=device)
     with torch.inference_mode():
-        out = check.reference(dtype).generate(
+        out = model.to(device).generate(
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, do_sample=False,
             eos_token_id=None, pad_token_id=0,
         )  # fmt: skip
