@@ -96,15 +96,33 @@ class V4Mtp(Mtp):
         return logits, block.hidden
 
 
+def check_mtp(path: Path, config: ModelConfig) -> None:
+    """ModelLoadError unless the checkpoint has an MTP layer this module serves: declared
+    (num_nextn_predict_layers) and stored (transformers declares one and saves none). Reads
+    the files' headers only."""
+    from safetensors import safe_open
+
+    if (config.mla is None and config.v4 is None) or mtp_layers(path) < 1:
+        raise ModelLoadError(path, "--speculative mtp needs a DeepSeek-V3 or V4 checkpoint "
+                             "with num_nextn_predict_layers >= 1")  # fmt: skip
+    marker = (
+        "mtp.0.e_proj.weight" if config.v4 else f"model.layers.{config.num_layers}.eh_proj.weight"
+    )
+    name = canonical_name if config.v4 else str
+    for file in hf_dir.safetensors_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            if any(name(stored) == marker for stored in f.keys()):  # noqa: SIM118
+                return
+    raise ModelLoadError(path, f"no MTP layer: {marker} is missing")
+
+
 def load_mtp(
     path: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device, kernels: str
 ) -> Mtp:
     """The checkpoint's first MTP layer; ModelLoadError where it has none."""
     from safetensors import safe_open
 
-    if (config.mla is None and config.v4 is None) or mtp_layers(path) < 1:
-        raise ModelLoadError(path, "--speculative mtp needs a DeepSeek-V3 or V4 checkpoint "
-                             "with num_nextn_predict_layers >= 1")  # fmt: skip
+    check_mtp(path, config)
     if config.v4 is not None:
         return _load_v4(path, config, dtype, device, kernels)
     n = config.num_layers
@@ -115,8 +133,6 @@ def load_mtp(
             for name in f.keys():  # noqa: SIM118
                 if name.startswith(own) or name in main:
                     found[name] = f.get_tensor(name)
-    if own + "eh_proj.weight" not in found:
-        raise ModelLoadError(path, f"no MTP layer: {own}eh_proj.weight is missing")
     embed = found.get(own + "embed_tokens.weight", found.get("model.embed_tokens.weight"))
     tied = embed if config.tie_word_embeddings else None
     head = found.get(own + "shared_head.head.weight", found.get("lm_head.weight", tied))
@@ -166,8 +182,6 @@ def _load_v4(
                 name = canonical_name(stored)
                 if name.startswith(own) or name in main:
                     found[name] = f.get_tensor(stored)
-    if own + "e_proj.weight" not in found:
-        raise ModelLoadError(path, f"no MTP layer: {own}e_proj.weight is missing")
     head = "embed.weight" if config.tie_word_embeddings else "head.weight"
     weights = {"embed.weight": found["embed.weight"], "head.weight": found[head]}
     for name, t in found.items():

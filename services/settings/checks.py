@@ -35,12 +35,16 @@ def check(settings: Settings) -> Settings:
     if role in WORKER and settings.experts.expert_parallel > 1:
         _experts(settings, path)
     if role in WORKER and settings.engine.speculative.method == "mtp":
-        from services.model.hf_config import mtp_layers, read_config
+        from services.model.errors import ModelLoadError
+        from services.model.hf_config import read_config
+        from services.model.mtp import check_mtp
 
-        config = read_config(path)
-        if mtp_layers(path) < 1 or (config.mla is None and config.v4 is None):
+        try:
+            check_mtp(path, read_config(path))
+        except ModelLoadError as e:
             raise SettingsError(f"speculative: mtp: {path} has no MTP layer "
-                                "(num_nextn_predict_layers) of a DeepSeek-V3 or V4")  # fmt: skip
+                                f"(num_nextn_predict_layers) of a DeepSeek-V3 or V4: "
+                                f"{e.problem}") from None  # fmt: skip
     return settings
 
 

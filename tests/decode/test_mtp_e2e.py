@@ -62,11 +62,16 @@ def test_mtp_drafts_through_the_whole_path(tmp_path, embedded_dir, save):
     assert counts["pdserve_spec_accepted_tokens"] >= 0.6 * counts["pdserve_spec_proposed_tokens"]
 
 
-def test_mtp_without_an_mtp_layer_is_refused_before_the_model_loads(tiny_dir):
+@pytest.mark.parametrize(("family", "why"), [
+    ("qwen3_moe", "needs a DeepSeek-V3 or V4 checkpoint"),
+    ("deepseek_v4", r"no MTP layer: mtp\.0\.e_proj\.weight is missing"),  # declared, not stored
+])  # fmt: skip
+def test_mtp_without_an_mtp_layer_is_refused_before_the_model_loads(tiny_dir, family, why):
     result = subprocess.run(
-        [PDSERVE, "decode", "--model", str(tiny_dir("qwen3_moe")), "--speculative", "mtp",
+        [PDSERVE, "decode", "--model", str(tiny_dir(family)), "--speculative", "mtp",
          "--kv-store", "memory://"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert result.returncode != 0
     assert "has no MTP layer (num_nextn_predict_layers)" in result.stderr
+    assert re.search(why, result.stderr), result.stderr
