@@ -10,6 +10,7 @@ import torch
 
 from services.model.config import ModelConfig
 from services.model.errors import ModelLoadError
+from services.model.hf_config import mtp_layers
 from services.model.v4_config import canonical_name
 from services.model.weights import check_complete, check_shapes
 
@@ -117,3 +118,23 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
     rows, cols = weight.shape
     expanded = scale.float().repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
     return weight.float() * expanded[:rows, :cols]
+
+
+def check_mtp(path: Path, config: ModelConfig) -> None:
+    """ModelLoadError unless the checkpoint has an MTP layer mtp.py serves: declared
+    (num_nextn_predict_layers) and stored (transformers declares one and saves none). Reads
+    the files' headers only."""
+    from safetensors import safe_open
+
+    if (config.mla is None and config.v4 is None) or mtp_layers(path) < 1:
+        raise ModelLoadError(path, "--speculative mtp needs a DeepSeek-V3 or V4 checkpoint "
+                             "with num_nextn_predict_layers >= 1")  # fmt: skip
+    marker = (
+        "mtp.0.e_proj.weight" if config.v4 else f"model.layers.{config.num_layers}.eh_proj.weight"
+    )
+    name = canonical_name if config.v4 else str
+    for file in safetensors_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            if any(name(stored) == marker for stored in f.keys()):  # noqa: SIM118
+                return
+    raise ModelLoadError(path, f"no MTP layer: {marker} is missing")

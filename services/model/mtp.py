@@ -36,12 +36,12 @@ from services.model.config import ModelConfig
 from services.model.decoder import DecoderModel
 from services.model.deepseek_v4 import DeepseekV4Model
 from services.model.errors import ModelLoadError, read_json_object
-from services.model.hf_config import mtp_layers
 from services.model.kv_cache import KVCache
 from services.model.layer_ops import rms_norm
 from services.model.linear import Linear, make_linear
 from services.model.v4_attention import _rms_norm
 from services.model.v4_config import canonical_name, mtp_layer_type
+from services.model.weights import check_complete, check_shapes
 
 
 class Mtp:
@@ -96,33 +96,13 @@ class V4Mtp(Mtp):
         return logits, block.hidden
 
 
-def check_mtp(path: Path, config: ModelConfig) -> None:
-    """ModelLoadError unless the checkpoint has an MTP layer this module serves: declared
-    (num_nextn_predict_layers) and stored (transformers declares one and saves none). Reads
-    the files' headers only."""
-    from safetensors import safe_open
-
-    if (config.mla is None and config.v4 is None) or mtp_layers(path) < 1:
-        raise ModelLoadError(path, "--speculative mtp needs a DeepSeek-V3 or V4 checkpoint "
-                             "with num_nextn_predict_layers >= 1")  # fmt: skip
-    marker = (
-        "mtp.0.e_proj.weight" if config.v4 else f"model.layers.{config.num_layers}.eh_proj.weight"
-    )
-    name = canonical_name if config.v4 else str
-    for file in hf_dir.safetensors_files(path):
-        with safe_open(str(file), framework="pt") as f:
-            if any(name(stored) == marker for stored in f.keys()):  # noqa: SIM118
-                return
-    raise ModelLoadError(path, f"no MTP layer: {marker} is missing")
-
-
 def load_mtp(
     path: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device, kernels: str
 ) -> Mtp:
     """The checkpoint's first MTP layer; ModelLoadError where it has none."""
     from safetensors import safe_open
 
-    check_mtp(path, config)
+    hf_dir.check_mtp(path, config)
     if config.v4 is not None:
         return _load_v4(path, config, dtype, device, kernels)
     n = config.num_layers
@@ -182,8 +162,10 @@ def _load_v4(
                 name = canonical_name(stored)
                 if name.startswith(own) or name in main:
                     found[name] = f.get_tensor(stored)
-    head = "embed.weight" if config.tie_word_embeddings else "head.weight"
-    weights = {"embed.weight": found["embed.weight"], "head.weight": found[head]}
+    head = found.get("embed.weight" if config.tie_word_embeddings else "head.weight")
+    if "embed.weight" not in found or head is None:
+        raise ModelLoadError(path, "the MTP layer needs the embeddings and a head")
+    weights = {"embed.weight": found["embed.weight"], "head.weight": head}
     for name, t in found.items():
         rest = name.removeprefix(own)
         if not name.startswith(own):
@@ -201,6 +183,7 @@ def _load_v4(
     v4 = dataclasses.replace(config.v4, layer_types=(kind,), hash_layers=(0,) if hashed else ())
     one = dataclasses.replace(config, num_layers=1, v4=v4, tie_word_embeddings=False,
                               moe=dataclasses.replace(config.moe, layers=(0,)))  # fmt: skip
+    _check_v4(path, one, weights)
     block = DeepseekV4Model(one, weights, dtype, device, kernels=kernels)
     block.keep_hidden = True  # H' chains the drafts
     mtp = V4Mtp(
@@ -209,3 +192,20 @@ def _load_v4(
     )  # fmt: skip
     weights.clear()  # what the block keeps, it holds
     return mtp
+
+
+def _check_v4(path: Path, one: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+    """The MTP layer's tensors, present and of the shapes the config implies (their names as
+    the one-layer model reads them: `layers.0.*` for `mtp.0.*`)."""
+    h = one.hidden_size
+    own = {"e_proj.weight": (h, h), "h_proj.weight": (h, h), "enorm.weight": (h,),
+           "hnorm.weight": (h,)}  # fmt: skip
+    try:
+        check_shapes(path, one, {n: t.shape for n, t in weights.items()})
+        check_complete(path, one, weights)
+        for name, shape in own.items():
+            got = tuple(weights[name].shape) if name in weights else None
+            if got != shape:
+                raise ModelLoadError(path, f"tensor {name!r} has shape {got}, expected {shape}")
+    except ModelLoadError as e:
+        raise ModelLoadError(path, f"the MTP layer (mtp.0.*): {e.problem}") from None

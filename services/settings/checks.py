@@ -37,7 +37,7 @@ def check(settings: Settings) -> Settings:
     if role in WORKER and settings.engine.speculative.method == "mtp":
         from services.model.errors import ModelLoadError
         from services.model.hf_config import read_config
-        from services.model.mtp import check_mtp
+        from services.model.hf_dir import check_mtp
 
         try:
             check_mtp(path, read_config(path))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
@@ -27,6 +28,7 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
 
 from services.model import v4_quant
 from services.model.batch import ForwardBatch, SeqChunk
+from services.model.errors import ModelLoadError
 from services.model.loader import load_model
 from services.model.mtp import V4Mtp, load_mtp
 from tests.support.tiny_models import save_tiny_v4_mtp
@@ -170,3 +172,22 @@ def test_an_fp8_checkpoints_layer_equals_its_dequantized_weights(tmp_path, embed
         shifted = ForwardBatch.build([SeqChunk(tokens[1:], 0, blocks, all_logits=True)], 16)
         logits.append(layer.forward(shifted, layer.new_kv_cache(3, 16), model.hidden[:-1])[0])
     assert torch.equal(logits[0], logits[1])
+
+
+def test_a_malformed_layer_is_refused_naming_the_tensor(tmp_path, embedded_dir):
+    path = tmp_path / "v4-mtp"
+    save_tiny_v4_mtp(path, embedded_dir, copy=False)
+    loaded = load_model(str(path), dtype="float32", device="cpu")
+    model, stored = loaded.model, load_file(str(path / "model-mtp.safetensors"))
+    broken = {
+        "shape": stored | {"mtp.0.h_proj.weight": torch.zeros(64, 32)},
+        "missing": {k: t for k, t in stored.items() if k != "mtp.0.attn.wq_a.weight"},
+    }
+    why = {
+        "shape": r"tensor 'h_proj\.weight' has shape \(64, 32\)",
+        "missing": r"tensor 'layers\.0\.attn\.wq_a\.weight' is missing",
+    }
+    for kind, tensors in broken.items():
+        save_file(tensors, str(path / "model-mtp.safetensors"))
+        with pytest.raises(ModelLoadError, match=r"the MTP layer \(mtp\.0\.\*\): " + why[kind]):
+            load_mtp(path, loaded.config, model.dtype, model.device, model.kernels)
