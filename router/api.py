@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from router import tools
 from router.errors import APIError, bad_request, unavailable
+from router.forced_calls import ForcedCalls
 from router.generation import Job
 from router.openai_format import (
     ChoiceState,
@@ -142,12 +143,23 @@ async def chat(request: Request) -> Response:
     jobs = state.jobs(rid, [ids], params, req.seed, state.salt(request))
     envelope = Envelope(rid, "chat.completion.chunk", int(time.time()), state.model_id)
     splitters: dict[int, tools.CallSplitter] = {}
+    forced = tool_plan.forced  # forced calls: the output is the calls alone
+    readers: dict[int, ForcedCalls] = {}
 
     def chunk(
         delta_text: str, state_: ChoiceState, logprobs: list[Any], first: bool
     ) -> list[dict[str, Any]]:
         lp = chat_logprobs(state.tokenizer, logprobs, top or 0) if req.logprobs else None
         finish = state_.finish_reason
+        if forced is not None:
+            reader = readers.setdefault(state_.index, ForcedCalls(forced, tools.call_id))
+            events = [envelope.choice(state_.index, None, lp if k == 0 else None,
+                                      delta={"tool_calls": [d]})
+                      for k, d in enumerate(reader.deltas(delta_text))]  # fmt: skip
+            if finish is not None:
+                reason = "tool_calls" if finish == "stop" else finish
+                events.append(envelope.choice(state_.index, reason, None, delta={}))
+            return events
         if not tool_plan.tools:
             delta = {"content": delta_text} if delta_text or not finish else {}
             return [envelope.choice(state_.index, finish, lp, delta=delta)]
@@ -167,7 +179,17 @@ async def chat(request: Request) -> Response:
         if req.prompt_logprobs is not None:
             scores.collect(0, choices[0])
             body["prompt_logprobs"] = scores.vllm(0, req.prompt_logprobs)
-        if tool_plan.tools:
+        if forced is not None:  # calls, also when cut by max_tokens (their arguments so far)
+            for c, out in zip(choices, body["choices"], strict=True):
+                reader = ForcedCalls(forced, tools.call_id)
+                reader.deltas(c.text)
+                out["message"]["content"] = None
+                if reader.calls:
+                    out["message"]["tool_calls"] = reader.tool_calls()
+                out["finish_reason"] = "tool_calls" if c.finish_reason == "stop" else (
+                    c.finish_reason
+                )  # fmt: skip
+        elif tool_plan.tools:
             for c, out in zip(choices, body["choices"], strict=True):
                 out["message"]["content"], calls = tools.split_whole(c.text)
                 if calls:

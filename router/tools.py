@@ -9,9 +9,10 @@ The format is Hermes-style (what Qwen, Hermes and SmolLM-family fine-tunes emit)
 
 A model whose chat template has a tools section gets `tools=` through its template; any other
 gets the tools in a system message (TOOLS_PROMPT). `tool_choice` "required" or a named
-function constrains the output to calls (one, or several with `parallel_tool_calls`) whose
-arguments follow each function's `parameters` schema, so they always parse and validate;
-"auto" leaves the model free and parses what it wrote (a block that is not a valid call stays
+function constrains the output to the calls alone, no tags (forced_calls.py: one call, or
+several with `parallel_tool_calls`), whose arguments follow each function's `parameters`
+schema, so they always parse and validate and always come back as calls; "auto" leaves the
+model free and parses the <tool_call> blocks it wrote (a block that is not a valid call stays
 in the text); "none" leaves the tools out of the prompt.
 """
 
@@ -23,8 +24,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from router.errors import bad_request
+from router.forced_calls import Forced, parameters
+from router.forced_calls import grammar as forced_grammar
 from router.protocol import ChatCompletionRequest, ChatMessage, Tool
-from router.structured import JSON_OPTIONS, compile_grammar, schema_text
+from router.structured import compile_grammar, schema_text
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 TOOLS_PROMPT = (
@@ -34,7 +37,6 @@ TOOLS_PROMPT = (
     "<tool_call></tool_call> tags:\n<tool_call>\n"
     '{{"name": <function-name>, "arguments": <arguments-as-a-json-object>}}\n</tool_call>'
 )
-NO_ARGUMENTS = {"type": "object", "properties": {}}
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,8 @@ class ToolPlan:
     """What a chat request's tools change: the prompt's tools, the grammar forcing calls."""
 
     tools: list[Tool]  # those offered in the prompt (none for tool_choice "none")
-    grammar: str | None  # "required" or a named function; None: free
+    grammar: str | None  # "required" or a named function (forced_calls.py); None: free
+    forced: Forced | None = None
 
 
 def plan(req: ChatCompletionRequest) -> ToolPlan:
@@ -69,37 +72,13 @@ def plan(req: ChatCompletionRequest) -> ToolPlan:
                 f"({names})",
                 "tool_choice",
             )
-    return ToolPlan(tools, calls_grammar(forced, req.parallel_tool_calls))
+    how = Forced(None if isinstance(choice, str) else choice.function.name,
+                 bool(req.parallel_tool_calls))  # fmt: skip
+    return ToolPlan(tools, forced_grammar(forced, how), how)
 
 
 def param(i: int) -> str:
     return f"tools.{i}.function.parameters"
-
-
-def parameters(tool: Tool) -> Any:
-    return NO_ARGUMENTS if tool.function.parameters is None else tool.function.parameters
-
-
-def calls_grammar(tools: list[Tool], parallel: bool) -> str:
-    """Output that is only calls to these tools (several, one per block, when parallel)."""
-    call = {
-        "anyOf": [
-            {
-                "type": "object",
-                "properties": {"name": {"const": t.function.name}, "arguments": parameters(t)},
-                "required": ["name", "arguments"],
-                "additionalProperties": False,
-            }
-            for t in tools
-        ],
-        "x-guidance": JSON_OPTIONS,
-    }
-    repeat = ' ("\\n" call)*' if parallel else ""
-    lark = f'start: call{repeat}\ncall: "{OPEN}\\n" %json {json.dumps(call)} "\\n{CLOSE}"'
-    grammar, error = compile_grammar("grammar", lark)
-    if error:  # each schema compiled alone above; together they should too
-        raise bad_request(f"tools: {error.strip()}", "tools")
-    return grammar
 
 
 # -- the prompt ----------------------------------------------------------------------

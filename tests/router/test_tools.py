@@ -102,6 +102,44 @@ def test_streamed_calls_reassemble_into_the_whole_answers(client):
     ]
 
 
+def streamed_calls(stream) -> tuple[list[tuple[str, str]], list[str]]:
+    calls: dict[int, dict] = {}
+    finishes = []
+    for chunk in stream:
+        for c in chunk.choices:
+            finishes += [c.finish_reason] if c.finish_reason else []
+            assert not c.delta.content
+            for d in c.delta.tool_calls or []:
+                call = calls.setdefault(d.index, {"name": "", "arguments": ""})
+                call["name"] += d.function.name or ""
+                call["arguments"] += d.function.arguments or ""
+    return [(c["name"], c["arguments"]) for _, c in sorted(calls.items())], finishes
+
+
+@pytest.mark.parametrize("choice", [{"type": "function", "function": {"name": "get_weather"}},
+                                    "required"])  # fmt: skip
+def test_a_forced_call_cut_by_max_tokens_is_still_a_call(client, choice):
+    """No tag costs a token (the grammar lets only the calls be written): cut anywhere, the
+    answer is the calls so far, `finish_reason` "length", no content; streamed the same."""
+    args = dict(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice=choice,
+                temperature=0, parallel_tool_calls=False)  # fmt: skip
+    full = client.chat.completions.create(**args, max_tokens=200).choices[0]
+    assert full.finish_reason == "tool_calls" and full.message.content is None
+    check_calls(full.message.tool_calls)
+    (whole,) = [(c.function.name, c.function.arguments) for c in full.message.tool_calls]
+    for cut in (1, 4, 12):
+        r = client.chat.completions.create(**args, max_tokens=cut).choices[0]
+        assert r.finish_reason == "length" and r.message.content is None
+        got = [(c.function.name, c.function.arguments) for c in r.message.tool_calls or []]
+        assert len(got) <= 1 and (got or choice == "required")
+        if got:
+            assert got[0][0] == whole[0] and whole[1].startswith(got[0][1])
+        if isinstance(choice, dict):  # the call from its first token; its arguments grow
+            assert len(got) == 1 and (cut < 12 or len(got[0][1]) > 8)
+        streamed = client.chat.completions.create(**args, max_tokens=cut, stream=True)
+        assert streamed_calls(streamed) == (got, ["length"])
+
+
 def test_a_history_with_calls_and_results_is_taken(client):
     history = [
         *ASK,
