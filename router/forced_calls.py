@@ -22,7 +22,7 @@ from typing import Any
 
 from router.errors import bad_request
 from router.protocol import Tool
-from router.structured import JSON_OPTIONS, compile_grammar, schema_text
+from router.structured import JsonStyle, compile_grammar, schema_text, strict_schema
 
 
 @dataclass(frozen=True)
@@ -38,11 +38,11 @@ def parameters(tool: Tool) -> Any:
     return NO_ARGUMENTS if tool.function.parameters is None else tool.function.parameters
 
 
-def grammar(tools: list[Tool], forced: Forced) -> str:
+def grammar(tools: list[Tool], forced: Forced, style: JsonStyle) -> str:
     """The grammar of the forced output (each schema was compiled alone before)."""
     if forced.name is not None:
         tool = next(t for t in tools if t.function.name == forced.name)
-        spec, kind = schema_text(parameters(tool), "tool_choice"), "json"
+        spec, kind = schema_text(parameters(tool), "tool_choice", style.strict), "json"
     else:
         call = {
             "anyOf": [
@@ -50,14 +50,16 @@ def grammar(tools: list[Tool], forced: Forced) -> str:
                     "type": "object",
                     "properties": {
                         "name": {"const": t.function.name},
-                        "arguments": parameters(t),
+                        "arguments": strict_schema(parameters(t))
+                        if style.strict
+                        else parameters(t),
                     },
                     "required": ["name", "arguments"],
                     "additionalProperties": False,
                 }
                 for t in tools
             ],
-            "x-guidance": JSON_OPTIONS,
+            "x-guidance": style.options,
         }
         if forced.parallel:  # a JSON array of calls: its "]" is the model's to write
             del call["x-guidance"]
@@ -65,7 +67,7 @@ def grammar(tools: list[Tool], forced: Forced) -> str:
             spec, kind = json.dumps(listed), "json"
         else:
             spec, kind = f"start: call\ncall: %json {json.dumps(call)}", "grammar"
-    compiled, error = compile_grammar(kind, spec)
+    compiled, error = compile_grammar(kind, spec, style.compact)
     if error:
         raise bad_request(f"tools: {error.strip()}", "tools")
     return compiled

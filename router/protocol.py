@@ -75,6 +75,13 @@ class StructuredOutputs(Tolerant):
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    # how JSON is generated (router/structured.py; also for response_format and tools):
+    # compact, no whitespace between tokens (default: whitespace as the model likes, runs of
+    # at most WHITESPACE_RUN)
+    disable_any_whitespace: bool | None = None
+    # false: properties a schema does not name may be generated where it does not say
+    # `additionalProperties` (default: not, as vLLM's xgrammar; array items likewise)
+    disable_additional_properties: bool | None = None
 
 
 class SamplingFields(Tolerant):

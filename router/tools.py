@@ -27,7 +27,7 @@ from router.errors import bad_request
 from router.forced_calls import Forced, parameters
 from router.forced_calls import grammar as forced_grammar
 from router.protocol import ChatCompletionRequest, ChatMessage, Tool
-from router.structured import compile_grammar, schema_text
+from router.structured import compile_grammar, json_style, schema_text
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 TOOLS_PROMPT = (
@@ -50,9 +50,10 @@ class ToolPlan:
 
 def plan(req: ChatCompletionRequest) -> ToolPlan:
     """The request's tools checked (400 naming the param), and what they change."""
-    tools = req.tools or []
+    tools, style = req.tools or [], json_style(req)
     for i, tool in enumerate(tools):
-        _, error = compile_grammar("json", schema_text(parameters(tool), param(i)))
+        spec = schema_text(parameters(tool), param(i), style.strict)
+        _, error = compile_grammar("json", spec, style.compact)
         if error:
             raise bad_request(f"{param(i)}: not a usable JSON schema: {error.strip()}", param(i))
     choice = req.tool_choice or ("auto" if tools else "none")
@@ -74,7 +75,7 @@ def plan(req: ChatCompletionRequest) -> ToolPlan:
             )
     how = Forced(None if isinstance(choice, str) else choice.function.name,
                  bool(req.parallel_tool_calls))  # fmt: skip
-    return ToolPlan(tools, forced_grammar(forced, how), how)
+    return ToolPlan(tools, forced_grammar(forced, how, style), how)
 
 
 def param(i: int) -> str:
