@@ -123,10 +123,11 @@ SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
 
 
-def strict_schema(schema: Any) -> Any:
+def strict_schema(schema: Any, close: bool = True) -> Any:
     """The schema with `additionalProperties: false` on each object that names properties
     and says nothing of others, `items: false` on each tuple that says nothing of more items
-    (a copy; everything else as given)."""
+    (a copy; everything else as given). The parts of an `allOf` are not closed themselves
+    (each would refuse the others' properties), their insides are."""
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
@@ -135,12 +136,12 @@ def strict_schema(schema: Any) -> Any:
             out[key] = strict_schema(out[key])
     for key in SCHEMA_LISTS:
         if isinstance(out.get(key), list):
-            out[key] = [strict_schema(s) for s in out[key]]
+            out[key] = [strict_schema(s, close=key != "allOf") for s in out[key]]
     for key in SCHEMA_MAPS:
         if isinstance(out.get(key), dict):
             out[key] = {k: strict_schema(s) for k, s in out[key].items()}
     others = ("additionalProperties", "patternProperties", "unevaluatedProperties")
-    if "properties" in out and not any(k in out for k in others):
+    if close and "properties" in out and not any(k in out for k in others):
         out["additionalProperties"] = False
     if "prefixItems" in out and "items" not in out and "unevaluatedItems" not in out:
         out["items"] = False

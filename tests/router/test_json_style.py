@@ -27,6 +27,7 @@ def test_strict_schema_closes_what_names_its_parts():
             "open": {"type": "object", "properties": {}, "additionalProperties": True},
             "pair": {"type": "array", "prefixItems": [{"type": "string"}, {"$ref": "#/$defs/d"}]},
             "list": {"type": "array", "items": {"anyOf": [{"properties": {"c": {}}}, {}]}},
+            "both": {"allOf": [{"properties": {"f": {"properties": {"g": {}}}}}]},
         },
         "$defs": {"d": {"properties": {"e": {}}}},
     }
@@ -41,6 +42,7 @@ def test_strict_schema_closes_what_names_its_parts():
                      "items": False},
             "list": {"type": "array", "items": {"anyOf": [{"properties": {"c": {}}} | closed,
                                                           {}]}},
+            "both": {"allOf": [{"properties": {"f": {"properties": {"g": {}}} | closed}}]},
         },
         "$defs": {"d": {"properties": {"e": {}}} | closed},
     } | closed  # fmt: skip

@@ -140,6 +140,22 @@ def test_a_forced_call_cut_by_max_tokens_is_still_a_call(client, choice):
         assert streamed_calls(streamed) == (got, ["length"])
 
 
+def test_arguments_hold_the_named_properties_alone(client):
+    """A schema that does not say `additionalProperties` (strict by default, as vLLM's): the
+    model invents no keys (it added `temperature` and `temperature_scale` before)."""
+    loose = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 30}},
+        "required": ["city"]}}}  # fmt: skip
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for seed in range(3):
+        r = client.chat.completions.create(
+            model=MODEL, messages=ASK, tools=[loose], tool_choice=named, temperature=0.8,
+            seed=seed, max_tokens=60,
+        ).choices[0]  # fmt: skip
+        assert r.finish_reason == "tool_calls"
+        assert set(json.loads(r.message.tool_calls[0].function.arguments)) == {"city"}
+
+
 def test_a_history_with_calls_and_results_is_taken(client):
     history = [
         *ASK,
