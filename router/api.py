@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
-import weakref
-from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 
 from router import tools
-from router.errors import APIError, bad_request, unavailable
+from router.answer import Replies, respond
+from router.errors import bad_request
 from router.forced_calls import ForcedCalls
 from router.generation import Job
 from router.openai_format import (
@@ -24,16 +22,13 @@ from router.openai_format import (
     chat_logprobs,
     completion_body,
     completion_logprobs,
-    sse,
     usage,
 )
 from router.protocol import ChatCompletionRequest, CompletionRequest
-from router.state import Admission, RouterState, new_id, read_model, watch_disconnect
-from services.engine.params import DEFAULT_MAX_TOKENS
-from services.tracing import NO_SPAN, RECEIVED, Span
+from router.state import RouterState, new_id, read_model
+from services.engine.params import DEFAULT_MAX_TOKENS, SamplingParams
 
 routes = APIRouter()
-CLIENT_GONE = 499  # the status nginx logs for a client that closed the connection first
 
 
 def state_of(request: Request) -> RouterState:
@@ -121,26 +116,9 @@ async def chat(request: Request) -> Response:
     state = state_of(request)
     req = await read_model(request, ChatCompletionRequest, state.config.max_body_bytes)
     state.check_model(req.model)
-    tool_plan = tools.plan(req)
-    has_tools = state.tokenizer.template_has_tools
-    messages = tools.template_messages(req.messages, tool_plan.tools, has_tools)
-    offered = [t.model_dump(exclude_none=True) for t in tool_plan.tools] if has_tools else None
-    try:
-        ids = state.tokenizer.encode_chat(messages, req.add_generation_prompt, tools=offered)
-    except ValueError as e:
-        raise bad_request(f"the chat template refused the messages: {e}", "messages") from e
-    limit = state.model.max_model_len
-    max_tokens = req.max_completion_tokens or req.max_tokens or max(1, limit - len(ids))
-    state.check_prompt(ids, max_tokens, "messages")
-    top = req.top_logprobs if req.logprobs else None
-    if req.top_logprobs is not None and not req.logprobs:
-        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-    logprobs = (top or 0) if req.logprobs else None
-    params = state.sampling(req, max_tokens, logprobs, grammar=tool_plan.grammar,
-                            prompt_logprobs=req.prompt_logprobs)  # fmt: skip
     rid = new_id("chatcmpl")
-    scores = PromptScores(state.tokenizer, [ids], 0)
-    jobs = state.jobs(rid, [ids], params, req.seed, state.salt(request))
+    run = prepare_chat(state, req, request, rid)
+    tool_plan, top, scores = run.tool_plan, run.top, PromptScores(state.tokenizer, [run.ids], 0)
     envelope = Envelope(rid, "chat.completion.chunk", int(time.time()), state.model_id)
     splitters: dict[int, tools.CallSplitter] = {}
     forced = tool_plan.forced  # forced calls: the output is the calls alone
@@ -201,7 +179,45 @@ async def chat(request: Request) -> Response:
     def role_chunk(index: int) -> dict[str, Any]:
         return envelope.choice(index, None, None, delta={"role": "assistant", "content": ""})
 
-    return await respond(request, state, req, jobs, Replies(envelope, chunk, whole, role_chunk))
+    replies = Replies(envelope, chunk, whole, role_chunk)
+    return await respond(request, state, req, run.jobs, replies)
+
+
+@dataclass(frozen=True)
+class ChatRun:
+    """A chat request made ready to run: its prompt, what its tools change, its jobs."""
+
+    ids: list[int]
+    tool_plan: tools.ToolPlan
+    params: SamplingParams
+    jobs: list[Job]
+    top: int | None  # top_logprobs shown per token; None: no logprobs asked
+
+
+def prepare_chat(
+    state: RouterState, req: ChatCompletionRequest, request: Request, rid: str
+) -> ChatRun:
+    """The request's tools checked, its messages templated, its parameters validated (400
+    naming the field), and its job: what chat completions and Responses share."""
+    tool_plan = tools.plan(req)
+    has_tools = state.tokenizer.template_has_tools
+    messages = tools.template_messages(req.messages, tool_plan.tools, has_tools)
+    offered = [t.model_dump(exclude_none=True) for t in tool_plan.tools] if has_tools else None
+    try:
+        ids = state.tokenizer.encode_chat(messages, req.add_generation_prompt, tools=offered)
+    except ValueError as e:
+        raise bad_request(f"the chat template refused the messages: {e}", "messages") from e
+    limit = state.model.max_model_len
+    max_tokens = req.max_completion_tokens or req.max_tokens or max(1, limit - len(ids))
+    state.check_prompt(ids, max_tokens, "messages")
+    top = req.top_logprobs if req.logprobs else None
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+    logprobs = (top or 0) if req.logprobs else None
+    params = state.sampling(req, max_tokens, logprobs, grammar=tool_plan.grammar,
+                            prompt_logprobs=req.prompt_logprobs)  # fmt: skip
+    jobs = state.jobs(rid, [ids], params, req.seed, state.salt(request))
+    return ChatRun(ids, tool_plan, params, jobs, top if req.logprobs else None)
 
 
 def tool_call_chunks(
@@ -234,12 +250,6 @@ def cumulative_logprob(choice: ChoiceState) -> float:
     return sum(e.logprob for e in choice.logprobs)
 
 
-def first_choices(jobs: Sequence[Job]) -> frozenset[int]:
-    """The response indices of each prompt's first choice: the cached tokens they report are
-    what the request found; the others reuse the blocks that choice computed."""
-    return frozenset(j.index_base for j in jobs)
-
-
 def prompt_ids(
     state: RouterState, prompt: str | list[str] | list[int] | list[list[int]]
 ) -> list[list[int]]:
@@ -257,127 +267,3 @@ def prompt_ids(
     if all(isinstance(p, str) for p in prompt):
         return [state.tokenizer.encode(p) for p in prompt]  # type: ignore[arg-type]
     return [list(p) for p in prompt]  # type: ignore[arg-type]
-
-
-Chunk = Callable[[str, ChoiceState, list[Any], bool], list[dict[str, Any]]]
-Whole = Callable[[list[ChoiceState], dict[str, Any]], dict[str, Any]]
-
-
-@dataclass(frozen=True)
-class Replies:
-    """How one endpoint answers: a streamed choice's chunk (its new text or delta), the whole
-    body when not streaming, and (chat) the chunk announcing a choice's role first."""
-
-    envelope: Envelope
-    chunk: Chunk
-    whole: Whole
-    role_chunk: Callable[[int], dict[str, Any]] | None = None
-
-
-async def respond(
-    request: Request,
-    state: RouterState,
-    req: CompletionRequest | ChatCompletionRequest,
-    jobs: list[Job],
-    replies: Replies,
-) -> Response:
-    stream = req.stream
-    options = req.stream_options
-    if options is not None and not stream:
-        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
-    want_usage = options is not None and options.include_usage
-    continuous = want_usage and options is not None and options.continuous_usage_stats
-    for role in state.required_roles:
-        if not state.registry.available(role):  # before a stream starts: a plain 503
-            raise unavailable(f"no {role} worker is available", retry_after=1)
-    admission = state.admit(jobs)
-    prompt_tokens = sum(len(j.prompt_ids) for j in jobs)
-    span = state.tracer.start(f"POST {request.url.path}", request.headers.get("traceparent"),
-                              request_id=jobs[0].request_id.rpartition("-")[0],
-                              prompt_tokens=prompt_tokens, stream=stream)  # fmt: skip
-    span.start_ns = request.scope.get(RECEIVED, span.start_ns)
-    span.event("admitted")
-    if stream:
-        body = stream_events(
-            state, jobs, admission, want_usage, replies, prompt_tokens, span, continuous
-        )
-        # a stream the server never starts (the client left first) still gives its place back
-        weakref.finalize(body, admission.release)
-        return StreamingResponse(body, media_type="text/event-stream")
-
-    async def collect() -> dict[str, Any]:
-        choices: dict[int, ChoiceState] = {}
-        cached, firsts = 0, first_choices(jobs)
-        async for delta, choice in state.run(jobs, admission, span):
-            choices[choice.index] = choice
-            cached += delta.cached_tokens if delta.index in firsts else 0
-        ordered = [choices[i] for i in sorted(choices)]
-        completion = sum(len(c.token_ids) for c in ordered)
-        return replies.whole(ordered, usage(prompt_tokens, completion, min(cached, prompt_tokens)))
-
-    task = asyncio.create_task(collect())
-    watcher = asyncio.create_task(watch_disconnect(request, task))
-    try:
-        return JSONResponse(await task)
-    except asyncio.CancelledError:
-        current = asyncio.current_task()
-        if current is not None and current.cancelling():  # the server is stopping
-            raise
-        return Response(status_code=CLIENT_GONE)  # nobody reads it; counted in /metrics
-    finally:
-        watcher.cancel()
-        admission.release()  # if the task was cancelled before it began
-        span.end()
-
-
-async def stream_events(
-    state: RouterState,
-    jobs: list[Job],
-    admission: Admission,
-    want_usage: bool,
-    replies: Replies,
-    prompt_tokens: int,
-    span: Span = NO_SPAN,
-    continuous: bool = False,
-) -> AsyncIterator[bytes]:
-    """The SSE events of a streamed answer; with `continuous` (vLLM's continuous_usage_stats)
-    every chunk carries the usage so far, else only the last one (include_usage)."""
-    role_chunk = replies.role_chunk
-    started: set[int] = set()
-    completion, cached, firsts = 0, 0, first_choices(jobs)
-    try:
-        async for delta, choice in state.run(jobs, admission, span):
-            first = choice.index not in started
-            if first and role_chunk is not None:
-                event = role_chunk(choice.index)
-                if want_usage:
-                    event["usage"] = None
-                yield sse(event)
-            started.add(choice.index)
-            completion += len(delta.token_ids)
-            cached += delta.cached_tokens if delta.index in firsts else 0
-            if (
-                delta.text
-                or delta.logprobs
-                or delta.finish_reason
-                or (first and role_chunk is None)
-            ):
-                for event in replies.chunk(delta.text, choice, delta.logprobs, first):
-                    if want_usage:  # so far (vLLM's continuous_usage_stats), or at the end
-                        so_far = min(cached, prompt_tokens)
-                        event["usage"] = (
-                            usage(prompt_tokens, completion, so_far) if continuous else None
-                        )
-                    yield sse(event)
-                span.event("written", tokens=len(delta.token_ids))
-        if want_usage:
-            yield sse(
-                replies.envelope(
-                    [], usage=usage(prompt_tokens, completion, min(cached, prompt_tokens))
-                )
-            )
-    except APIError as e:  # mid-stream: an error event, then the end of the stream
-        yield sse(e.body())
-    finally:
-        span.end()
-    yield sse("[DONE]")

@@ -17,6 +17,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from router.api import routes, state_of
 from router.errors import APIError, bad_request, unavailable
 from router.protocol import DetokenizeRequest, TokenizeRequest, WorkerChange
+from router.responses import routes as responses_routes
 from router.state import RouterState, bearer, new_id, read_model
 from services.settings import Settings
 from services.tracing import RECEIVED
@@ -51,6 +52,7 @@ def create_app(settings: Settings, state: RouterState | None = None) -> FastAPI:
     )
     app.state.router = state
     app.include_router(routes)
+    app.include_router(responses_routes)
     app.add_middleware(Edge)
     app.add_exception_handler(APIError, _api_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]

@@ -172,8 +172,12 @@ class ChatMessage(Tolerant):
         return {"role": role, "content": self.text}
 
 
+# a function's name, as OpenAI allows it
+FunctionNameText = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+
+
 class FunctionDef(Tolerant):
-    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+    name: FunctionNameText
     description: str | None = None
     parameters: Any = None  # a JSON schema (checked in router/tools.py); None: no arguments
     strict: bool | None = None

@@ -24,6 +24,7 @@ from router.metrics import Metrics
 from router.openai_format import ChoiceState
 from router.policy import Policy
 from router.protocol import SamplingFields
+from router.response_store import ResponseStore
 from router.structured import grammar_of
 from router.workers import Registry
 from services.engine.params import SamplingParams, ValidationError
@@ -48,6 +49,7 @@ class RouterState:
     pipeline: Pipeline
     metrics: Metrics = field(default_factory=Metrics)
     tracer: Tracer = field(default_factory=lambda: Tracer("pdserve-router", None))
+    responses: ResponseStore = field(default_factory=ResponseStore)  # the Responses API's
     pending: int = 0  # sequences (prompts x n) of the requests admitted and not finished
     started: int = field(default_factory=lambda: int(time.time()))
 
@@ -70,9 +72,9 @@ class RouterState:
         )
         tokenizer = Tokenizer.from_dir(path)
         tracer = Tracer("pdserve-router", settings.server.trace_file)
-        return cls(
-            settings, tokenizer, model, model_id, str(path), registry, pipeline, metrics, tracer
-        )
+        responses = ResponseStore(r.responses_stored, r.responses_ttl)
+        return cls(settings, tokenizer, model, model_id, str(path), registry, pipeline, metrics,
+                   tracer, responses)  # fmt: skip
 
     @property
     def config(self) -> RouterSettings:
@@ -285,10 +287,11 @@ class Admission:
 
 
 def forced_or_asked(forced: str | None, req: SamplingFields) -> str | None:
+    """The grammar forcing tool calls, else the one asked for. A response_format (or vLLM's
+    structured outputs) shapes an answer's text, and an answer whose calls are forced has
+    none; so both may be given, as OpenAI takes them (the Agents SDK sends both when an agent
+    with an output type must call a tool first). The format is still checked (400 if bad)."""
     asked = grammar_of(req)
-    if forced is not None and asked is not None:
-        raise bad_request("a forced tool_choice cannot be combined with response_format or "
-                          "structured outputs", "tool_choice")  # fmt: skip
     return forced or asked
 
 

@@ -268,6 +268,11 @@ class RouterSettings(Section):
     ttft_slo: float = setting(0.0, "seconds a prompt may be expected to wait for its first "
                               "token: past it, computed by a decode worker with room or refused "
                               "(429 + Retry-After); 0: no limit", ROUTER, minimum=0)  # fmt: skip
+    responses_stored: int = setting(1024, "Responses API: responses kept for "
+                                    "previous_response_id and GET (the oldest dropped past it; "
+                                    "0: none kept)", ROUTER, minimum=0)  # fmt: skip
+    responses_ttl: float = setting(3600.0, "Responses API: seconds a stored response can be "
+                                   "read back", ROUTER, minimum=0)  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import weakref
 
 import pytest
 
-from router.api import Replies, stream_events
+from router.answer import Replies, stream_events
 from router.errors import APIError
 from router.generation import Job
 from router.openai_format import Envelope

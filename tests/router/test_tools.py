@@ -140,6 +140,17 @@ def test_a_forced_call_cut_by_max_tokens_is_still_a_call(client, choice):
         assert streamed_calls(streamed) == (got, ["length"])
 
 
+def test_a_forced_call_with_a_response_format_is_calls(client):
+    """The format shapes a text answer; a forced answer is calls (OpenAI takes both, and the
+    Agents SDK sends both for an agent with an output type)."""
+    r = client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required", temperature=0,
+        response_format={"type": "json_object"}, parallel_tool_calls=False, max_tokens=100,
+    ).choices[0]  # fmt: skip
+    assert r.finish_reason == "tool_calls" and r.message.content is None
+    check_calls(r.message.tool_calls)
+
+
 def test_arguments_hold_the_named_properties_alone(client):
     """A schema that does not say `additionalProperties` (strict by default, as vLLM's): the
     model invents no keys (it added `temperature` and `temperature_scale` before)."""
@@ -213,13 +224,16 @@ def test_a_history_with_calls_and_results_is_taken(client):
             "tools.1.function.parameters",
         ),
         ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools.0.function"),
-        (
+        (  # given with a forced call, the format is still checked
             {
                 "tools": [WEATHER],
                 "tool_choice": "required",
-                "response_format": {"type": "json_object"},
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "frob"}},
+                },
             },
-            "tool_choice",
+            "response_format",
         ),
     ],
 )
