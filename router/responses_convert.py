@@ -96,12 +96,29 @@ def text_format(req: ResponsesRequest) -> ResponseFormat | None:
     return ResponseFormat.model_validate({"type": "json_schema", "json_schema": spec})
 
 
+# chat's names for what the Responses body calls otherwise (the longest first)
+RESPONSES_NAMES = [
+    ("response_format.json_schema.schema", "text.format.schema"),
+    ("response_format", "text.format"),
+    ("max_completion_tokens", "max_output_tokens"),
+    ("max_tokens", "max_output_tokens"),
+    ("messages", "input"),
+]
+
+
 def flat_param(error: APIError) -> APIError:
-    """A chat error's field named as the Responses body names it (tools.0.parameters, not
-    tools.0.function.parameters)."""
-    if error.param is not None:
-        error.message = error.message.replace(error.param, error.param.replace(".function.", "."))
-        error.param = error.param.replace(".function.", ".")
+    """A chat error's field named as the Responses body names it: tools.0.parameters (not
+    tools.0.function.parameters), input (not messages), text.format (not response_format)."""
+    param = error.param
+    if param is None:
+        return error
+    named = param.replace(".function.", ".")
+    for chat, responses in RESPONSES_NAMES:
+        if named == chat or named.startswith(chat + "."):
+            named = responses + named[len(chat) :]
+            break
+    error.message = error.message.replace(param, named)
+    error.param = named
     return error
 
 

@@ -274,3 +274,21 @@ def test_a_stream_failing_midway_ends_with_response_failed():
         "code": "service_unavailable", "message": "no decode worker can serve the request"
     }  # fmt: skip
     assert state.responses.get(tenant(None), "resp_1") is None  # a failed response is not kept
+
+
+@pytest.mark.parametrize(
+    ("chat", "responses"),
+    [
+        ("tools.1.function.parameters", "tools.1.parameters"),
+        ("messages", "input"),
+        ("max_tokens", "max_output_tokens"),
+        ("response_format.json_schema.schema", "text.format.schema"),
+        ("temperature", "temperature"),
+    ],
+)
+def test_chat_errors_name_the_responses_field(chat, responses):
+    from router.errors import bad_request
+    from router.responses_convert import flat_param
+
+    error = flat_param(bad_request(f"{chat}: wrong", chat))
+    assert (error.param, error.message) == (responses, f"{responses}: wrong")
