@@ -3,7 +3,9 @@ request brings from the store and what goes back.
 
 - In: the prompt's blocks from the store, full ones and the partial last one, read gently
   while the running batch keeps stepping (KVLink.fetch); what the store lacks, or refuses, is
-  computed here. With local prefill (the router sent no Prefill), nothing is read.
+  computed here. With local prefill (no prefill worker ran: a colocated stack, a short
+  prompt, a prefill backlog) the same: the store is the KV tier in every topology, so a
+  conversation's next turn on another worker, or a restarted one, reads what was computed.
 - Out (with write_back): a finished generation's full blocks, prompt and answer, that are not
   in the store already, so the next turn of a conversation finds both there. Written at the
   end, not as blocks fill: the encoding stays off the path of the stream's tokens. A model
@@ -37,15 +39,12 @@ class DecodeConnector:
         request_id: str,
         prompt: Seq[int],
         salt: bytes,
-        local_prefill: bool,
         write_back: bool,
     ) -> DecodeConnector:
         """The connector of a request, with what the store holds of its prompt."""
         full, partial = link.hashes(prompt, salt)
-        imported = None
-        if not local_prefill:
-            rest = len(prompt) % link.layout.block_size
-            imported = await link.fetch(request_id, full, partial, rest, gentle=True)
+        rest = len(prompt) % link.layout.block_size
+        imported = await link.fetch(request_id, full, partial, rest, gentle=True)
         return cls(full, imported, write_back)
 
     def prefix(self, seq: Sequence) -> ImportedKV | None:

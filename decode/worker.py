@@ -4,9 +4,10 @@ batch and streams its tokens.
 The fetch (decode/connector.py) runs in the request's own coroutine while the engine thread
 keeps stepping the batch: a long prompt's KV arriving never stalls the other streams. Blocks
 missing from the store, or refused by the codec, are computed here from the prompt tokens
-(counted in Load's recomputed_tokens). With `local_prefill` the whole prompt is computed
-here, reading nothing. Finished generations' full blocks are written back (setting), so the
-next turn of a conversation finds its prompt and the answer in the store.
+(counted in Load's recomputed_tokens). With `local_prefill` (no prefill worker ran) the
+same: what the store holds is read, the rest computed here. Finished generations' full
+blocks are written back (setting), so the next turn of a conversation finds its prompt and
+the answer in the store, whichever worker it reaches.
 """
 
 from __future__ import annotations
@@ -55,12 +56,10 @@ class DecodeWorker(Worker, worker_pb2_grpc.DecodeWorkerServicer):
         except ValidationError as e:
             await refuse(context, e)
         connector = await DecodeConnector.fetch(
-            self.link, rid, prompt, request.salt, request.local_prefill,
-            self.settings.worker.write_back,
-        )  # fmt: skip
-        if not request.local_prefill:
-            kv = connector.imported
-            span.event("fetched", tokens=kv.num_tokens if kv is not None else 0)
+            self.link, rid, prompt, request.salt, self.settings.worker.write_back
+        )
+        kv = connector.imported
+        span.event("fetched", tokens=kv.num_tokens if kv is not None else 0)
         try:
             stream = await self.driver.submit(
                 EngineRequest(

@@ -34,6 +34,9 @@ from services.settings import StoreSettings
 log = logging.getLogger("pdserve.worker")
 FETCH_BATCH = 8  # blocks per store read while fetching a prompt gently (see fetch)
 FETCH_PAUSE = 0.005  # seconds between those reads
+# seconds the link reads nothing after the store failed a read: a store that is down (or a
+# blackholed link, each read waiting store_timeout) costs the requests meanwhile nothing
+STORE_RETRY = 2.0
 
 
 class KVLink:
@@ -62,10 +65,23 @@ class KVLink:
         self.store_failures = 0  # requests that went on without the store
         self.pending_puts: dict[str, list[concurrent.futures.Future[None]]] = defaultdict(list)
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._down_until = 0.0  # time.monotonic() before which no read is tried
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         """The event loop that writes exported blocks."""
         self._loop = loop
+
+    async def probe(self) -> bool:
+        """Whether the store answers (a read of a key no block has): a worker starting with
+        a store it cannot reach says so, and computes prompts until the store answers."""
+        try:
+            await self.store.get_many([bytes(16)])
+        except StoreUnavailable as e:
+            log.warning("kv store unreachable: computing prompts until it answers",
+                        extra={"fields": {"why": str(e)}})  # fmt: skip
+            self._down_until = time.monotonic() + STORE_RETRY
+            return False
+        return True
 
     # -- a request's blocks ---------------------------------------------------------
 
@@ -98,6 +114,9 @@ class KVLink:
         Leading blocks the engine's cache holds are not read (what KV-aware routing buys):
         the import names them and the engine shares them at admission."""
         start = time.perf_counter()
+        if time.monotonic() < self._down_until:  # failed a moment ago: not asked again yet
+            self.store_failures += 1
+            return None
         cached = self.cached_hashes()  # a snapshot: the engine thread owns the cache
         skipped = next((i for i, h in enumerate(full) if h not in cached), len(full))
         values: list[bytes] = [b""] * skipped
@@ -116,6 +135,7 @@ class KVLink:
                 values += [value for value, _ in await self.blocks.get_checked([partial])]
         except StoreUnavailable as e:
             self.store_failures += 1
+            self._down_until = time.monotonic() + STORE_RETRY
             log.warning("store unavailable, computing instead",
                         extra={"fields": {"request_id": request_id, "why": str(e)}})  # fmt: skip
             return None

@@ -158,6 +158,7 @@ class Worker:
         thread dies or stalls: then exit at once with 1, for the supervisor to restart us."""
         self._loop = asyncio.get_running_loop()
         self.link.start(self._loop)
+        await self.link.probe()  # unreachable: logged, and prompts computed until it answers
         # The engine thread needs the GIL between torch ops, hundreds of times a step; a
         # shorter switch interval bounds its wait when RPCs (a KV fetch) run Python meanwhile.
         sys.setswitchinterval(SWITCH_INTERVAL)
