@@ -78,8 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         store = args.store or f"local://{Path(tmp) / 'kv'}"
         model = str(resolve(EMBEDDED))
-        workers = [WorkerProcess("decode", model, store, Path(tmp), "--num-blocks", "1024",
-                                 dtype="auto") for _ in range(2)]  # fmt: skip
+        workers = [WorkerProcess("decode", model, store, Path(tmp), "--num-blocks", "1024")
+                   for _ in range(2)]  # the default dtype (auto)  # fmt: skip
         for w in workers:
             w.launch()
         try:

@@ -14,7 +14,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from router.errors import APIError, bad_request, unavailable
-from router.generation import Job
+from router.generation import RETRY_POLL, Job
 from router.openai_format import ChoiceState, Envelope, sse, usage
 from router.protocol import ChatCompletionRequest, CompletionRequest
 from router.state import Admission, RouterState, watch_disconnect
@@ -44,14 +44,12 @@ class Replies:
     role_chunk: Callable[[int], dict[str, Any]] | None = None
 
 
-def begin(request: Request, state: RouterState, jobs: list[Job], stream: bool) -> tuple[
+async def begin(request: Request, state: RouterState, jobs: list[Job], stream: bool) -> tuple[
     Admission, Span
 ]:  # fmt: skip
-    """The request admitted (503 with no worker of a role it needs, 429 when too many are in
-    flight) and its trace started."""
-    for role in state.required_roles:
-        if not state.registry.available(role):  # before a stream starts: a plain 503
-            raise unavailable(f"no {role} worker is available", retry_after=1)
+    """The request admitted (once a worker of every role it needs is available: see
+    wait_for_workers; 429 when too many are in flight) and its trace started."""
+    await wait_for_workers(request, state)
     admission = state.admit(jobs)
     prompt_tokens = sum(len(j.prompt_ids) for j in jobs)
     span = state.tracer.start(f"POST {request.url.path}", request.headers.get("traceparent"),
@@ -60,6 +58,29 @@ def begin(request: Request, state: RouterState, jobs: list[Job], stream: bool) -
     span.start_ns = request.scope.get(RECEIVED, span.start_ns)
     span.event("admitted")
     return admission, span
+
+
+async def wait_for_workers(request: Request, state: RouterState) -> None:
+    """Until a worker of every role the request needs is available (all of a role restarting,
+    or cut off): up to `retry_wait` seconds, counted in a gauge, then 503 with Retry-After,
+    before any stream starts; no wait for a client that has gone."""
+    missing = [role for role in state.required_roles if not state.registry.available(role)]
+    if not missing:
+        return
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + state.config.retry_wait
+    state.metrics.waiting_for_worker.inc()
+    try:
+        while missing:
+            if loop.time() >= deadline:
+                raise unavailable(f"no {missing[0]} worker is available (waited "
+                                  f"{state.config.retry_wait:g}s)", retry_after=1)  # fmt: skip
+            if await request.is_disconnected():
+                raise APIError(CLIENT_GONE, "the client closed the request")
+            await asyncio.sleep(RETRY_POLL)
+            missing = [role for role in state.required_roles if not state.registry.available(role)]
+    finally:
+        state.metrics.waiting_for_worker.dec()
 
 
 def streamed(body: AsyncIterator[bytes], admission: Admission) -> StreamingResponse:
@@ -118,7 +139,7 @@ async def respond(
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
     want_usage = options is not None and options.include_usage
     continuous = want_usage and options is not None and options.continuous_usage_stats
-    admission, span = begin(request, state, jobs, req.stream)
+    admission, span = await begin(request, state, jobs, req.stream)
     if req.stream:
         prompt_tokens = sum(len(j.prompt_ids) for j in jobs)
         body = stream_events(

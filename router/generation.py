@@ -333,10 +333,11 @@ class Pipeline:
                 call.cancel()
 
     async def _pick(self, role: str, hashes: Sequence[bytes], tried: Tried) -> WorkerState:
-        """A worker this request has not given up on; after failures, waits up to
-        `retry_wait` seconds for one to come back; 503 when none does."""
+        """A worker this request has not given up on; with none (all failed it, or none of
+        the role is available), waits up to `retry_wait` seconds for one to come back; 503
+        when none does."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.settings.retry_wait if tried.failures else loop.time()
+        deadline = loop.time() + self.settings.retry_wait
         while tried.failures < MAX_FAILURES:
             candidates = [w for w in self.registry.available(role) if tried.allows(w)]
             if candidates:

@@ -42,6 +42,11 @@ class Metrics:
         self.waiting = Gauge(
             "pdserve_requests_waiting", "Requests accepted, no token yet", registry=r
         )
+        self.waiting_for_worker = Gauge(
+            "pdserve_requests_waiting_for_worker",
+            "Requests waiting (up to retry_wait) for a worker of a role none is available of",
+            registry=r,
+        )
         self.prompt_tokens = Counter(
             "pdserve_prompt_tokens", "Prompt tokens of finished requests", registry=r
         )

@@ -54,7 +54,7 @@ async def create(request: Request) -> Response:
     except APIError as e:
         raise flat_param(e) from e
     answer = Answer(state, req, rid, run, owner, conversation)
-    admission, span = begin(request, state, run.jobs, req.stream)
+    admission, span = await begin(request, state, run.jobs, req.stream)
     if req.stream:
         return streamed(answer.events(admission, span), admission)
     return await whole_answer(request, state, run.jobs, admission, span, answer.whole)

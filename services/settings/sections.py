@@ -264,7 +264,8 @@ class RouterSettings(Section):
     prefill_timeout: float = setting(120.0, "seconds a Prefill may take before another worker "
                                      "is tried", ROUTER)  # fmt: skip
     retry_wait: float = setting(30.0, "seconds a request waits for a worker to come back when "
-                                "every one has failed it", ROUTER)  # fmt: skip
+                                "every one has failed it, or none of a role is available",
+                                ROUTER)  # fmt: skip
     ttft_slo: float = setting(0.0, "seconds a prompt may be expected to wait for its first "
                               "token: past it, computed by a decode worker with room or refused "
                               "(429 + Retry-After); 0: no limit", ROUTER, minimum=0)  # fmt: skip

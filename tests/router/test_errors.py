@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import httpx
 import openai
 import pytest
 
 from services.launcher import RouterProcess
-from tests.support.cluster import MODEL, addresses
+from tests.support.cluster import MODEL, addresses, metrics, wait_until
 
 GOOD = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
 
@@ -159,13 +160,18 @@ def test_api_keys_and_per_key_cache_isolation(pool, tmp_path):
         router.stop()
 
 
-def test_no_workers_is_503_and_admin_api_adds_them(pool, tmp_path):
+def test_no_workers_waits_retry_wait_then_503_and_admin_api_adds_them(pool, tmp_path):
+    """With no worker of a role available, a request waits up to --retry-wait for one
+    (counted in a gauge), answered once one comes (here: added), else 503 + Retry-After."""
     prefill, decode = pool
-    router = RouterProcess(tmp_path, [], [], "--admin-key", "root").start(healthy=False)
+    router = RouterProcess(tmp_path, [], [], "--admin-key", "root",
+                           "--retry-wait", "3").start(healthy=False)  # fmt: skip
     try:
         assert error_of(httpx.get(f"{router.url}/health"), 503)
-        response = httpx.post(f"{router.url}/v1/completions", json=GOOD)
-        error_of(response, 503)
+        start = time.monotonic()
+        response = httpx.post(f"{router.url}/v1/completions", json=GOOD, timeout=30)
+        assert time.monotonic() - start >= 3  # waited for a worker to come back
+        assert "waited 3s" in error_of(response, 503)["message"]
         assert response.headers["retry-after"] == "1"
         admin = f"{router.url}/admin/workers"
         change = {"role": "prefill", "address": prefill[0].address}
@@ -173,8 +179,16 @@ def test_no_workers_is_503_and_admin_api_adds_them(pool, tmp_path):
         root = {"Authorization": "Bearer root"}
         added = httpx.post(admin, json=change, headers=root).json()
         assert added == {**change, "healthy": True}
+        waiting: list[httpx.Response] = []
+        asked = threading.Thread(target=lambda: waiting.append(
+            httpx.post(f"{router.url}/v1/completions", json=GOOD, timeout=30)))  # fmt: skip
+        asked.start()  # no decode worker yet: it waits
+        gauge = ("pdserve_requests_waiting_for_worker", ())
+        wait_until(lambda: metrics(router.url).get(gauge) == 1, timeout=5)
         change = {"role": "decode", "address": decode[0].address}
         assert httpx.post(admin, json=change, headers=root).json()["healthy"] is True
+        asked.join()
+        assert waiting[0].status_code == 200 and metrics(router.url)[gauge] == 0
         assert httpx.get(f"{router.url}/health").status_code == 200
         assert httpx.post(f"{router.url}/v1/completions", json=GOOD).status_code == 200
         assert httpx.request("DELETE", admin, json=change, headers=root).status_code == 200
@@ -201,7 +215,7 @@ def test_too_much_waiting_work_is_429_with_retry_after(pool, tmp_path):
         thread = threading.Thread(target=stream)
         thread.start()
         assert started.wait(30)
-        response = httpx.post(f"{router.url}/v1/completions", json=GOOD)
+        response = httpx.post(f"{router.url}/v1/completions", json=GOOD, timeout=30)
         assert error_of(response, 429)["code"] == "rate_limit_exceeded"
         assert response.headers["retry-after"] == "1"
         thread.join()
