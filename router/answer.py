@@ -64,7 +64,7 @@ async def wait_for_workers(request: Request, state: RouterState) -> None:
     """Until a worker of every role the request needs is available (all of a role restarting,
     or cut off): up to `retry_wait` seconds, counted in a gauge, then 503 with Retry-After,
     before any stream starts; no wait for a client that has gone."""
-    missing = [role for role in state.required_roles if not state.registry.available(role)]
+    missing = missing_roles(state)
     if not missing:
         return
     loop = asyncio.get_running_loop()
@@ -78,9 +78,14 @@ async def wait_for_workers(request: Request, state: RouterState) -> None:
             if await request.is_disconnected():
                 raise APIError(CLIENT_GONE, "the client closed the request")
             await asyncio.sleep(RETRY_POLL)
-            missing = [role for role in state.required_roles if not state.registry.available(role)]
+            missing = missing_roles(state)
     finally:
         state.metrics.waiting_for_worker.dec()
+
+
+def missing_roles(state: RouterState) -> list[str]:
+    """The roles the request needs that have no worker available now."""
+    return [role for role in state.required_roles if not state.registry.available(role)]
 
 
 def streamed(body: AsyncIterator[bytes], admission: Admission) -> StreamingResponse:

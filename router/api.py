@@ -26,7 +26,7 @@ from router.openai_format import (
 )
 from router.protocol import ChatCompletionRequest, CompletionRequest
 from router.state import RouterState, new_id, read_model
-from services.engine.params import DEFAULT_MAX_TOKENS, SamplingParams
+from services.engine.params import DEFAULT_MAX_TOKENS
 
 routes = APIRouter()
 
@@ -189,7 +189,6 @@ class ChatRun:
 
     ids: list[int]
     tool_plan: tools.ToolPlan
-    params: SamplingParams
     jobs: list[Job]
     top: int | None  # top_logprobs shown per token; None: no logprobs asked
 
@@ -217,7 +216,7 @@ def prepare_chat(
     params = state.sampling(req, max_tokens, logprobs, grammar=tool_plan.grammar,
                             prompt_logprobs=req.prompt_logprobs)  # fmt: skip
     jobs = state.jobs(rid, [ids], params, req.seed, state.salt(request))
-    return ChatRun(ids, tool_plan, params, jobs, top if req.logprobs else None)
+    return ChatRun(ids, tool_plan, jobs, top)
 
 
 def tool_call_chunks(

@@ -9,6 +9,7 @@ import asyncio
 import time
 
 import grpc
+import pytest
 import torch
 
 from kvstore.block_hash import block_hashes
@@ -16,10 +17,12 @@ from kvstore.keys import store_key
 from services.engine.engine import Engine
 from services.engine.params import SamplingParams
 from services.launcher import WorkerProcess
+from services.model.loader import load_model
 from services.rpc import worker_pb2 as pb
 from services.rpc import worker_pb2_grpc as pbg
 from services.settings import EngineConfig
 from services.worker.convert import to_proto_params
+from tests.support.dtypes import COMPUTE_DTYPES
 
 BLOCK = 16
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -87,12 +90,15 @@ def test_the_next_turn_on_another_worker_imports_the_first(pool, redis_server, e
     assert out2 == reference(embedded, turn2)
 
 
+@pytest.mark.parametrize("dtype", COMPUTE_DTYPES)
 def test_a_restarted_worker_answers_a_repeated_prompt_from_the_store(
-    embedded, embedded_dir, tmp_path
+    dtype, embedded, embedded_dir, tmp_path
 ):
+    """In each dtype `--dtype auto` picks here: the blocks read back give the tokens the
+    engine computes alone."""
     store = f"local://{tmp_path / 'kv'}"
     worker = WorkerProcess("decode", str(embedded_dir), store, tmp_path, "--num-blocks", "200",
-                           dtype="float32").start()  # fmt: skip
+                           dtype=dtype).start()  # fmt: skip
     try:
         ids = prompt(300, seed=43)
         first, _, _ = decode(worker.address, "before", ids)
@@ -101,7 +107,8 @@ def test_a_restarted_worker_answers_a_repeated_prompt_from_the_store(
         again, before, after = decode(worker.address, "after", ids)
     finally:
         worker.stop()
-    assert first == again == reference(embedded, ids)
+    loaded = embedded if dtype == "float32" else load_model(str(embedded_dir), dtype=dtype)
+    assert first == again == reference(loaded, ids)
     full = len(ids) // BLOCK  # the prompt's full blocks, all written with the answer
     assert after.store_hits - before.store_hits == full
     assert after.recomputed_tokens - before.recomputed_tokens == len(ids) - full * BLOCK
