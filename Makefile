@@ -16,7 +16,7 @@ RUNTIME_STAMP := $(VENV)/.stamp-runtime
 TEST_STAMP := $(VENV)/.stamp-test
 STUBS := services/rpc/worker_pb2.py
 
-.PHONY: install install-test serve test lint typecheck unit clean wheels test-deploy
+.PHONY: install install-test serve test lint typecheck unit clean wheels test-deploy test-multihost
 
 install: $(RUNTIME_STAMP) $(STUBS)
 install-test: $(TEST_STAMP) $(STUBS)
@@ -66,6 +66,12 @@ wheels: $(RUNTIME_STAMP)
 # skipped, with one line saying why, where no engine can be installed or started
 test-deploy: install-test
 	PDSERVE_DEPLOY_TESTS=1 $(BIN)/pytest -s -p no:cacheprovider tests/deploy/test_containers.py
+
+# the router, 2 prefill and 2 decode workers and Redis each on a host of its own: network
+# namespaces on a bridge, links shaped by tc (tests/multihost/); needs root and iproute2, and
+# is skipped, with one line saying why, where they are missing
+test-multihost: install-test
+	PDSERVE_MULTIHOST_TESTS=1 $(BIN)/pytest -p no:cacheprovider -rs tests/multihost
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

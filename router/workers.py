@@ -33,6 +33,7 @@ import grpc
 
 from kvstore.block_hash import BLOCK_SIZE
 from router.backlog import Backlog
+from services.rpc import keepalive
 from services.rpc import worker_pb2 as pb
 from services.rpc import worker_pb2_grpc as pbg
 from services.settings import RouterSettings
@@ -41,10 +42,11 @@ log = logging.getLogger("pdserve.router")
 REMEMBERED_BLOCKS = 50_000  # per worker
 # gRPC's reconnect backoff grows to 120 s by default: a worker restarted after a crash would
 # stay unreachable long after it serves again. Retry the connection at least twice a second
-# (a refused connection costs nothing).
+# (a refused connection costs nothing). A link cut mid-stream: services/rpc/keepalive.py.
 CHANNEL_OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", 500),
     ("grpc.initial_reconnect_backoff_ms", 100),
+    *keepalive.CLIENT_OPTIONS,
 ]
 # A worker not healthy (starting, restarting, refused) is asked this often, whatever the
 # interval: a stack is ready, and a restarted worker back, as soon as it answers.

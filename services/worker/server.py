@@ -35,6 +35,7 @@ from services.model.expert_rank import start as start_ranks
 from services.model.loader import load_model
 from services.model.mtp import Mtp, load_mtp
 from services.model.openmp import release_this_threads_team
+from services.rpc import keepalive
 from services.rpc import worker_pb2 as pb
 from services.settings import Settings
 from services.tracing import Span, Tracer, from_metadata
@@ -165,7 +166,7 @@ class Worker:
         self.driver.start()
         # no SO_REUSEPORT: a port another server holds is an error here, not a silent share
         # of its connections (a prefill worker answering a decode worker's calls)
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0), *keepalive.SERVER_OPTIONS])
         self.add_to_server(server)
         address = f"{self.settings.server.host}:{self.settings.port}"
         server.add_insecure_port(address)
