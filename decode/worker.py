@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -60,6 +61,7 @@ class DecodeWorker(Worker, worker_pb2_grpc.DecodeWorkerServicer):
         )
         kv = connector.imported
         span.event("fetched", tokens=kv.num_tokens if kv is not None else 0)
+        submitted = time.perf_counter()
         try:
             stream = await self.driver.submit(
                 EngineRequest(
@@ -68,7 +70,8 @@ class DecodeWorker(Worker, worker_pb2_grpc.DecodeWorkerServicer):
                     block_hashes=connector.block_hashes,
                 ), connector,
             )  # fmt: skip
-            async for chunk in self._chunks(rid, len(prompt), stream, span):
+            measured = submitted if not output else None  # a migrated stream computes more
+            async for chunk in self._chunks(rid, len(prompt), stream, span, measured):
                 yield chunk
         except ValidationError as e:
             await refuse(context, e)
@@ -78,14 +81,25 @@ class DecodeWorker(Worker, worker_pb2_grpc.DecodeWorkerServicer):
             span.end()
 
     async def _chunks(
-        self, rid: str, prompt_len: int, stream: AsyncIterator[Any], span: Span
+        self,
+        rid: str,
+        prompt_len: int,
+        stream: AsyncIterator[Any],
+        span: Span,
+        submitted: float | None,
     ) -> AsyncIterator[pb.DecodeChunk]:
+        """`submitted`: when the request went to the engine, if its first token measures the
+        prompt rate (fetch_choice.py)."""
         first, finished = True, False
         try:
             async for delta in stream:
                 trace_steps(span, delta, first)
                 if first:
-                    self.counters.recomputed_tokens += prompt_len - delta.num_cached_tokens
+                    cached = delta.num_cached_tokens
+                    self.counters.recomputed_tokens += prompt_len - cached
+                    if submitted is not None:
+                        seconds = time.perf_counter() - submitted
+                        self.link.choice.prompts.observe(cached, prompt_len - cached, seconds)
                     first = False
                 chunk = pb.DecodeChunk(
                     token_ids=delta.token_ids,

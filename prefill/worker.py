@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 import grpc
@@ -51,6 +52,7 @@ class PrefillWorker(Worker, worker_pb2_grpc.PrefillWorkerServicer):
         connector = await PrefillConnector.fetch(self.link, rid, prompt, request.salt, params)
         kv = connector.imported
         span.event("fetched", tokens=kv.num_tokens if kv is not None else 0)
+        submitted = time.perf_counter()
         try:
             stream = await self.driver.submit(
                 EngineRequest(rid, prompt, params, request.salt,
@@ -58,6 +60,9 @@ class PrefillWorker(Worker, worker_pb2_grpc.PrefillWorkerServicer):
             )  # fmt: skip
             # a caller gone (cancelled) aborts the request as the stream is left
             delta = [d async for d in stream][-1]
+            cached = delta.num_cached_tokens
+            seconds = time.perf_counter() - submitted
+            self.link.choice.prompts.observe(cached, len(prompt) - cached, seconds)
             trace_steps(span, delta, first=True)
             await self.link.wait_for_puts(rid)
             span.event("stored")

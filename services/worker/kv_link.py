@@ -30,6 +30,7 @@ from services.engine.kv_connector import BlockToSave, ImportedKV, KVSource
 from services.engine.request import Sequence
 from services.model.kv_cache import KVCache, gather_blocks
 from services.settings import StoreSettings
+from services.worker.fetch_choice import Choice
 
 log = logging.getLogger("pdserve.worker")
 FETCH_BATCH = 8  # blocks per store read while fetching a prompt gently (see fetch)
@@ -47,8 +48,10 @@ class KVLink:
         settings: StoreSettings,
         *,
         cached_hashes: Callable[[], Container[bytes]],
+        attention_k: float,
     ) -> None:
-        """`cached_hashes`: a snapshot of the blocks the engine's prefix cache holds."""
+        """`cached_hashes`: a snapshot of the blocks the engine's prefix cache holds;
+        `attention_k`: the model's (services/worker/fetch_choice.py)."""
         self.layout = layout
         self.namespace = layout.namespace()
         key = read_key(settings.kv_key_file) if settings.kv_key_file else None
@@ -66,6 +69,9 @@ class KVLink:
         self.pending_puts: dict[str, list[concurrent.futures.Future[None]]] = defaultdict(list)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._down_until = 0.0  # time.monotonic() before which no read is tried
+        # what to read and what to compute, from the measured link and prompt rate
+        self.choice = Choice(settings.kv_fetch, attention_k, layout.block_size, FETCH_BATCH,
+                             FETCH_PAUSE)  # fmt: skip
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         """The event loop that writes exported blocks."""
@@ -75,7 +81,9 @@ class KVLink:
         """Whether the store answers (a read of a key no block has): a worker starting with
         a store it cannot reach says so, and computes prompts until the store answers."""
         try:
+            start = time.perf_counter()
             await self.store.get_many([bytes(16)])
+            self.choice.observe_read(0, 0, time.perf_counter() - start)  # a round trip
         except StoreUnavailable as e:
             log.warning("kv store unreachable: computing prompts until it answers",
                         extra={"fields": {"why": str(e)}})  # fmt: skip
@@ -119,12 +127,14 @@ class KVLink:
             return None
         cached = self.cached_hashes()  # a snapshot: the engine thread owns the cache
         skipped = next((i for i, h in enumerate(full) if h not in cached), len(full))
+        plan = self.choice.plan(skipped, len(full) - skipped)
+        wanted = skipped + plan.blocks  # the rest computed (read no faster, or never)
         values: list[bytes] = [b""] * skipped
         try:
             step = FETCH_BATCH if gentle else max(1, len(full) - skipped)
-            while len(values) < len(full):
-                batch = full[len(values) : len(values) + step]
-                got = [value for value, _ in await self.blocks.get_checked(batch)]
+            while len(values) < wanted:
+                batch = full[len(values) : min(len(values) + step, wanted)]
+                got = await self._read(batch)
                 values += got
                 if len(got) < len(batch):
                     break
@@ -132,7 +142,7 @@ class KVLink:
                     await asyncio.sleep(FETCH_PAUSE)  # leave the cores to the batch a moment
             count = len(values)
             if partial is not None and count == len(full):
-                values += [value for value, _ in await self.blocks.get_checked([partial])]
+                values += await self._read([partial])
         except StoreUnavailable as e:
             self.store_failures += 1
             self._down_until = time.monotonic() + STORE_RETRY
@@ -143,12 +153,21 @@ class KVLink:
         log.info("fetched", extra={"fields": {
             "request_id": request_id, "blocks": len(values) - skipped, "cached": skipped,
             "of": len(full) + (partial is not None), "ms": 1000 * (time.perf_counter() - start),
+            "choice": plan.why, "expected_fetch_ms": _ms(plan.fetch_s),
+            "expected_compute_ms": _ms(plan.compute_s),
         }})  # fmt: skip
         if not values:
             return None
         source = StoredBlocks(self.codec, values)
         bs = self.layout.block_size
         return ImportedKV(full[:count], source, bs, partial_tokens if has_tail else 0, skipped)
+
+    async def _read(self, hashes: list[bytes]) -> list[bytes]:
+        """The leading run of these blocks the store holds (valid ones), the read measured."""
+        start = time.perf_counter()
+        got = [value for value, _ in await self.blocks.get_checked(hashes)]
+        self.choice.observe_read(sum(map(len, got)), len(got), time.perf_counter() - start)
+        return got
 
     # -- KV out -------------------------------------------------------------------------
 
@@ -175,3 +194,7 @@ class KVLink:
     def forget(self, request_id: str) -> None:
         """Stop tracking a request's writes (they finish on their own)."""
         self.pending_puts.pop(request_id, None)
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(1000 * seconds, 1)

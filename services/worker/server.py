@@ -39,6 +39,7 @@ from services.rpc import keepalive
 from services.rpc import worker_pb2 as pb
 from services.settings import Settings
 from services.tracing import Span, Tracer, from_metadata
+from services.worker.fetch_choice import attention_k
 from services.worker.kv_link import KVLink
 
 log = logging.getLogger("pdserve.worker")
@@ -92,8 +93,9 @@ class Worker:
             model = loaded.model
             draft = load_mtp(loaded.path, mc, model.dtype, model.device, model.kernels)
         self.link = KVLink(
-            self.layout, storage, store, cached_hashes=lambda: self.driver.cached_hashes
-        )
+            self.layout, storage, store, cached_hashes=lambda: self.driver.cached_hashes,
+            attention_k=attention_k(mc),
+        )  # fmt: skip
         # block names in the engine = keys in the store; the link moves the requests' KV
         self.engine = Engine(
             loaded.model, loaded.tokenizer, settings.engine, draft, self.namespace, self.link
