@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 
+from decode.prefetch import Prefetcher
 from services.engine.block_manager import BlockManager
 from services.engine.kv_connector import BlockToSave, ImportedKV, full_blocks
 from services.engine.request import Sequence
@@ -40,11 +41,14 @@ class DecodeConnector:
         prompt: Seq[int],
         salt: bytes,
         write_back: bool,
+        prefetcher: Prefetcher | None = None,
     ) -> DecodeConnector:
-        """The connector of a request, with what the store holds of its prompt."""
+        """The connector of a request, with what the store holds of its prompt (and what a
+        prefetch read of it already)."""
         full, partial = link.hashes(prompt, salt)
         rest = len(prompt) % link.layout.block_size
-        imported = await link.fetch(request_id, full, partial, rest, gentle=True)
+        read = await prefetcher.claim(request_id, full) if prefetcher is not None else None
+        imported = await link.fetch(request_id, full, partial, rest, gentle=True, prefetched=read)
         return cls(full, imported, write_back)
 
     def prefix(self, seq: Sequence) -> ImportedKV | None:

@@ -21,6 +21,7 @@ from typing import Any
 import grpc
 
 from decode.connector import DecodeConnector
+from decode.prefetch import Prefetcher
 from services.engine.driver import EngineDied
 from services.engine.params import ValidationError
 from services.engine.request import EngineRequest
@@ -37,8 +38,25 @@ log = logging.getLogger("pdserve.decode")
 class DecodeWorker(Worker, worker_pb2_grpc.DecodeWorkerServicer):
     role = "decode"
 
+    def __init__(self, settings: Settings) -> None:
+        super().__init__(settings)
+        self.prefetcher = Prefetcher(self.link)
+
     def add_to_server(self, server: grpc.aio.Server) -> None:
         worker_pb2_grpc.add_DecodeWorkerServicer_to_server(self, server)
+
+    async def Prefetch(self, request: pb.PrefetchRequest, context: Any) -> pb.PrefetchReply:
+        """Start reading the prompt's blocks as its prefill writes them (decode/prefetch.py)."""
+        rid = request.request_id
+        if not rid:
+            await refuse(context, ValidationError("request_id", "must not be empty"))
+        full, _ = self.link.hashes(list(request.prompt_token_ids), request.salt)
+        return pb.PrefetchReply(started=self.prefetcher.start(rid, full))
+
+    async def Abort(self, request: pb.AbortRequest, context: Any) -> pb.AbortReply:
+        dropped = self.prefetcher.drop(request.request_id)
+        reply = await super().Abort(request, context)
+        return pb.AbortReply(found=reply.found or dropped)
 
     async def Decode(
         self, request: pb.DecodeRequest, context: Any
@@ -57,8 +75,9 @@ class DecodeWorker(Worker, worker_pb2_grpc.DecodeWorkerServicer):
         except ValidationError as e:
             await refuse(context, e)
         connector = await DecodeConnector.fetch(
-            self.link, rid, prompt, request.salt, self.settings.worker.write_back
-        )
+            self.link, rid, prompt, request.salt, self.settings.worker.write_back,
+            self.prefetcher,
+        )  # fmt: skip
         kv = connector.imported
         span.event("fetched", tokens=kv.num_tokens if kv is not None else 0)
         submitted = time.perf_counter()

@@ -18,8 +18,9 @@ worker, for each choice, hiding worker faults from the client.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -37,6 +38,7 @@ from services.worker.convert import FINISH_NAMES
 log = logging.getLogger("pdserve.router")
 REFUSED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_EXISTS)
 RETRY_POLL = 0.25  # seconds between looks for a worker to come back
+CONTROL_TIMEOUT = 5.0  # seconds for a Prefetch or an Abort nobody waits for
 MAX_FAILURES = 6  # worker failures one call survives (a worker in a crash loop ends it)
 
 
@@ -83,6 +85,7 @@ class Pipeline:
         self.settings = settings
         self.colocated = colocated  # every prompt is computed on a decode worker
         self.on_local_prefill = on_local_prefill  # called with why a decode worker prefills
+        self._background: set[asyncio.Task[None]] = set()  # calls nobody waits for
 
     def block_hashes(self, prompt_ids: Sequence[int], salt: bytes) -> list[bytes]:
         """A prompt's block hashes (the partial last one too) as the workers name them."""
@@ -138,6 +141,7 @@ class Pipeline:
         rid = f"{job.request_id}-{index}"
         seed = int64(choice_seed(job.seed, index))
         out = job.index_base + index
+        early: WorkerState | None = None  # the decode worker reading the prompt's KV early
         try:
             reply = None
             if self._compute_on_decode(job):
@@ -145,6 +149,7 @@ class Pipeline:
             elif self._spill(job):
                 self.on_local_prefill("prefill_backlog")
             else:
+                early = self._prefetch(rid, job) if prefilled is not None else None
                 reply = await self._prefill(rid, job, seed, span)
             if prefilled is not None:
                 prefilled.set()
@@ -167,13 +172,47 @@ class Pipeline:
                 )
                 if finish is not None:
                     return
-            decode = self._decode(rid, job, seed, tokens, text_sent, reply is None, span)
+            decode = self._decode(rid, job, seed, tokens, text_sent, reply is None, span, early)
+            early = None  # the Decode claims the prefetch, or aborts it
             async for delta in decode:
                 delta.index = out
                 queue.put_nowait(delta)
         finally:
             if prefilled is not None:
                 prefilled.set()
+            self._abort_prefetch(early, rid)  # no Decode came (finished, failed, cancelled)
+
+    def _prefetch(self, rid: str, job: Job) -> WorkerState | None:
+        """The decode worker the prompt will go to, asked to read its blocks as the prefill
+        writes them (decode/prefetch.py); None for a prompt it would read quickly anyway."""
+        minimum = self.settings.prefetch_tokens
+        candidates = self.registry.available("decode")
+        if not minimum or len(job.prompt_ids) < minimum or not candidates:
+            return None
+        worker = self.policy.pick(candidates, job.block_hashes)
+        if self._uncached(worker, job) < minimum:
+            return None
+        request = pb.PrefetchRequest(request_id=rid, prompt_token_ids=job.prompt_ids,
+                                     salt=job.salt)  # fmt: skip
+        self._quietly(worker.stub.Prefetch(request, timeout=CONTROL_TIMEOUT))
+        return worker
+
+    def _abort_prefetch(self, worker: WorkerState | None, rid: str) -> None:
+        if worker is not None:
+            self._quietly(
+                worker.stub.Abort(pb.AbortRequest(request_id=rid), timeout=CONTROL_TIMEOUT)
+            )
+
+    def _quietly(self, call: Awaitable[object]) -> None:
+        """A call whose failure costs nothing (a prefetch not made is a fetch later)."""
+
+        async def run() -> None:
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                await call
+
+        task = asyncio.create_task(run())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _compute_on_decode(self, job: Job) -> bool:
         """Conditional disaggregation: a prompt whose uncached part is short skips prefill."""
@@ -265,12 +304,21 @@ class Pipeline:
         text_sent: int,
         local_prefill: bool,
         span: Span,
+        preferred: WorkerState | None = None,
     ) -> AsyncIterator[Delta]:
-        """`local_prefill`: the decode worker computes the prompt (no prefill ran)."""
+        """`local_prefill`: the decode worker computes the prompt (no prefill ran);
+        `preferred`: the worker prefetching the prompt, taken if it is still available."""
         tried = Tried()
         first = local_prefill
         while True:
-            worker = await self._pick("decode", job.block_hashes, tried)
+            usable = preferred in self.registry.available("decode")
+            if preferred is not None and usable and tried.allows(preferred):
+                worker = preferred
+            else:
+                worker = await self._pick("decode", job.block_hashes, tried)
+                if worker is not preferred:
+                    self._abort_prefetch(preferred, rid)
+            preferred = None
             request = pb.DecodeRequest(
                 request_id=rid,
                 prompt_token_ids=job.prompt_ids,

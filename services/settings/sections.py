@@ -245,6 +245,9 @@ class RouterSettings(Section):
     imbalance: int = setting(8, "kv_aware: requests a cached worker may be busier by", ROUTER)
     disagg_threshold: int = setting(0, "prompts with fewer uncached tokens skip prefill (0: off)",
                                     ROUTER)  # fmt: skip
+    prefetch_tokens: int = setting(1024, "prompts with at least this many tokens a decode "
+                                   "worker lacks are read by it while prefill computes them "
+                                   "(0: after)", ROUTER, minimum=0)  # fmt: skip
     api_keys: tuple[str, ...] = setting((), "accepted API keys (none: no authentication); "
                                         "prefer the variable or --api-keys-file: flags show "
                                         "in ps", ROUTER)  # fmt: skip

@@ -42,22 +42,28 @@ def smooth(old: float | None, new: float) -> float:
 @dataclass
 class LinkRate:
     rtt: float | None = None  # seconds
-    bytes_per_s: float | None = None
+    # seconds per byte, smoothed as such: averaging bytes/s instead would let a few fast
+    # samples of the past outweigh many slow ones of now (the mean of rates favours the fast)
+    per_byte: float | None = None
     at: float = 0.0  # time.monotonic() of the last large read
+
+    @property
+    def bytes_per_s(self) -> float | None:
+        return None if self.per_byte is None else 1 / self.per_byte
 
     def observe(self, nbytes: int, seconds: float) -> None:
         if nbytes < SMALL:
             self.rtt = smooth(self.rtt, seconds)
             return
         moving = max(seconds - (self.rtt or 0.0), 1e-6)
-        self.bytes_per_s = smooth(self.bytes_per_s, nbytes / moving)
+        self.per_byte = smooth(self.per_byte, moving / nbytes)
         self.at = time.monotonic()
 
     def seconds(self, nbytes: int, calls: int) -> float | None:
         """Expected seconds to read `nbytes` in `calls` reads; None until measured."""
-        if self.bytes_per_s is None:
+        if self.per_byte is None:
             return None
-        return calls * (self.rtt or 0.0) + nbytes / self.bytes_per_s
+        return calls * (self.rtt or 0.0) + nbytes * self.per_byte
 
     @property
     def stale(self) -> bool:

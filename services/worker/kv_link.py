@@ -16,7 +16,7 @@ import asyncio
 import concurrent.futures
 import logging
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable, Container
 from collections.abc import Sequence as Seq
 
@@ -25,7 +25,7 @@ from kvstore.block_hash import KVLayout, block_hashes
 from kvstore.blocks import BlockStore, StoredBlocks
 from kvstore.codec import BlockCodec, StorageDtype
 from kvstore.keyfile import read_key
-from kvstore.store import KVStore, StoreUnavailable
+from kvstore.store import KVStore, StoreUnavailable, Value
 from services.engine.kv_connector import BlockToSave, ImportedKV, KVSource
 from services.engine.request import Sequence
 from services.model.kv_cache import KVCache, gather_blocks
@@ -35,6 +35,7 @@ from services.worker.fetch_choice import Choice
 log = logging.getLogger("pdserve.worker")
 FETCH_BATCH = 8  # blocks per store read while fetching a prompt gently (see fetch)
 FETCH_PAUSE = 0.005  # seconds between those reads
+READS_IN_FLIGHT = 2  # gentle reads at a time
 # seconds the link reads nothing after the store failed a read: a store that is down (or a
 # blackholed link, each read waiting store_timeout) costs the requests meanwhile nothing
 STORE_RETRY = 2.0
@@ -67,6 +68,7 @@ class KVLink:
         self.cached_hashes = cached_hashes
         self.store_failures = 0  # requests that went on without the store
         self.pending_puts: dict[str, list[concurrent.futures.Future[None]]] = defaultdict(list)
+        self.writing: set[concurrent.futures.Future[None]] = set()  # every write not done
         self._loop: asyncio.AbstractEventLoop | None = None
         self._down_until = 0.0  # time.monotonic() before which no read is tried
         # what to read and what to compute, from the measured link and prompt rate
@@ -110,6 +112,7 @@ class KVLink:
         partial: bytes | None,
         partial_tokens: int,
         gentle: bool = False,
+        prefetched: list[bytes] | None = None,
     ) -> ImportedKV | None:
         """The longest valid run of these blocks in the store (and the partial block after
         them if all are there); None if none, or if the store is unavailable.
@@ -120,7 +123,10 @@ class KVLink:
         never kept waiting long (one 46 MB read stalled a step by ~170 ms).
 
         Leading blocks the engine's cache holds are not read (what KV-aware routing buys):
-        the import names them and the engine shares them at admission."""
+        the import names them and the engine shares them at admission.
+
+        `prefetched`: the leading blocks read already (decode/prefetch.py; b"" for those the
+        cache held then): the rest is read, whatever the choice (the prefetch made it)."""
         start = time.perf_counter()
         if time.monotonic() < self._down_until:  # failed a moment ago: not asked again yet
             self.store_failures += 1
@@ -130,19 +136,14 @@ class KVLink:
         plan = self.choice.plan(skipped, len(full) - skipped)
         wanted = skipped + plan.blocks  # the rest computed (read no faster, or never)
         values: list[bytes] = [b""] * skipped
+        if prefetched is not None:
+            skipped = next((i for i, v in enumerate(prefetched) if v), len(prefetched))
+            values, wanted = prefetched, len(full)
         try:
-            step = FETCH_BATCH if gentle else max(1, len(full) - skipped)
-            while len(values) < wanted:
-                batch = full[len(values) : min(len(values) + step, wanted)]
-                got = await self._read(batch)
-                values += got
-                if len(got) < len(batch):
-                    break
-                if gentle:
-                    await asyncio.sleep(FETCH_PAUSE)  # leave the cores to the batch a moment
+            values += await self.read_run(full[len(values) : wanted], gentle)
             count = len(values)
             if partial is not None and count == len(full):
-                values += await self._read([partial])
+                values += await self.read_run([partial], gentle)
         except StoreUnavailable as e:
             self.store_failures += 1
             self._down_until = time.monotonic() + STORE_RETRY
@@ -153,7 +154,8 @@ class KVLink:
         log.info("fetched", extra={"fields": {
             "request_id": request_id, "blocks": len(values) - skipped, "cached": skipped,
             "of": len(full) + (partial is not None), "ms": 1000 * (time.perf_counter() - start),
-            "choice": plan.why, "expected_fetch_ms": _ms(plan.fetch_s),
+            "choice": "prefetched" if prefetched is not None else plan.why,
+            "expected_fetch_ms": _ms(plan.fetch_s),
             "expected_compute_ms": _ms(plan.compute_s),
         }})  # fmt: skip
         if not values:
@@ -162,12 +164,41 @@ class KVLink:
         bs = self.layout.block_size
         return ImportedKV(full[:count], source, bs, partial_tokens if has_tail else 0, skipped)
 
-    async def _read(self, hashes: list[bytes]) -> list[bytes]:
-        """The leading run of these blocks the store holds (valid ones), the read measured."""
-        start = time.perf_counter()
-        got = [value for value, _ in await self.blocks.get_checked(hashes)]
-        self.choice.observe_read(sum(map(len, got)), len(got), time.perf_counter() - start)
-        return got
+    async def read_run(self, hashes: list[bytes], gentle: bool) -> list[bytes]:
+        """The leading run of these blocks the store holds (valid ones). Gently: FETCH_BATCH
+        blocks per read, READS_IN_FLIGHT reads at a time (one on the wire while another's
+        bytes are checked: the link stays busy) and a pause after each; else in one read.
+        Each read measures the link: its bytes over the time since the read before it
+        ended (or since it began, if later)."""
+        step = FETCH_BATCH if gentle else max(1, len(hashes))
+        batches = [hashes[i : i + step] for i in range(0, len(hashes), step)]
+        values: list[bytes] = []
+        waiting: deque[tuple[asyncio.Task[list[bytes]], int, float]] = deque()
+        last = 0.0
+        try:
+            while batches or waiting:
+                while batches and len(waiting) < (READS_IN_FLIGHT if gentle else 1):
+                    batch = batches.pop(0)
+                    task = asyncio.create_task(self._get(batch))
+                    waiting.append((task, len(batch), time.perf_counter()))
+                task, wanted, began = waiting.popleft()
+                got = await task
+                done = time.perf_counter()
+                self.choice.observe_read(sum(map(len, got)), len(got), done - max(began, last))
+                last = done
+                values += got
+                if len(got) < wanted:
+                    break
+                if gentle:
+                    await asyncio.sleep(FETCH_PAUSE)  # leave the cores to the batch a moment
+        finally:
+            for task, _, _ in waiting:
+                task.cancel()
+            await asyncio.gather(*(t for t, _, _ in waiting), return_exceptions=True)
+        return values
+
+    async def _get(self, hashes: list[bytes]) -> list[bytes]:
+        return [value for value, _ in await self.blocks.get_checked(hashes)]
 
     # -- KV out -------------------------------------------------------------------------
 
@@ -183,13 +214,29 @@ class KVLink:
         items = self.blocks.encode(
             k, v, [b.block_hash for b in ready], [b.num_tokens for b in ready]
         )
-        put = self.store.put_many(items)
-        self.pending_puts[seq.request_id].append(asyncio.run_coroutine_threadsafe(put, self._loop))
+        future = asyncio.run_coroutine_threadsafe(self._put(items), self._loop)
+        self.pending_puts[seq.request_id].append(future)
+        self.writing.add(future)
+        future.add_done_callback(self.writing.discard)  # on the event loop's thread
+
+    async def _put(self, items: list[tuple[bytes, Value]]) -> None:
+        """Written FETCH_BATCH blocks per call: each call's store_timeout covers a few MB, not
+        a long prompt's whole KV at once (8000 tokens, 184 MB, timed out on any link)."""
+        for i in range(0, len(items), FETCH_BATCH):
+            await self.store.put_many(items[i : i + FETCH_BATCH])
 
     async def wait_for_puts(self, request_id: str) -> None:
         """Until every block saved for the request is written (StoreUnavailable if not)."""
         for future in self.pending_puts.pop(request_id, []):
             await asyncio.wrap_future(future)
+
+    async def flush(self, timeout: float) -> None:
+        """Until every write begun is done (at most `timeout` seconds): a worker stopping
+        leaves the blocks it computed in the store. Called once the engine thread, which
+        begins writes, has stopped."""
+        if self.writing:
+            futures = [asyncio.wrap_future(f) for f in list(self.writing)]
+            await asyncio.wait(futures, timeout=timeout)
 
     def forget(self, request_id: str) -> None:
         """Stop tracking a request's writes (they finish on their own)."""

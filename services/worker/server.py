@@ -204,6 +204,7 @@ class Worker:
             await server.stop(grace)
             await self.driver.abort_all()
             await self.driver.stop()
+            await self.link.flush(grace)  # the blocks computed reach the store
         if self.experts is not None:  # the engine thread is stopped, or dead: kill its ranks
             self.experts.stop(kill=bool(self.exit_code) or self.driver.failure is not None)
         with contextlib.suppress(StoreUnavailable):

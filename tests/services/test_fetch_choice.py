@@ -25,8 +25,8 @@ def test_link_rate_is_round_trips_and_bytes_per_second():
     link.observe(10_000_000, 0.102)  # 10 MB in 0.1 s past the round trip
     assert link.rtt == 0.002 and link.bytes_per_s == pytest.approx(1e8)
     assert link.seconds(50_000_000, 5) == pytest.approx(5 * 0.002 + 0.5)
-    link.observe(10_000_000, 0.202)  # slower now: smoothed, newest weighted ALPHA
-    assert link.bytes_per_s == pytest.approx((1 - ALPHA) * 1e8 + ALPHA * 5e7)
+    link.observe(10_000_000, 0.202)  # slower now: seconds per byte smoothed, ALPHA the newest's
+    assert 1 / link.bytes_per_s == pytest.approx((1 - ALPHA) / 1e8 + ALPHA / 5e7)
 
 
 def test_prompt_rate_predicts_longer_prompts_and_offsets():
@@ -56,11 +56,9 @@ def test_plan_reads_until_both_rates_are_measured_then_the_faster():
     plan = c.plan(0, 100)
     assert (plan.blocks, plan.why) == (100, "fetch")
     assert plan.fetch_s == pytest.approx(0.473) and plan.compute_s == pytest.approx(1.92)
-    c.observe_read(8 * 400_000, 8, 0.001 + 3.2)  # the link slows a hundredfold, smoothed
-    assert c.link.bytes_per_s == pytest.approx((1 - ALPHA) * 1e8 + ALPHA * 1e6)
-    for _ in range(20):
-        c.observe_read(8 * 400_000, 8, 0.001 + 3.2)
-    plan = c.plan(0, 100)
+    c.observe_read(8 * 400_000, 8, 0.001 + 3.2)  # the link slows a hundredfold
+    assert 1 / c.link.bytes_per_s == pytest.approx((1 - ALPHA) / 1e8 + ALPHA / 1e6)
+    plan = c.plan(0, 100)  # one slow read: 30% of the way, and computing is sooner already
     assert (plan.blocks, plan.why) == (0, "compute") and plan.fetch_s > plan.compute_s
     assert c.plan(10, 0).blocks == 0  # nothing missing
 
