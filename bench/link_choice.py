@@ -14,7 +14,8 @@ netem qdisc (the bed says when it has none).
 Per rate (fastest first) the auto reader is warmed as traffic would warm it: a 1024-token
 prompt it computes (the prompt rate) and one it reads (the link). Then per length, a fresh
 random prompt written by both writers, and the readers' TTFT (time to the first Decode chunk,
-local_prefill, greedy, 1 token), the median of --repeats prompts. Every reader computes or
+local_prefill, greedy, 1 token), the median of --repeats prompts (the readers asked in
+turn, each first once). Every reader computes or
 reads the whole prompt: its own cache has never seen it. A Markdown table per rate and, with
 --plot, TTFT against prompt length, one panel per link.
 """
@@ -100,12 +101,13 @@ def measure(
         ids = random_prompt(length, seed=zlib.crc32(f"{tag}-{length}-{r}".encode()))
         for name in WRITERS:
             write(workers[name], store, f"{tag}-{length}-{r}-{name}", ids)
-        for name in READERS:
+        names = list(READERS)
+        for name in names[r % len(names) :] + names[: r % len(names)]:  # each first in turn
             rid = f"{tag}-{length}-{r}-{name}"
             times[name].append(asyncio.run(ttft(workers[name].address, rid, ids)))
             if name == "auto":
                 choices.append(choice_of(workers[name], rid))
-    row: dict[str, Any] = {"tokens": length, "auto_choices": choices}
+    row: dict[str, Any] = {"tokens": length, "auto_choices": choices, "samples": times}
     row.update({name: statistics.median(t) for name, t in times.items()})
     row["auto_choice"] = "/".join(sorted({c["choice"] for c in choices}))
     return row

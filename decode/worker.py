@@ -48,8 +48,12 @@ class DecodeWorker(Worker, worker_pb2_grpc.DecodeWorkerServicer):
     async def Prefetch(self, request: pb.PrefetchRequest, context: Any) -> pb.PrefetchReply:
         """Start reading the prompt's blocks as its prefill writes them (decode/prefetch.py)."""
         rid = request.request_id
-        if not rid:
-            await refuse(context, ValidationError("request_id", "must not be empty"))
+        try:
+            convert.check_no_unknown_fields(request)
+            if not rid:
+                raise ValidationError("request_id", "must not be empty")
+        except ValidationError as e:
+            await refuse(context, e)
         full, _ = self.link.hashes(list(request.prompt_token_ids), request.salt)
         return pb.PrefetchReply(started=self.prefetcher.start(rid, full))
 

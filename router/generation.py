@@ -311,7 +311,7 @@ class Pipeline:
         tried = Tried()
         first = local_prefill
         while True:
-            usable = preferred in self.registry.available("decode")
+            usable = any(w is preferred for w in self.registry.available("decode"))
             if preferred is not None and usable and tried.allows(preferred):
                 worker = preferred
             else:

@@ -35,7 +35,7 @@ from services.worker.fetch_choice import Choice
 log = logging.getLogger("pdserve.worker")
 FETCH_BATCH = 8  # blocks per store read while fetching a prompt gently (see fetch)
 FETCH_PAUSE = 0.005  # seconds between those reads
-READS_IN_FLIGHT = 2  # gentle reads at a time
+READS_IN_FLIGHT = 2  # reads at a time (one on the wire while another's bytes are checked)
 # seconds the link reads nothing after the store failed a read: a store that is down (or a
 # blackholed link, each read waiting store_timeout) costs the requests meanwhile nothing
 STORE_RETRY = 2.0
@@ -69,6 +69,8 @@ class KVLink:
         self.store_failures = 0  # requests that went on without the store
         self.pending_puts: dict[str, list[concurrent.futures.Future[None]]] = defaultdict(list)
         self.writing: set[concurrent.futures.Future[None]] = set()  # every write not done
+        self._writes = asyncio.Lock()  # one write call on the link at a time
+        self._reads = asyncio.Semaphore(READS_IN_FLIGHT)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._down_until = 0.0  # time.monotonic() before which no read is tried
         # what to read and what to compute, from the measured link and prompt rate
@@ -198,7 +200,8 @@ class KVLink:
         return values
 
     async def _get(self, hashes: list[bytes]) -> list[bytes]:
-        return [value for value, _ in await self.blocks.get_checked(hashes)]
+        async with self._reads:  # READS_IN_FLIGHT on the link, whatever the requests
+            return [value for value, _ in await self.blocks.get_checked(hashes)]
 
     # -- KV out -------------------------------------------------------------------------
 
@@ -220,10 +223,13 @@ class KVLink:
         future.add_done_callback(self.writing.discard)  # on the event loop's thread
 
     async def _put(self, items: list[tuple[bytes, Value]]) -> None:
-        """Written FETCH_BATCH blocks per call: each call's store_timeout covers a few MB, not
-        a long prompt's whole KV at once (8000 tokens, 184 MB, timed out on any link)."""
+        """Written FETCH_BATCH blocks per call, one call at a time on the link: each call's
+        store_timeout covers a few MB of its own, not a long prompt's whole KV (8000 tokens,
+        184 MB, timed out on any link) nor the calls queued before it on a slow link (a
+        prefill's writes on 0.1 Gbit/s did, and the prefill failed)."""
         for i in range(0, len(items), FETCH_BATCH):
-            await self.store.put_many(items[i : i + FETCH_BATCH])
+            async with self._writes:
+                await self.store.put_many(items[i : i + FETCH_BATCH])
 
     async def wait_for_puts(self, request_id: str) -> None:
         """Until every block saved for the request is written (StoreUnavailable if not)."""
