@@ -12,12 +12,12 @@ Redis's links are not shaped, so a reader's link is the bottleneck. Delays need 
 netem qdisc (the bed says when it has none).
 
 Per rate (fastest first) the auto reader is warmed as traffic would warm it: a 1024-token
-prompt it computes (the prompt rate) and one it reads (the link). Then per length, a fresh
-random prompt written by both writers, and the readers' TTFT (time to the first Decode chunk,
-local_prefill, greedy, 1 token), the median of --repeats prompts (the readers asked in
-turn, each first once). Every reader computes or
-reads the whole prompt: its own cache has never seen it. A Markdown table per rate and, with
---plot, TTFT against prompt length, one panel per link.
+prompt it computes (the prompt rate) and one it reads (the link). Then per length, fresh random
+prompts written by both writers, and the readers' TTFT (time to the first Decode chunk,
+local_prefill, greedy, 1 token): the median of --repeats prompts, the readers asked in turn,
+each first once. Every reader computes or reads the whole prompt: its own cache has never
+seen it. A Markdown table per rate and, with --plot, TTFT against prompt length, one panel
+per link.
 """
 
 from __future__ import annotations
