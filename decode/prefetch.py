@@ -2,12 +2,12 @@
 
 The router sends Prefetch to the decode worker it means to give a long prompt to, as it sends
 the Prefill. The worker reads the prompt's blocks in order, gently (KVLink.read_run), as the
-prefill writes them (chunk by chunk): a block not there yet is asked again PREFETCH_POLL
-seconds later. The Decode that follows (the prefill has replied: every block is written)
-claims what was read, the rest is read on the spot, and the transfer has overlapped the
-prefill instead of following it. A prefetch no Decode claims within PREFETCH_TTL seconds, or
-aborted, or whose Decode names another prompt, is dropped. The worker's fetch choice holds:
-with `--kv-fetch never` nothing is prefetched.
+prefill writes them (chunk by chunk): a block not there yet is asked again 10 ms later (up to
+160 ms while none comes). The Decode that follows (the prefill has replied: every block is
+written) claims what was read, the rest is read on the spot, and the transfer has overlapped
+the prefill instead of following it. A prefetch no Decode claims within PREFETCH_TTL
+seconds, or aborted, or whose Decode names another prompt, is dropped. The worker's fetch
+choice holds: with `--kv-fetch never` nothing is prefetched.
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ from kvstore.store import StoreUnavailable
 from services.worker.kv_link import KVLink
 
 log = logging.getLogger("pdserve.decode")
-PREFETCH_POLL = 0.01  # seconds between looks for a block the prefill has not written yet
+# seconds between looks for a block the prefill has not written yet: the first, doubled
+# while nothing new comes (a prompt queued behind others on the prefill worker), up to the last
+PREFETCH_POLL = (0.01, 0.16)
 PREFETCH_TTL = 120.0  # seconds a prefetch waits for its Decode
 
 
@@ -78,17 +80,19 @@ class Prefetcher:
 
     async def _read(self, request_id: str, state: Prefetch) -> None:
         deadline = time.monotonic() + PREFETCH_TTL
-        polls = 0
+        polls, pause = 0, PREFETCH_POLL[0]
         try:
             while len(state.values) < len(state.full):
                 claimed = state.claimed.is_set()  # then every block is written
-                state.values += await self.link.read_run(state.full[len(state.values) :], True)
+                got = await self.link.read_run(state.full[len(state.values) :], True)
+                state.values += got
                 if len(state.values) == len(state.full) or claimed:
                     break
                 if time.monotonic() > deadline:
                     raise TimeoutError
                 polls += 1
-                await asyncio.sleep(PREFETCH_POLL)  # the prefill has not written it yet
+                pause = PREFETCH_POLL[0] if got else min(2 * pause, PREFETCH_POLL[1])
+                await asyncio.sleep(pause)  # the prefill has not written the next block yet
             log.info("prefetched", extra={"fields": {
                 "request_id": request_id, "blocks": len(state.values), "polls": polls,
                 "ms": 1000 * (time.perf_counter() - state.started),
