@@ -15,6 +15,8 @@ request brings from the store and what goes back.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Awaitable, Callable
 from collections.abc import Sequence as Seq
 
 from decode.prefetch import Prefetcher
@@ -42,13 +44,17 @@ class DecodeConnector:
         salt: bytes,
         write_back: bool,
         prefetcher: Prefetcher | None = None,
+        compute_head: Callable[[list[bytes], int], Awaitable[None]] | None = None,
     ) -> DecodeConnector:
         """The connector of a request, with what the store holds of its prompt (and what a
-        prefetch read of it already)."""
+        prefetch read of it already). `compute_head(hashes, n)`: the engine computes the
+        prompt's first n blocks, for a split between computing and reading (KVLink.fetch)."""
         full, partial = link.hashes(prompt, salt)
         rest = len(prompt) % link.layout.block_size
         read = await prefetcher.claim(request_id, full) if prefetcher is not None else None
-        imported = await link.fetch(request_id, full, partial, rest, gentle=True, prefetched=read)
+        head = None if compute_head is None else functools.partial(compute_head, full)
+        imported = await link.fetch(request_id, full, partial, rest, gentle=True, prefetched=read,
+                                    compute_head=head)  # fmt: skip
         return cls(full, imported, write_back)
 
     def prefix(self, seq: Sequence) -> ImportedKV | None:

@@ -23,7 +23,7 @@ import grpc
 from decode.connector import DecodeConnector
 from decode.prefetch import Prefetcher
 from services.engine.driver import EngineDied
-from services.engine.params import ValidationError
+from services.engine.params import SamplingParams, ValidationError
 from services.engine.request import EngineRequest
 from services.rpc import worker_pb2 as pb
 from services.rpc import worker_pb2_grpc
@@ -33,6 +33,7 @@ from services.worker import convert
 from services.worker.server import Worker, refuse, trace_steps
 
 log = logging.getLogger("pdserve.decode")
+HEAD = SamplingParams(max_tokens=1, temperature=0)  # a split's head: its KV is what counts
 
 
 class DecodeWorker(Worker, worker_pb2_grpc.DecodeWorkerServicer):
@@ -78,9 +79,13 @@ class DecodeWorker(Worker, worker_pb2_grpc.DecodeWorkerServicer):
                 raise ValidationError("request_id", "must not be empty")
         except ValidationError as e:
             await refuse(context, e)
+
+        async def compute_head(hashes: list[bytes], blocks: int) -> None:
+            await self._compute_head(rid, prompt, request.salt, hashes, blocks)
+
         connector = await DecodeConnector.fetch(
             self.link, rid, prompt, request.salt, self.settings.worker.write_back,
-            self.prefetcher,
+            self.prefetcher, compute_head,
         )  # fmt: skip
         kv = connector.imported
         span.event("fetched", tokens=kv.num_tokens if kv is not None else 0)
@@ -102,6 +107,25 @@ class DecodeWorker(Worker, worker_pb2_grpc.DecodeWorkerServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         finally:
             span.end()
+
+    async def _compute_head(
+        self, rid: str, prompt: list[int], salt: bytes, hashes: list[bytes], blocks: int
+    ) -> None:
+        """The prompt's first `blocks` blocks computed by the engine (a request of their own,
+        batched like any prompt), left in its prefix cache for the request to share: the
+        head of a split between computing and reading (services/worker/fetch_choice.py). A
+        failure costs nothing but the head: the request computes what the cache lacks."""
+        tokens = blocks * self.layout.block_size
+        request = EngineRequest(f"{rid}/head", prompt[:tokens], HEAD, salt,
+                                block_hashes=hashes[:blocks])  # fmt: skip
+        started = time.perf_counter()
+        try:
+            last = [delta async for delta in await self.driver.submit(request)][-1]
+        except (ValidationError, EngineDied) as e:
+            log.warning("head not computed", extra={"fields": {"request_id": rid, "why": str(e)}})
+            return
+        cached = last.num_cached_tokens
+        self.link.choice.prompts.observe(cached, tokens - cached, time.perf_counter() - started)
 
     async def _chunks(
         self,

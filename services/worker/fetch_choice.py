@@ -19,6 +19,13 @@ expected to be faster (or when either rate is still unknown: the read measures t
 compute. A link whose last measurement is older than RESAMPLE_S is measured again with one
 batch of blocks (their reading cannot cost much), the rest computed.
 
+Or both at once (a decode worker, `split`): the first blocks computed while the last ones are
+read, the head chosen where the two take equally long. Reading a prefix and then computing
+the rest never beats the better of the two (each later token costs more to compute, the
+same to read: the sum is concave in the split point); computing the early, cheap tokens
+while the link brings the late, dear ones does, most where the two cost about the same:
+taken when expected SPLIT_GAIN of the better whole or less.
+
 `--kv-fetch always|never` overrides the choice (a benchmark's two sides; a user who knows).
 """
 
@@ -33,6 +40,8 @@ ALPHA = 0.3  # the newest sample's weight
 SMALL = 64 << 10  # bytes: a read of less is a round trip
 RESAMPLE_S = 30.0  # seconds after which the link's rate is measured again
 MIN_PROMPT = 32  # tokens: a shorter computation is mostly fixed cost, not measured
+READ_S = 0.1  # seconds a gentle read aims at, at most (see read_blocks)
+SPLIT_GAIN = 0.85  # a split is taken when expected this much sooner than the better whole
 
 
 def smooth(old: float | None, new: float) -> float:
@@ -101,10 +110,12 @@ def attention_k(config: ModelConfig) -> float:
 
 @dataclass(frozen=True)
 class Plan:
-    blocks: int  # leading missing blocks to read (the rest computed)
-    why: str  # fetch, compute, resample, unmeasured, always, never
-    fetch_s: float | None
-    compute_s: float | None
+    blocks: int  # missing blocks to read, after the head (the rest computed)
+    why: str  # fetch, compute, split, resample, unmeasured, always, never
+    fetch_s: float | None  # expected: reading every missing block
+    compute_s: float | None  # expected: computing them
+    head: int = 0  # split: leading missing blocks computed while the others are read
+    split_s: float | None = None  # expected: the split
 
 
 class Choice:
@@ -116,26 +127,61 @@ class Choice:
         self.block_tokens, self.batch, self.pause = block_tokens, batch, pause
         self.block_bytes: float | None = None  # a stored block's size, as read
 
+    def read_blocks(self) -> int:
+        """Blocks per gentle read: `batch`, fewer on a link slow enough that a read of them
+        would take past READ_S seconds (each read has store_timeout for itself: reads queued
+        together on 0.1 Gbit/s timed out)."""
+        rate = self.link.bytes_per_s
+        if rate is None or not self.block_bytes:
+            return self.batch
+        return max(1, min(self.batch, int(READ_S * rate / self.block_bytes)))
+
     def observe_read(self, nbytes: int, blocks: int, seconds: float) -> None:
         self.link.observe(nbytes, seconds)
         if blocks and nbytes:
             self.block_bytes = nbytes / blocks
 
-    def plan(self, cached: int, missing: int) -> Plan:
-        """How many of `missing` blocks (after `cached` ones the engine holds) to read."""
+    def plan(self, cached: int, missing: int, split: bool = False) -> Plan:
+        """How many of `missing` blocks (after `cached` ones the engine holds) to read; with
+        `split` (the caller can compute a head meanwhile), maybe how many to compute first."""
         if self.mode != "auto" or missing == 0:
             return Plan(missing if self.mode != "never" else 0, self.mode, None, None)
-        calls = -(-missing // self.batch)
-        nbytes = int(missing * (self.block_bytes or 0))
-        fetch = self.link.seconds(nbytes, calls) if self.block_bytes else None
-        if fetch is not None:
-            fetch += (calls - 1) * self.pause
-        bt = self.block_tokens
-        compute = self.prompts.seconds(cached * bt, missing * bt)
+        fetch, compute = self._fetch_s(missing), self._compute_s(cached, missing)
         if fetch is None or compute is None:
             return Plan(missing, "unmeasured", fetch, compute)
+        if split and missing > 1:
+            head, both = self._split(cached, missing)
+            if both < SPLIT_GAIN * min(fetch, compute):
+                return Plan(missing - head, "split", fetch, compute, head, both)
         if fetch <= compute:
             return Plan(missing, "fetch", fetch, compute)
         if self.link.stale:
-            return Plan(min(self.batch, missing), "resample", fetch, compute)
+            return Plan(min(self.read_blocks(), missing), "resample", fetch, compute)
         return Plan(0, "compute", fetch, compute)
+
+    def _fetch_s(self, blocks: int) -> float | None:
+        if not self.block_bytes:
+            return None
+        calls = -(-blocks // self.read_blocks())
+        seconds = self.link.seconds(int(blocks * self.block_bytes), calls)
+        return None if seconds is None else seconds + (calls - 1) * self.pause
+
+    def _compute_s(self, start: int, blocks: int) -> float | None:
+        return self.prompts.seconds(start * self.block_tokens, blocks * self.block_tokens)
+
+    def _split(self, cached: int, missing: int) -> tuple[int, float]:
+        """The head (blocks computed while the rest is read) that ends both soonest, and
+        when: computing grows with the head and reading shrinks, so where they cross."""
+
+        def both(head: int) -> float:
+            return max(self._compute_s(cached, head) or 0.0, self._fetch_s(missing - head) or 0.0)
+
+        low, high = 1, missing - 1  # the first head whose computing outlasts the reading
+        while low < high:
+            mid = (low + high) // 2
+            if (self._compute_s(cached, mid) or 0.0) >= (self._fetch_s(missing - mid) or 0.0):
+                high = mid
+            else:
+                low = mid + 1
+        head = min((h for h in (low - 1, low) if 1 <= h < missing), key=both)
+        return head, both(head)

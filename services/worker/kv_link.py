@@ -17,7 +17,7 @@ import concurrent.futures
 import logging
 import time
 from collections import defaultdict, deque
-from collections.abc import Callable, Container
+from collections.abc import Awaitable, Callable, Container
 from collections.abc import Sequence as Seq
 
 from kvstore import open_store
@@ -66,6 +66,7 @@ class KVLink:
         )  # fmt: skip
         self.blocks = BlockStore(self.store, self.codec)
         self.cached_hashes = cached_hashes
+        self.timeout = settings.store_timeout
         self.store_failures = 0  # requests that went on without the store
         self.pending_puts: dict[str, list[concurrent.futures.Future[None]]] = defaultdict(list)
         self.writing: set[concurrent.futures.Future[None]] = set()  # every write not done
@@ -115,6 +116,7 @@ class KVLink:
         partial_tokens: int,
         gentle: bool = False,
         prefetched: list[bytes] | None = None,
+        compute_head: Callable[[int], Awaitable[None]] | None = None,
     ) -> ImportedKV | None:
         """The longest valid run of these blocks in the store (and the partial block after
         them if all are there); None if none, or if the store is unavailable.
@@ -128,21 +130,38 @@ class KVLink:
         the import names them and the engine shares them at admission.
 
         `prefetched`: the leading blocks read already (decode/prefetch.py; b"" for those the
-        cache held then): the rest is read, whatever the choice (the prefetch made it)."""
+        cache held then): the rest is read, whatever the choice (the prefetch made it).
+
+        `compute_head(n)`: has the engine compute the prompt's first n blocks (into its
+        prefix cache); given, the choice may split: a head computed while the rest is read,
+        then imported as blocks the cache holds."""
         start = time.perf_counter()
         if time.monotonic() < self._down_until:  # failed a moment ago: not asked again yet
             self.store_failures += 1
             return None
         cached = self.cached_hashes()  # a snapshot: the engine thread owns the cache
         skipped = next((i for i, h in enumerate(full) if h not in cached), len(full))
-        plan = self.choice.plan(skipped, len(full) - skipped)
-        wanted = skipped + plan.blocks  # the rest computed (read no faster, or never)
-        values: list[bytes] = [b""] * skipped
+        plan = self.choice.plan(skipped, len(full) - skipped, compute_head is not None)
+        head = skipped + plan.head  # computed here meanwhile (a split), held by the cache
+        wanted = head + plan.blocks  # the rest computed (read no faster, or never)
+        values: list[bytes] = [b""] * head
         if prefetched is not None:
             skipped = next((i for i, v in enumerate(prefetched) if v), len(prefetched))
             values, wanted = prefetched, len(full)
         try:
-            values += await self.read_run(full[len(values) : wanted], gentle)
+            split = head > skipped and compute_head is not None and prefetched is None
+            if split and not await self.store.longest_prefix([full[wanted - 1]]):
+                values, head, split = values[:skipped], skipped, False  # no tail stored
+            if split and compute_head is not None:
+                tail, _ = await asyncio.gather(  # the head computed even if the read fails
+                    self.read_run(full[head:wanted], gentle), compute_head(head),
+                    return_exceptions=True,
+                )  # fmt: skip
+                if isinstance(tail, BaseException):
+                    raise tail
+                values, skipped = values + tail, head
+            else:
+                values += await self.read_run(full[len(values) : wanted], gentle)
             count = len(values)
             if partial is not None and count == len(full):
                 values += await self.read_run([partial], gentle)
@@ -158,7 +177,8 @@ class KVLink:
             "of": len(full) + (partial is not None), "ms": 1000 * (time.perf_counter() - start),
             "choice": "prefetched" if prefetched is not None else plan.why,
             "expected_fetch_ms": _ms(plan.fetch_s),
-            "expected_compute_ms": _ms(plan.compute_s),
+            "expected_compute_ms": _ms(plan.compute_s), "head": plan.head,
+            "expected_split_ms": _ms(plan.split_s),
         }})  # fmt: skip
         if not values:
             return None
@@ -168,23 +188,32 @@ class KVLink:
 
     async def read_run(self, hashes: list[bytes], gentle: bool) -> list[bytes]:
         """The leading run of these blocks the store holds (valid ones). Gently: FETCH_BATCH
-        blocks per read, READS_IN_FLIGHT reads at a time (one on the wire while another's
+        blocks per read (fewer on a slow link: Choice.read_blocks), READS_IN_FLIGHT reads at
+        a time (one on the wire while another's
         bytes are checked: the link stays busy) and a pause after each; else in one read.
         Each read measures the link: its bytes over the time since the read before it
         ended (or since it began, if later)."""
-        step = FETCH_BATCH if gentle else max(1, len(hashes))
+        step = self.choice.read_blocks() if gentle else max(1, len(hashes))
         batches = [hashes[i : i + step] for i in range(0, len(hashes), step)]
+        # one read at a time until the link is measured: two of unknown size at once may
+        # both wait on a slow link past store_timeout
+        in_flight = READS_IN_FLIGHT if gentle and self.choice.link.bytes_per_s else 1
         values: list[bytes] = []
         waiting: deque[tuple[asyncio.Task[list[bytes]], int, float]] = deque()
         last = 0.0
         try:
             while batches or waiting:
-                while batches and len(waiting) < (READS_IN_FLIGHT if gentle else 1):
+                while batches and len(waiting) < in_flight:
                     batch = batches.pop(0)
                     task = asyncio.create_task(self._get(batch))
                     waiting.append((task, len(batch), time.perf_counter()))
                 task, wanted, began = waiting.popleft()
-                got = await task
+                try:
+                    got = await task
+                except StoreUnavailable:  # maybe a link slower than measured: say so
+                    size = self.choice.block_bytes or 0
+                    self.choice.observe_read(int(wanted * size), wanted, self.timeout)
+                    raise
                 done = time.perf_counter()
                 self.choice.observe_read(sum(map(len, got)), len(got), done - max(began, last))
                 last = done

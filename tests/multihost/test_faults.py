@@ -118,7 +118,8 @@ def test_prefill_host_trickle_is_retried_elsewhere(bed_stack, engine, embedded):
                                                 temperature=0)  # fmt: skip
     assert first.usage.prompt_tokens > 1000
     holder = next(w for w in stack.prefill if any(
-        e.get("msg") == "prefilled" for e in log_events(w)))  # fmt: skip
+        e.get("msg") == "prefilled" and e["request_id"].startswith(first.id)
+        for e in log_events(w)))  # fmt: skip
     since = log_size(stack.router)
     prompt = words + " Which shelf is item5 on?"
     stack.bed.shape(holder.host, Link(rate_bit=4000))

@@ -69,7 +69,7 @@ def test_a_stale_link_is_measured_again_with_one_batch():
     c.prompts.observe(0, 1600, 0.1)
     c.link.at = time.monotonic() - RESAMPLE_S - 1
     plan = c.plan(0, 100)
-    assert (plan.blocks, plan.why) == (8, "resample")
+    assert (plan.blocks, plan.why) == (1, "resample")  # 1 MB/s: a block a read (0.1 s)
 
 
 def test_modes_always_and_never_ignore_the_rates():
@@ -86,3 +86,35 @@ def test_attention_k_of_a_llama_shape():
     )  # fmt: skip
     weights = 30 * (576 * (2 * 576 + 2 * 192) + 3 * 576 * 1536) + 49152 * 576
     assert attention_k(config) == pytest.approx(weights / (2 * 30 * 576))
+
+
+def test_a_split_computes_the_head_while_the_tail_is_read_where_both_take_as_long():
+    c = choice()
+    c.observe_read(8 * 400_000, 8, 0.32)  # 10 MB/s: 40 ms a block
+    c.prompts.observe(0, 1600, 1.6 * (1 + 800 / 4000))  # 1 ms per unit
+    whole = c.plan(0, 100)  # reading alone (4 s) or computing alone (1600 tokens: 1.92 s)
+    split = c.plan(0, 100, split=True)
+    assert (whole.why, whole.blocks, whole.head) == ("compute", 0, 0)
+    assert split.why == "split" and split.head + split.blocks == 100
+
+    def both(head: int) -> float:
+        return max(c._compute_s(0, head), c._fetch_s(100 - head))
+
+    assert split.split_s == pytest.approx(both(split.head))
+    assert split.split_s < 0.85 * min(split.fetch_s, split.compute_s)
+    assert all(both(h) >= split.split_s for h in range(1, 100))  # the best head
+    c.observe_read(8 * 400_000, 8, 20.0)  # the link much slower: computing wins outright
+    for _ in range(10):
+        c.observe_read(8 * 400_000, 8, 20.0)
+    assert c.plan(0, 100, split=True).why == "compute"
+
+
+def test_reads_shrink_on_a_slow_link_to_a_tenth_of_a_second():
+    c = choice()
+    assert c.read_blocks() == 8  # unmeasured
+    c.observe_read(8 * 400_000, 8, 0.032)  # 100 MB/s: 25 blocks in 0.1 s, 8 at most
+    assert c.read_blocks() == 8
+    c.link.per_byte = 1 / 12.5e6  # 0.1 Gbit/s: 3 blocks of 400 kB in 0.1 s
+    assert c.read_blocks() == 3
+    c.link.per_byte = 1 / 1e6
+    assert c.read_blocks() == 1

@@ -1,0 +1,86 @@
+"""Fetch or compute on a slow link (services/worker/fetch_choice.py): a decode host at
+0.1 Gbit/s learns its link and its prompt rate from its own requests, then splits a long
+prompt: its first blocks computed while the others are read. Tokens equal to the engine's."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import redis
+import torch
+
+from kvstore.block_hash import block_hashes
+from kvstore.keys import store_key
+from services.engine.params import SamplingParams
+from services.rpc import worker_pb2 as pb
+from services.rpc import worker_pb2_grpc as pbg
+from services.worker.convert import to_proto_params
+from tests.multihost.conftest import LINK
+from tests.support.cluster import log_events, log_size, wait_until
+from tests.support.netbed import Link
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(100, 49000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def decode(address: str, rid: str, ids: list[int]) -> tuple[list[int], int]:
+    """A local-prefill Decode's tokens, and the store hits it added on the worker."""
+
+    async def run() -> tuple[list[int], int]:
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = pbg.DecodeWorkerStub(channel)
+            hits = (await stub.Load(pb.LoadRequest())).store_hits
+            params = to_proto_params(GREEDY)
+            request = pb.DecodeRequest(request_id=rid, prompt_token_ids=ids, seed=0,
+                                       params=params, local_prefill=True)  # fmt: skip
+            tokens = [t async for chunk in stub.Decode(request) for t in chunk.token_ids]
+            return tokens, (await stub.Load(pb.LoadRequest())).store_hits - hits
+
+    return asyncio.run(run())
+
+
+def write(stack, worker, rid: str, ids: list[int]) -> None:
+    """The worker computes the prompt; returns once its full blocks are in Redis."""
+    decode(worker.address, rid, ids)
+
+    async def namespace() -> str:
+        async with grpc.aio.insecure_channel(worker.address) as channel:
+            reply = await pbg.DecodeWorkerStub(channel).Health(pb.HealthRequest())
+            return str(reply.namespace)
+
+    ns = asyncio.run(namespace())
+    keys = [store_key(ns, h) for h in block_hashes(ids, 16, ns)]  # the prompt's full blocks
+    store = redis.Redis.from_url(stack.redis.url)
+    wait_until(lambda: store.exists(*keys) == len(keys), timeout=30)
+
+
+def test_a_slow_link_splits_a_long_prompt_between_computing_and_reading(bed_stack, engine):
+    slow, fast = bed_stack.decode
+    stack = bed_stack
+    stack.bed.shape(slow.host, Link(rate_bit=1e8))
+    try:
+        since = log_size(slow)
+        decode(slow.address, "learn-compute", prompt(400, seed=41))  # the prompt rate
+        # the link's rate, from reads that went through (the worker's estimate may still be
+        # the fast link's of earlier tests: its first reads here can time out, and say so)
+        for attempt in range(3):
+            shared = prompt(600, seed=42 + 100 * attempt)
+            write(stack, fast, f"write-{attempt}", shared)
+            if decode(slow.address, f"learn-link-{attempt}", shared)[1] > 0:
+                break
+        ids = prompt(2048, seed=43)
+        write(stack, fast, "write-split", ids)
+        tokens, hits = decode(slow.address, "split", ids)
+    finally:
+        stack.bed.shape(slow.host, LINK)
+    assert tokens == engine.generate([ids], GREEDY)[0].choices[0].token_ids
+    (line,) = [e for e in log_events(slow, since)
+               if e.get("msg") == "fetched" and e["request_id"] == "split"]  # fmt: skip
+    head = int(line["head"])
+    assert line["choice"] == "split" and 0 < head < 128
+    assert float(line["expected_split_ms"]) < 0.85 * float(line["expected_compute_ms"])
+    assert int(line["blocks"]) == hits == 128 - head  # the tail read (no partial block)
