@@ -180,10 +180,10 @@ class StoreSettings(Section):
                                      "blocks go first)", WORKER)  # fmt: skip
     store_timeout: float = setting(1.0, "seconds per store call before it counts as down",
                                    WORKER)  # fmt: skip
-    kv_fetch: str = setting("auto", "a prompt's blocks in the store: auto (read when the "
-                            "measured link reads them sooner than the measured prompt rate "
-                            "computes them), always, never", WORKER,
-                            choices=("auto", "always", "never"))  # fmt: skip
+    kv_fetch: str = setting("auto", "a prompt's blocks in the store: auto (read, computed, "
+                            "or the first computed while the rest is read: whichever the "
+                            "measured link and prompt rate make soonest), always, never",
+                            WORKER, choices=("auto", "always", "never"))  # fmt: skip
     kv_key_file: str | None = setting(None, "file holding the secret every worker of the "
                                       "deployment shares: stored blocks carry a MAC made with "
                                       "it (none: a checksum only)", WORKER)  # fmt: skip
