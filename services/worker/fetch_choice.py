@@ -24,7 +24,7 @@ read, the head chosen where the two take equally long. Reading a prefix and then
 the rest never beats the better of the two (each later token costs more to compute, the
 same to read: the sum is concave in the split point); computing the early, cheap tokens
 while the link brings the late, dear ones does, most where the two cost about the same:
-taken when expected SPLIT_GAIN of the better whole or less.
+taken when expected (with SPLIT_COST_S more) SPLIT_GAIN of the better whole or less.
 
 `--kv-fetch always|never` overrides the choice (a benchmark's two sides; a user who knows).
 """
@@ -41,7 +41,8 @@ SMALL = 64 << 10  # bytes: a read of less is a round trip
 RESAMPLE_S = 30.0  # seconds after which the link's rate is measured again
 MIN_PROMPT = 32  # tokens: a shorter computation is mostly fixed cost, not measured
 READ_S = 0.1  # seconds a gentle read aims at, at most (see read_blocks)
-SPLIT_GAIN = 0.85  # a split is taken when expected this much sooner than the better whole
+SPLIT_GAIN = 0.85  # a split is taken when expected this much sooner than the better whole,
+SPLIT_COST_S = 0.05  # with this added: the head's own engine request, the tail's look-up
 
 
 def smooth(old: float | None, new: float) -> float:
@@ -151,7 +152,7 @@ class Choice:
             return Plan(missing, "unmeasured", fetch, compute)
         if split and missing > 1:
             head, both = self._split(cached, missing)
-            if both < SPLIT_GAIN * min(fetch, compute):
+            if both + SPLIT_COST_S < SPLIT_GAIN * min(fetch, compute):
                 return Plan(missing - head, "split", fetch, compute, head, both)
         if fetch <= compute:
             return Plan(missing, "fetch", fetch, compute)

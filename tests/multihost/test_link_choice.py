@@ -82,5 +82,5 @@ def test_a_slow_link_splits_a_long_prompt_between_computing_and_reading(bed_stac
                if e.get("msg") == "fetched" and e["request_id"] == "split"]  # fmt: skip
     head = int(line["head"])
     assert line["choice"] == "split" and 0 < head < 128
-    assert float(line["expected_split_ms"]) < 0.85 * float(line["expected_compute_ms"])
+    assert float(line["expected_split_ms"]) + 50 < 0.85 * float(line["expected_compute_ms"])
     assert int(line["blocks"]) == hits == 128 - head  # the tail read (no partial block)
