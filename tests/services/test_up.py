@@ -17,7 +17,7 @@ import redis as redis_py
 from kvstore import local
 from kvstore.keyfile import read_key
 from services.launcher import PDSERVE, free_port, wait_for_port
-from tests.support.cluster import greedy_chat_in_process
+from tests.support.cluster import greedy_chat_in_process, wait_until
 from tests.support.redis_servers import require_binaries
 from tests.support.up import Up
 
@@ -299,3 +299,26 @@ def test_a_child_refusing_its_settings_before_ready_stops_up_and_later_is_restar
     child.ever_ready = True  # it once served: a later exit, whatever its code, is restarted
     stack.supervise_once()
     assert child.restart_at is not None
+
+
+def test_a_colocated_up_with_a_redis_store_leaves_the_prompts_blocks_there(tmp_path):
+    """`pdserve up --kv-store redis://...` colocated (what `up` picks below 8 cores): a
+    300-token prompt's and its answer's full blocks are in Redis afterwards, every one."""
+    from tests.support.redis_servers import RedisServer
+
+    server = RedisServer(tmp_path / "redis").start()
+    out = Up("--port", str(free_port()), "--kv-store", server.url, "--colocated",
+             "--num-blocks", "128")  # fmt: skip
+    try:
+        client = openai.OpenAI(base_url=out.ready(), api_key="none", max_retries=0)
+        prompt = [100 + (7 * i) % 4000 for i in range(300)]
+        client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=8,
+                                  temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+        store = redis_py.Redis.from_url(server.url)
+        full = (300 + 8) // 16  # the generation's full blocks, written back at its end
+        wait_until(lambda: store.dbsize() >= full, timeout=10)
+        keys = [k.decode() for k in store.keys("*")]
+        assert len(keys) == full and all(k.startswith("pdserve:kv:") for k in keys)
+    finally:
+        out.stop()
+        server.stop()
