@@ -127,11 +127,16 @@ class Choice:
         self.prompts = PromptRate(k)
         self.block_tokens, self.batch, self.pause = block_tokens, batch, pause
         self.block_bytes: float | None = None  # a stored block's size, as read
+        # a read failed (the store down, or the link slower than measured): one block per
+        # read, one read at a time, until one goes through
+        self.cautious = False
 
     def read_blocks(self) -> int:
         """Blocks per gentle read: `batch`, fewer on a link slow enough that a read of them
         would take past READ_S seconds (each read has store_timeout for itself: reads queued
         together on 0.1 Gbit/s timed out)."""
+        if self.cautious:
+            return 1
         rate = self.link.bytes_per_s
         if rate is None or not self.block_bytes:
             return self.batch
@@ -139,6 +144,8 @@ class Choice:
 
     def observe_read(self, nbytes: int, blocks: int, seconds: float) -> None:
         self.link.observe(nbytes, seconds)
+        if nbytes >= SMALL:
+            self.cautious = False  # a read went through: the rate is measured again
         if blocks and nbytes:
             self.block_bytes = nbytes / blocks
 

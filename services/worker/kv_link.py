@@ -66,7 +66,6 @@ class KVLink:
         )  # fmt: skip
         self.blocks = BlockStore(self.store, self.codec)
         self.cached_hashes = cached_hashes
-        self.timeout = settings.store_timeout
         self.store_failures = 0  # requests that went on without the store
         self.pending_puts: dict[str, list[concurrent.futures.Future[None]]] = defaultdict(list)
         self.writing: set[concurrent.futures.Future[None]] = set()  # every write not done
@@ -195,9 +194,10 @@ class KVLink:
         ended (or since it began, if later)."""
         step = self.choice.read_blocks() if gentle else max(1, len(hashes))
         batches = [hashes[i : i + step] for i in range(0, len(hashes), step)]
-        # one read at a time until the link is measured: two of unknown size at once may
-        # both wait on a slow link past store_timeout
-        in_flight = READS_IN_FLIGHT if gentle and self.choice.link.bytes_per_s else 1
+        # one read at a time until the link is measured (or after a read failed): two of
+        # unknown size at once may both wait on a slow link past store_timeout
+        measured = self.choice.link.bytes_per_s and not self.choice.cautious
+        in_flight = READS_IN_FLIGHT if gentle and measured else 1
         values: list[bytes] = []
         waiting: deque[tuple[asyncio.Task[list[bytes]], int, float]] = deque()
         last = 0.0
@@ -210,9 +210,8 @@ class KVLink:
                 task, wanted, began = waiting.popleft()
                 try:
                     got = await task
-                except StoreUnavailable:  # maybe a link slower than measured: say so
-                    size = self.choice.block_bytes or 0
-                    self.choice.observe_read(int(wanted * size), wanted, self.timeout)
+                except StoreUnavailable:  # down, or slower than measured: small reads next
+                    self.choice.cautious = True
                     raise
                 done = time.perf_counter()
                 self.choice.observe_read(sum(map(len, got)), len(got), done - max(began, last))

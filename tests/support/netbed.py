@@ -191,9 +191,9 @@ class Bed:
                    f"{link.delay_ms * 1000:.0f}us", *rate, "limit", "100000", netns=ns)  # fmt: skip
                 continue
             assert link.rate_bit is not None
-            # a burst of 1 ms at the rate, and at least two full frames (tbf splits a larger
-            # GSO packet into frames)
-            burst = max(2 * 1514, int(link.rate_bit / 8 / 1000))
+            # a burst of 1 ms at the rate, and at least one full frame (tbf splits a larger
+            # GSO packet into frames): a trickle is a trickle from its first bytes
+            burst = max(1600, int(link.rate_bit / 8 / 1000))
             tc("qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{int(link.rate_bit)}bit",
                "burst", str(burst), "latency", "200ms", netns=ns)  # fmt: skip
 
