@@ -18,9 +18,8 @@ worker, for each choice, hiding worker faults from the client.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -28,7 +27,8 @@ import grpc
 from kvstore.block_hash import BLOCK_SIZE, block_hashes
 from router.errors import APIError, bad_request, unavailable
 from router.policy import Policy
-from router.workers import Registry, WorkerState
+from router.quiet_calls import QuietCalls
+from router.workers import Registry, Tried, WorkerState
 from services.engine.seeds import choice_seed
 from services.rpc import worker_pb2 as pb
 from services.settings import RouterSettings
@@ -38,7 +38,6 @@ from services.worker.convert import FINISH_NAMES
 log = logging.getLogger("pdserve.router")
 REFUSED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_EXISTS)
 RETRY_POLL = 0.25  # seconds between looks for a worker to come back
-CONTROL_TIMEOUT = 5.0  # seconds for a Prefetch or an Abort nobody waits for
 MAX_FAILURES = 6  # worker failures one call survives (a worker in a crash loop ends it)
 
 
@@ -85,7 +84,7 @@ class Pipeline:
         self.settings = settings
         self.colocated = colocated  # every prompt is computed on a decode worker
         self.on_local_prefill = on_local_prefill  # called with why a decode worker prefills
-        self._background: set[asyncio.Task[None]] = set()  # calls nobody waits for
+        self.quiet = QuietCalls()  # Prefetch and its Abort: calls nobody waits for
 
     def block_hashes(self, prompt_ids: Sequence[int], salt: bytes) -> list[bytes]:
         """A prompt's block hashes (the partial last one too) as the workers name them."""
@@ -180,7 +179,7 @@ class Pipeline:
         finally:
             if prefilled is not None:
                 prefilled.set()
-            self._abort_prefetch(early, rid)  # no Decode came (finished, failed, cancelled)
+            self.quiet.abort(early, rid)  # no Decode came (finished, failed, cancelled)
 
     def _prefetch(self, rid: str, job: Job) -> WorkerState | None:
         """The decode worker the prompt will go to, asked to read its blocks as the prefill
@@ -194,25 +193,8 @@ class Pipeline:
             return None
         request = pb.PrefetchRequest(request_id=rid, prompt_token_ids=job.prompt_ids,
                                      salt=job.salt)  # fmt: skip
-        self._quietly(worker.stub.Prefetch(request, timeout=CONTROL_TIMEOUT))
+        self.quiet.prefetch(worker, request)
         return worker
-
-    def _abort_prefetch(self, worker: WorkerState | None, rid: str) -> None:
-        if worker is not None:
-            self._quietly(
-                worker.stub.Abort(pb.AbortRequest(request_id=rid), timeout=CONTROL_TIMEOUT)
-            )
-
-    def _quietly(self, call: Awaitable[object]) -> None:
-        """A call whose failure costs nothing (a prefetch not made is a fetch later)."""
-
-        async def run() -> None:
-            with contextlib.suppress(grpc.aio.AioRpcError):
-                await call
-
-        task = asyncio.create_task(run())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
 
     def _compute_on_decode(self, job: Job) -> bool:
         """Conditional disaggregation: a prompt whose uncached part is short skips prefill."""
@@ -317,7 +299,7 @@ class Pipeline:
             else:
                 worker = await self._pick("decode", job.block_hashes, tried)
                 if worker is not preferred:
-                    self._abort_prefetch(preferred, rid)
+                    self.quiet.abort(preferred, rid)
             preferred = None
             request = pb.DecodeRequest(
                 request_id=rid,
@@ -394,21 +376,6 @@ class Pipeline:
                 break
             await asyncio.sleep(RETRY_POLL)
         raise unavailable(f"no {role} worker can serve the request", retry_after=1)
-
-
-class Tried:
-    """The workers a request gave up on, each until it comes back (a new health epoch)."""
-
-    def __init__(self) -> None:
-        self.epochs: dict[str, int] = {}
-        self.failures = 0
-
-    def add(self, worker: WorkerState) -> None:
-        self.epochs[worker.address] = worker.epoch
-        self.failures += 1
-
-    def allows(self, worker: WorkerState) -> bool:
-        return self.epochs.get(worker.address, -1) != worker.epoch
 
 
 def trace_metadata(span: Span) -> tuple[tuple[str, str], ...] | None:

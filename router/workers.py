@@ -268,3 +268,18 @@ class Registry:
             "worker healthy" if healthy else "worker unhealthy",
             extra={"fields": {"role": worker.role, "address": worker.address, "why": why}},
         )
+
+
+class Tried:
+    """The workers a request gave up on, each until it comes back (a new health epoch)."""
+
+    def __init__(self) -> None:
+        self.epochs: dict[str, int] = {}
+        self.failures = 0
+
+    def add(self, worker: WorkerState) -> None:
+        self.epochs[worker.address] = worker.epoch
+        self.failures += 1
+
+    def allows(self, worker: WorkerState) -> bool:
+        return self.epochs.get(worker.address, -1) != worker.epoch
