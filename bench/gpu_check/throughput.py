@@ -10,7 +10,7 @@ import torch
 
 from bench.gpu_check.check import BLOCK, Check
 from bench.offline import log, workload
-from services.engine.engine import Engine, EngineConfig
+from services.engine.engine import Engine, EngineConfig, StepTimes
 from services.engine.params import SamplingParams
 from services.engine.request import EngineRequest
 from services.model.loader import LoadedModel, resolve_dtype
@@ -21,8 +21,11 @@ class Decode(NamedTuple):
     graph_replays: int | None  # CUDA graph replays in the timed steps; None: the engine has none
 
 
-def engine_decode(check: Check, loaded: LoadedModel, batch: int, **config: Any) -> Decode:
-    """Decode tokens/s with `batch` sequences all decoding (prefill and warm steps untimed)."""
+def engine_decode(
+    check: Check, loaded: LoadedModel, batch: int, keep: list[Engine] | None = None, **config: Any
+) -> Decode:
+    """Decode tokens/s with `batch` sequences all decoding (prefill and warm steps untimed);
+    `keep` gets the engine (its `times`: the timed steps')."""
     sizes = check.sizes
     tokens = sizes.warm_steps + sizes.decode_steps + 2
     blocks = batch * math.ceil((sizes.decode_prompt_len + tokens) / BLOCK) + 8
@@ -38,6 +41,9 @@ def engine_decode(check: Check, loaded: LoadedModel, batch: int, **config: Any) 
         engine.step()
     assert len(engine.scheduler.running) == batch, "not every sequence is decoding"
     replays = engine.graphs.replays if engine.graphs else 0
+    engine.times = StepTimes()
+    if keep is not None:
+        keep.append(engine)
     check.sync()
     start = time.perf_counter()
     for _ in range(sizes.decode_steps):
@@ -92,7 +98,8 @@ def engine_row(
     """One row of the decode table: the engine's."""
     d = engine_decode(check, loaded, batch, **config)
     return {"system": "pdserve", "kernels": kernels, "batch": batch, "tok_s": d.tok_s,
-            "graph_replays": d.graph_replays, "steps": check.sizes.decode_steps}  # fmt: skip
+            "graph_replays": d.graph_replays, "steps": check.sizes.decode_steps,
+            "async": config.get("async_scheduling", "auto")}  # fmt: skip
 
 
 def run(check: Check, numbers: dict[str, Any]) -> bool:
@@ -101,8 +108,9 @@ def run(check: Check, numbers: dict[str, Any]) -> bool:
     rows: list[dict[str, Any]] = []
     numbers |= {"dtype": dtype, "decode": rows}
     for b in sizes.decode_batches:
-        log(f"  the engine: decode at batch {b}")
-        rows.append(engine_row(check, loaded, "auto", b))
+        for overlap in ("off", "on"):  # async scheduling (services/engine/overlap.py)
+            log(f"  the engine: decode at batch {b}, async scheduling {overlap}")
+            rows.append(engine_row(check, loaded, "auto", b, async_scheduling=overlap))
     if check.device.type == "cuda":
         for b in (1, 32):
             log(f"  the engine: decode at batch {b}, no CUDA graphs")
@@ -147,14 +155,15 @@ def summary(n: dict[str, Any]) -> str:
 
 def decode_table(rows: list[dict[str, Any]]) -> list[str]:
     """The decode rows as a markdown table; CUDA graphs: replays / timed steps, or off."""
-    lines = ["| system | kernels | CUDA graphs | batch | decode tok/s | vs transformers |",
-             "| --- | --- | --- | ---: | ---: | ---: |"]  # fmt: skip
+    lines = ["| system | kernels | CUDA graphs | async | batch | decode tok/s | vs transformers |",
+             "| --- | --- | --- | --- | ---: | ---: | ---: |"]  # fmt: skip
     for r in rows:
         graphs = ""
         if r["system"] == "pdserve":
             replays = r["graph_replays"]
             graphs = "off" if replays is None else f"{replays}/{r['steps']} steps replayed"
         ratio = f"{r['vs_transformers']:.2f}x" if "vs_transformers" in r else ""
-        lines.append(f"| {r['system']} | {r.get('kernels', '')} | {graphs} | {r['batch']} | "
+        lines.append(f"| {r['system']} | {r.get('kernels', '')} | {graphs} | "
+                     f"{r.get('async', '')} | {r['batch']} | "
                      f"{r['tok_s']:.1f} | {ratio} |")  # fmt: skip
     return lines

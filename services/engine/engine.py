@@ -19,16 +19,17 @@ from dataclasses import dataclass, field
 
 import torch
 
+from services.engine import offline
 from services.engine.block_manager import BlockManager
 from services.engine.kv_connector import BlockToSave, KVConnector, KVConnectorWorker
 from services.engine.outputs import (
-    Choice,
     RequestOutput,
     SequenceDelta,
     StepTimes,
     StepTiming,
     StopChecker,
 )
+from services.engine.overlap import Overlap, async_scheduling
 from services.engine.params import SamplingParams, ValidationError, validate_prompt
 from services.engine.prompt_scores import score_prompts, scores_prompt
 from services.engine.request import (
@@ -115,6 +116,8 @@ class Engine:
         self.requests: dict[str, _Request] = {}
         self.times = StepTimes()
         self._arrivals = itertools.count()
+        on = async_scheduling(config.async_scheduling, model.device, self.speculator is not None)
+        self.overlap = Overlap(self) if on else None  # services/engine/overlap.py
 
     # -- requests --------------------------------------------------------------------
 
@@ -238,17 +241,17 @@ class Engine:
     # -- the loop --------------------------------------------------------------------
 
     def step(self) -> list[SequenceDelta]:
-        """One forward pass; what each sequence gained from it (tokens, text, finishing)."""
+        """One forward pass; what each sequence gained from it (tokens, text, finishing).
+        With async scheduling, the tokens of the pass before (this one's stay on the device)."""
+        if self.overlap is not None:
+            return self.overlap.step()
         t0, start_ns = time.perf_counter(), time.time_ns()
         scheduled = self.scheduler.schedule()
         if not scheduled.chunks:
             return []
         batch = self._batch(scheduled.chunks)
         t1 = time.perf_counter()
-        if self.graphs is not None and self.graphs.fits(batch):
-            logits = self.graphs.forward(batch)
-        else:
-            logits = self.model.forward(batch, self.kv)
+        logits = self._forward(batch)
         if self.speculator is not None:  # an MTP layer drafts from the target's hidden rows
             self.speculator.observe(scheduled.chunks, self.model)
         t2 = time.perf_counter()
@@ -276,6 +279,11 @@ class Engine:
         self.times.forward += t2 - t1
         self.times.sample += time.perf_counter() - t2
         return deltas
+
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+        if self.graphs is not None and self.graphs.fits(batch):
+            return self.graphs.forward(batch)
+        return self.model.forward(batch, self.kv)
 
     def _computed(self, seq: Sequence, num_computed: int) -> None:
         """seq's KV now holds its first `num_computed` tokens: name its full blocks."""
@@ -330,9 +338,12 @@ class Engine:
         )
 
     def _apply(
-        self, seq: Sequence, token: int, logprobs: TokenLogprobs | None, step: StepTiming
-    ) -> SequenceDelta:
-        seq.token_ids.append(token)
+        self, seq: Sequence, token: int, logprobs: TokenLogprobs | None, step: StepTiming,
+        placed: bool = False,
+    ) -> SequenceDelta:  # fmt: skip
+        """`placed`: the token is already the sequence's last (async scheduling's)."""
+        if not placed:
+            seq.token_ids.append(token)
         if logprobs is not None:
             seq.logprobs.append(logprobs)
         if seq.matcher is not None:
@@ -362,29 +373,10 @@ class Engine:
     # -- offline ---------------------------------------------------------------------
 
     def generate(
-        self,
-        prompts: Seq[Seq[int] | str],
-        params: SamplingParams | Seq[SamplingParams],
+        self, prompts: Seq[Seq[int] | str], params: SamplingParams | Seq[SamplingParams]
     ) -> list[RequestOutput]:
         """Run prompts (token ids or text) to completion; outputs in the prompts' order."""
-        per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else params
-        ids = [f"offline-{next(self._arrivals)}" for _ in prompts]
-        token_lists = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
-        for rid, tokens, p in zip(ids, token_lists, per_prompt, strict=True):
-            self.add_request(EngineRequest(rid, tokens, p))
-        seqs = {rid: self.requests[rid].seqs for rid in ids}
-        while self.has_unfinished:
-            self.step()
-        return [
-            RequestOutput(
-                request_id=rid,
-                prompt_ids=tokens,
-                num_cached_tokens=seqs[rid][0].num_cached_tokens,
-                choices=[Choice.of(s) for s in seqs[rid]],
-                prompt_logprobs=list(seqs[rid][0].prompt_logprobs),
-            )
-            for rid, tokens in zip(ids, token_lists, strict=True)
-        ]
+        return offline.generate(self, prompts, params, f"offline-{next(self._arrivals)}")
 
     def check(self) -> None:
         """The pool's invariants, and that its references are exactly the running sequences'

@@ -32,6 +32,7 @@ class StepTimes:
     schedule: float = 0.0  # scheduling and building the batch
     forward: float = 0.0  # the model
     sample: float = 0.0  # sampling and applying the tokens (stop checks, detokenization)
+    overlapped: float = 0.0  # of forward: applying the last step's tokens (async scheduling)
 
     @property
     def overhead_share(self) -> float:

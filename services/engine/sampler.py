@@ -37,6 +37,10 @@ def uniforms(
     return u if device is None else u.to(device)
 
 
+# rows asking for logprobs, their log-softmax, and their top values and token ids
+LogprobRows = tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]
+
+
 @dataclass(frozen=True)
 class SampleResult:
     token_ids: list[int]
@@ -58,9 +62,9 @@ class Sampler:
         (proposed ones, being verified; none by default)."""
         ahead = ahead or [()] * len(seqs)
         params = [s.params for s in seqs]
-        logprobs = self._logprobs(logits, params)
+        logprobs = self.logprob_rows(logits, params)
         token_list = self.choose(logits, seqs, ahead).tolist()  # the step's one wait on a GPU
-        return SampleResult(token_list, _pick_logprobs(logprobs, token_list, params))
+        return SampleResult(token_list, pick_logprobs(logprobs, token_list, params))
 
     def choose(
         self, logits: torch.Tensor, seqs: Seq[Sequence], ahead: Seq[Seq[int]]
@@ -141,9 +145,9 @@ class Sampler:
         stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
         return sorted(stops)
 
-    def _logprobs(
+    def logprob_rows(
         self, logits: torch.Tensor, params: list[SamplingParams]
-    ) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    ) -> LogprobRows | None:
         """Log-softmax of the model's own logits (before any processing) where asked."""
         rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         if not rows:
@@ -166,8 +170,8 @@ def _draft_after(seqs: Seq[Sequence], ahead: Seq[Seq[int]], i: int) -> Seq[int]:
     return ahead[j]
 
 
-def _pick_logprobs(
-    lp: tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor] | None,
+def pick_logprobs(
+    lp: LogprobRows | None,
     tokens: list[int],
     params: list[SamplingParams],
 ) -> list[TokenLogprobs | None]:

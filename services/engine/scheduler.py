@@ -87,6 +87,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in order of arrival
         self.num_preemptions = 0
+        # sequences not to schedule now (async scheduling's: services/engine/overlap.py)
+        self.hold: Callable[[Sequence], bool] = lambda seq: False
 
     @property
     def has_work(self) -> bool:
@@ -121,6 +123,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if self.hold(seq):
+                i += 1
+                continue
             n = self._chunk(seq, budget)
             if not self._make_room(seq, n, out):
                 continue  # seq itself was preempted; running[i] is now the next one
@@ -153,6 +158,8 @@ class Scheduler:
     def _schedule_waiting(self, budget: int, out: SchedulerOutput) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if self.hold(seq):
+                break
             if not seq.block_ids:
                 cached = self.admit(seq)
                 if seq.status is Status.WAITING:

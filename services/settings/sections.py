@@ -144,6 +144,10 @@ class EngineConfig(Section):
     cuda_graph_max_batch: int = setting(256, "decode steps of up to this many sequences "
                                         "replay CUDA graphs captured per batch-size bucket "
                                         "(CUDA only; 0: off)", WORKER)  # fmt: skip
+    async_scheduling: str = setting("auto", "schedule the next step and build its inputs while "
+                                    "the model computes this one (its tokens fed to the next on "
+                                    "the device): on, off, auto (on with CUDA)", WORKER,
+                                    choices=("auto", "on", "off"))  # fmt: skip
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     block_size: int = BLOCK_SIZE  # tokens per KV block: part of every block's hash
     enable_prefix_caching: bool = True

@@ -34,5 +34,7 @@ def test_dry_run_on_the_cpu(tmp_path):
     assert served["left_running"] == []
     assert not list(tmp_path.glob("kv-*"))  # the store's directory removed
     decode = sections["throughput"]["numbers"]["decode"]
-    assert {r["batch"] for r in decode if r["system"] == "pdserve"} == {1, 4}
+    assert {(r["batch"], r["async"]) for r in decode if r["system"] == "pdserve"} == {
+        (b, a) for b in (1, 4) for a in ("off", "on")
+    }
     assert all(r["graph_replays"] is None for r in decode if r["system"] == "pdserve")

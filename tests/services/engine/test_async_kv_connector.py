@@ -1,0 +1,4 @@
+"""test_kv_connector.py's tests, every engine stepping asynchronously (async_on.py)."""
+
+from tests.services.engine.async_on import async_steps  # noqa: F401
+from tests.services.engine.test_kv_connector import *  # noqa: F403
