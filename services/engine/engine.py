@@ -31,6 +31,7 @@ from services.engine.outputs import (
 )
 from services.engine.overlap import Overlap, async_scheduling
 from services.engine.params import SamplingParams, ValidationError, validate_prompt
+from services.engine.pool_budget import kv_budget
 from services.engine.prompt_scores import score_prompts, scores_prompt
 from services.engine.request import (
     EngineRequest,
@@ -82,7 +83,9 @@ class Engine:
         self.model, self.tokenizer = model, tokenizer
         self.config = config = config or EngineConfig()
         mc = model.config
-        num_blocks, num_window_blocks = pool_sizes(mc, config, model.embed.element_size())
+        itemsize = model.embed.element_size()
+        budget = 0 if config.num_blocks else kv_budget(mc, config, itemsize, model.device)
+        num_blocks, num_window_blocks = pool_sizes(mc, config, itemsize, budget)
         self.kv = model.new_kv_cache(num_blocks, config.block_size, num_window_blocks)
         windows = None
         if self.kv.windowed:

@@ -24,23 +24,25 @@ from services.model.config import ModelConfig
 from services.settings import EngineConfig
 
 
-def pool_sizes(mc: ModelConfig, config: EngineConfig, itemsize: int) -> tuple[int, int | None]:
+def pool_sizes(
+    mc: ModelConfig, config: EngineConfig, itemsize: int, budget: int
+) -> tuple[int, int | None]:
     """Blocks, and window blocks (None: one per block), from the settings: --num-blocks, or as
-    many as the KV budget holds. Window blocks: as many as the running sequences' windows and
-    a step's new tokens can hold at once, the rest of the budget in blocks without a window
-    part."""
+    many as the KV budget (bytes: pool_budget.py) holds. Window blocks: as many as the
+    running sequences' windows and a step's new tokens can hold at once, the rest of the
+    budget in blocks without a window part."""
     bs = config.block_size
     whole = mc.cache_layers * bs * mc.cache_elements * itemsize
     if not mc.window_elements:
-        return config.num_blocks or max(1, config.kv_cache_bytes // whole), None
+        return config.num_blocks or max(1, budget // whole), None
     keep = -(-mc.window_keep // bs)
     wanted = config.max_num_seqs * (keep + 3) + -(-config.max_num_batched_tokens // bs)
     if config.num_blocks:
         return config.num_blocks, min(config.num_blocks, wanted)
     window = bs * mc.window_elements * itemsize
-    if wanted * whole >= config.kv_cache_bytes or window == whole:
-        return max(1, config.kv_cache_bytes // whole), None
-    return (config.kv_cache_bytes - wanted * window) // (whole - window), wanted
+    if wanted * whole >= budget or window == whole:
+        return max(1, budget // whole), None
+    return (budget - wanted * window) // (whole - window), wanted
 
 
 class WindowPool:

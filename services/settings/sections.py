@@ -135,7 +135,13 @@ class EngineConfig(Section):
     """The engine's sizes and policies (services/engine/engine.py)."""
 
     num_blocks: int | None = setting(None, "KV blocks in a worker's pool", WORKER, minimum=1)
-    kv_cache_gb: float = setting(1.0, "KV pool size when --num-blocks is not given", WORKER)
+    kv_cache_gb: float | None = setting(None, "KV pool size in GiB when --num-blocks is not "
+                                        "given (default: 1 on a CPU; on CUDA what "
+                                        "--gpu-memory-utilization leaves)", WORKER)  # fmt: skip
+    gpu_memory_utilization: float = setting(0.9, "share of the GPU's memory the worker may use "
+                                            "(weights, activations, KV pool) when neither "
+                                            "--num-blocks nor --kv-cache-gb sizes the pool "
+                                            "(CUDA only)", WORKER)  # fmt: skip
     max_num_seqs: int = setting(64, "sequences a worker runs at once", WORKER, minimum=1)
     max_num_batched_tokens: int = setting(512, "tokens per engine step", WORKER, minimum=1)
     prefill_chunk_size: int | None = setting(None, "a prompt's tokens per engine step, at most "
@@ -161,15 +167,15 @@ class EngineConfig(Section):
                 f"prefill_chunk_size ({self.prefill_chunk_size}) must not exceed "
                 f"max_num_batched_tokens ({self.max_num_batched_tokens})"
             )
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise SettingsError("gpu_memory_utilization: must be in (0, 1]")
+        if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:
+            raise SettingsError("kv_cache_gb: must be above 0")
 
     @property
     def chunk_size(self) -> int:
         """Tokens of one prompt per step, at most."""
         return self.prefill_chunk_size or min(256, self.max_num_batched_tokens)
-
-    @property
-    def kv_cache_bytes(self) -> int:
-        return int(self.kv_cache_gb * GIB)
 
 
 @dataclass(frozen=True)

@@ -27,13 +27,13 @@ PORT_SETTINGS = ("PDSERVE_PORT", "PDSERVE_METRICS_PORT")
 SHELL = {"PDSERVE_KV_CACHE_GB": "0.25"}
 
 
-def interpolate(text: str) -> str:
-    """Compose's ${VAR}, ${VAR:-default} and ${VAR-default}, from SHELL."""
+def interpolate(text: str, shell: dict[str, str] = SHELL) -> str:
+    """Compose's ${VAR}, ${VAR:-default} and ${VAR-default}, from `shell`."""
 
     def value(m: re.Match[str]) -> str:
         name, op, default = m.group(1), m.group(2), m.group(3) or ""
-        if name in SHELL and (SHELL[name] or op != ":-"):
-            return SHELL[name]
+        if name in shell and (shell[name] or op != ":-"):
+            return shell[name]
         return default if op else ""
 
     return re.sub(r"\$\{(\w+)(:?-)?([^}]*)\}", value, text)
@@ -190,3 +190,30 @@ def test_compose_services_serve_a_streamed_chat_as_local_processes(tmp_path):
         scraped_by_prometheus_and_the_autoscalers(stack)
     finally:
         stack.down()
+
+
+def test_the_gpu_file_gives_each_worker_a_device_of_its_own():
+    """docker-compose.gpu.yml over the base file: every worker reserves one NVIDIA device by
+    id, no two the same, runs on CUDA and sizes its pool from the device's memory; its
+    settings parse (a worker's settings loaded from that environment)."""
+    from services import settings
+
+    base = yaml.safe_load(interpolate(COMPOSE.read_text(), {}))["services"]
+    gpu_file = (COMPOSE.parent / "docker-compose.gpu.yml").read_text()
+    gpu = yaml.safe_load(interpolate(gpu_file, {}))
+    workers = [n for n, s in base.items() if s.get("command", [None])[0:2] in
+               (["pdserve", "prefill"], ["pdserve", "decode"])]  # fmt: skip
+    assert sorted(workers) == ["decode-1", "decode-2", "prefill-1", "prefill-2"]
+    ids = []
+    for name in workers:
+        (device,) = gpu["services"][name]["deploy"]["resources"]["reservations"]["devices"]
+        assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+        assert "count" not in device  # count: 1 gives every worker GPU 0
+        ids += device["device_ids"]
+        env = {**base[name]["environment"], **gpu["services"][name]["environment"]}
+        assert env["PDSERVE_DEVICE"] == "cuda"
+        role = base[name]["command"][1]
+        environ = {k: str(v) for k, v in env.items()}
+        engine = settings.load(role, None, environ).settings.engine
+        assert engine.kv_cache_gb is None and engine.gpu_memory_utilization == 0.9
+    assert ids == ["0", "1", "2", "3"]

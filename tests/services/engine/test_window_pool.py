@@ -189,7 +189,7 @@ def test_the_kv_budget_goes_to_blocks_past_the_window_pool(v4_dir):
     kv = engine.kv
     assert kv.num_window_blocks == 4 * (1 + 3) + 4
     used = kv.num_blocks * kv.bytes_per_block + kv.num_window_blocks * kv.bytes_per_window_block
-    assert used <= config.kv_cache_bytes < used + kv.bytes_per_block
+    assert used <= 0.05 * (1 << 30) < used + kv.bytes_per_block
     assert kv.num_blocks > 4 * kv.num_window_blocks
 
 
