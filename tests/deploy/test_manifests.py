@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import httpx
 import kubernetes_validate
@@ -15,7 +16,7 @@ import yaml
 from tests.support.cluster import metrics
 
 DEPLOY = Path(__file__).parents[2] / "deploy"
-MANIFESTS = sorted((DEPLOY / "k8s").glob("*.yaml"))
+MANIFESTS = sorted(p for p in (DEPLOY / "k8s").glob("*.yaml") if p.name != "kustomization.yaml")
 
 
 def documents(path: Path) -> list[dict]:
@@ -53,6 +54,77 @@ def test_manifests_hold_the_pieces_a_deployment_needs():
     for role in ("prefill", "decode"):
         name = f"pdserve-{role}"
         assert config["data"][f"PDSERVE_{role.upper()}"] == f"dns:{name}:{headless[name]}"
+
+
+def merge(base: Any, patch: Any) -> Any:
+    """Kubernetes' strategic merge, as far as the GPU patches use it: mappings merged key by
+    key, lists of named items (containers, env) merged by name, other lists replaced."""
+    if isinstance(base, dict) and isinstance(patch, dict):
+        return {k: merge(base[k], v) if k in base else v for k, v in patch.items()} | {
+            k: v for k, v in base.items() if k not in patch
+        }
+    named = isinstance(patch, list) and all(isinstance(x, dict) and "name" in x for x in patch)
+    if named and isinstance(base, list):
+        by_name = {x["name"]: x for x in patch}
+        merged = [merge(x, by_name.pop(x["name"])) if x["name"] in by_name else x for x in base]
+        return merged + list(by_name.values())
+    return patch
+
+
+def key(document: dict) -> tuple[str, str]:
+    return document["kind"], document["metadata"]["name"]
+
+
+def kustomize(directory: Path) -> list[dict]:
+    """What `kubectl apply -k directory` applies, for the kustomizations here (resources,
+    images' new tags, strategic-merge patches)."""
+    k = yaml.safe_load((directory / "kustomization.yaml").read_text())
+    out: list[dict] = []
+    for resource in k["resources"]:
+        path = (directory / resource).resolve()
+        out += kustomize(path) if path.is_dir() else documents(path)
+    for image in k.get("images", []):
+        for d in out:
+            for c in d.get("spec", {}).get("template", {}).get("spec", {}).get("containers", []):
+                if c["image"].split(":")[0] == image["name"]:
+                    c["image"] = f"{image['name']}:{image['newTag']}"
+    for patch in k.get("patches", []):
+        for p in documents(directory / patch["path"]):
+            i = next(i for i, d in enumerate(out) if key(d) == key(p))
+            out[i] = merge(out[i], p)
+    return out
+
+
+def test_the_base_kustomization_lists_every_manifest():
+    listed = yaml.safe_load((DEPLOY / "k8s" / "kustomization.yaml").read_text())["resources"]
+    assert sorted(listed) == [p.name for p in MANIFESTS]
+
+
+def test_the_gpu_overlay_gives_each_worker_pod_a_gpu_and_validates():
+    base = {key(d): d for d in kustomize(DEPLOY / "k8s")}
+    gpu = {key(d): d for d in kustomize(DEPLOY / "k8s" / "gpu")}
+    assert gpu.keys() == base.keys()
+    for document in gpu.values():
+        kubernetes_validate.validate(document, "1.30.0", strict=True)
+    for role in ("prefill", "decode"):
+        pod = gpu["Deployment", f"pdserve-{role}"]["spec"]["template"]["spec"]
+        (container,) = pod["containers"]
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
+        assert container["resources"]["requests"]["nvidia.com/gpu"] == "1"
+        assert container["image"] == "pdserve:cuda"
+        assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod[
+            "tolerations"
+        ]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env["PDSERVE_DEVICE"] == "cuda" and env["PDSERVE_KV_CACHE_GB"] == ""
+        assert env["PDSERVE_PORT"]  # the base's env kept
+        base_container = base["Deployment", f"pdserve-{role}"]["spec"]["template"]["spec"]
+        probes = ("readinessProbe", "livenessProbe", "startupProbe")
+        assert all(container[p] == base_container["containers"][0][p] for p in probes)
+    router = gpu["Deployment", "pdserve-router"]["spec"]["template"]["spec"]["containers"][0]
+    assert "nvidia.com/gpu" not in router["resources"]["limits"]
+    assert gpu["ConfigMap", "pdserve"] == base["ConfigMap", "pdserve"]
 
 
 def dashboard_metric_names() -> set[str]:
