@@ -123,7 +123,9 @@ def _generate(args: argparse.Namespace) -> int:
     from services.model.loader import load_model
 
     ms = settings.load("generate", args).settings.model
-    loaded = load_model(ms.model, ms.dtype, ms.device, ms.quantization, ms.kernels)
+    loaded = load_model(
+        ms.model, ms.dtype, ms.device, ms.quantization, ms.kernels, ms.deterministic
+    )
     tok = loaded.tokenizer
     if args.chat:
         prompt = tok.encode_chat([{"role": "user", "content": args.prompt}])

@@ -69,18 +69,23 @@ class Check:
     dry: bool
     deadline: float  # time.monotonic() after which no section starts
     out: Path
-    models: dict[tuple[str, str], LoadedModel] = field(default_factory=dict)  # (dtype, kernels)
+    # (dtype, kernels, deterministic)
+    models: dict[tuple[str, str, bool], LoadedModel] = field(default_factory=dict)
     references: dict[str, Any] = field(default_factory=dict)  # transformers' models by dtype
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
 
-    def model(self, dtype: str, kernels: str = DEFAULTS.model.kernels) -> LoadedModel:
-        if (dtype, kernels) not in self.models:
-            log(f"  loading the embedded model: {dtype}, kernels {kernels}")
-            loaded = load_model("embedded", dtype, str(self.device), kernels=kernels)
-            self.models[dtype, kernels] = loaded
-        return self.models[dtype, kernels]
+    def model(
+        self, dtype: str, kernels: str = DEFAULTS.model.kernels, deterministic: bool = True
+    ) -> LoadedModel:
+        key = (dtype, kernels, deterministic)
+        if key not in self.models:
+            log(f"  loading the embedded model: {dtype}, kernels {kernels}, "
+                f"deterministic {deterministic}")  # fmt: skip
+            self.models[key] = load_model("embedded", dtype, str(self.device), kernels=kernels,
+                                          deterministic=deterministic)  # fmt: skip
+        return self.models[key]
 
     def reference(self, dtype: str) -> Any:
         if dtype not in self.references:

@@ -12,7 +12,7 @@ from bench.gpu_check.check import REPO, Check, Skip
 from bench.offline import log
 
 FILES = tuple(f"tests/services/model/test_triton_{name}.py"
-              for name in ("layer_ops", "attention", "mla", "fp8"))  # fmt: skip
+              for name in ("layer_ops", "attention", "mla", "fp8", "row_gemm"))  # fmt: skip
 
 
 def run(check: Check, numbers: dict[str, Any]) -> bool:

@@ -14,6 +14,7 @@ from services.engine.engine import Engine, EngineConfig, StepTimes
 from services.engine.params import SamplingParams
 from services.engine.request import EngineRequest
 from services.model.loader import LoadedModel, resolve_dtype
+from services.settings import DEFAULTS
 
 
 class Decode(NamedTuple):
@@ -99,7 +100,8 @@ def engine_row(
     d = engine_decode(check, loaded, batch, **config)
     return {"system": "pdserve", "kernels": kernels, "batch": batch, "tok_s": d.tok_s,
             "graph_replays": d.graph_replays, "steps": check.sizes.decode_steps,
-            "async": config.get("async_scheduling", "auto")}  # fmt: skip
+            "async": config.get("async_scheduling", "auto"),
+            "deterministic": getattr(loaded.model, "deterministic", True)}  # fmt: skip
 
 
 def run(check: Check, numbers: dict[str, Any]) -> bool:
@@ -115,6 +117,13 @@ def run(check: Check, numbers: dict[str, Any]) -> bool:
         for b in (1, 32):
             log(f"  the engine: decode at batch {b}, no CUDA graphs")
             rows.append(engine_row(check, loaded, "auto", b, cuda_graph_max_batch=0))
+    cublas = check.model(dtype, deterministic=False)  # products by cuBLAS (a CPU: no change)
+    for b in sizes.decode_batches:
+        log(f"  the engine: decode at batch {b}, deterministic off")
+        rows.append(engine_row(check, cublas, "auto", b, async_scheduling="on"))
+    log(f"  prefill of {sizes.prefill_len} tokens, deterministic off")
+    cublas_prefill = engine_prefill(check, cublas)
+    del check.models[dtype, DEFAULTS.model.kernels, False]
     hf = check.reference(dtype)
     for b in sizes.hf_batches:
         log(f"  transformers: decode at batch {b}")
@@ -126,6 +135,7 @@ def run(check: Check, numbers: dict[str, Any]) -> bool:
     hf_generate_seconds(check, hf, ids, 1)  # warm
     theirs = hf_generate_seconds(check, hf, ids, 1)
     numbers["prefill"] = {"tokens": sizes.prefill_len, "pdserve_s": mine,
+                          "pdserve_not_deterministic_s": cublas_prefill,
                           "transformers_s": theirs, "ratio": theirs / mine}  # fmt: skip
     if check.device.type == "cuda" and check.left() > 120:
         torch_kernels(check, dtype, rows)
@@ -143,20 +153,22 @@ def torch_kernels(check: Check, dtype: str, rows: list[dict[str, Any]]) -> None:
     for b in (1, 32):
         log(f"  the engine, kernels torch: decode at batch {b}")
         rows.append(engine_row(check, loaded, "torch", b))
-    del check.models[dtype, "torch"]
+    del check.models[dtype, "torch", True]
 
 
 def summary(n: dict[str, Any]) -> str:
     p = n["prefill"]
     return (f"{n['dtype']}; prefill {p['tokens']} tokens {1000 * p['pdserve_s']:.0f} ms "
-            f"(transformers {1000 * p['transformers_s']:.0f} ms, {p['ratio']:.2f}x); "
+            f"(deterministic off {1000 * p['pdserve_not_deterministic_s']:.0f} ms; "
+            f"transformers {1000 * p['transformers_s']:.0f} ms, {p['ratio']:.2f}x); "
             "decode below")  # fmt: skip
 
 
 def decode_table(rows: list[dict[str, Any]]) -> list[str]:
     """The decode rows as a markdown table; CUDA graphs: replays / timed steps, or off."""
-    lines = ["| system | kernels | CUDA graphs | async | batch | decode tok/s | vs transformers |",
-             "| --- | --- | --- | --- | ---: | ---: | ---: |"]  # fmt: skip
+    lines = ["| system | kernels | CUDA graphs | async | deterministic | batch | decode tok/s "
+             "| vs transformers |",
+             "| --- | --- | --- | --- | --- | ---: | ---: | ---: |"]  # fmt: skip
     for r in rows:
         graphs = ""
         if r["system"] == "pdserve":
@@ -164,6 +176,6 @@ def decode_table(rows: list[dict[str, Any]]) -> list[str]:
             graphs = "off" if replays is None else f"{replays}/{r['steps']} steps replayed"
         ratio = f"{r['vs_transformers']:.2f}x" if "vs_transformers" in r else ""
         lines.append(f"| {r['system']} | {r.get('kernels', '')} | {graphs} | "
-                     f"{r.get('async', '')} | {r['batch']} | "
+                     f"{r.get('async', '')} | {r.get('deterministic', '')} | {r['batch']} | "
                      f"{r['tok_s']:.1f} | {ratio} |")  # fmt: skip
     return lines

@@ -72,8 +72,10 @@ class DecoderModel:
         packed: bool | None = None,
         ops: LayerOps | None = None,
         kernels: str = DEFAULTS.model.kernels,
+        deterministic: bool = DEFAULTS.model.deterministic,
     ) -> None:
-        """`packed`: prepacked weights (default: wherever they work, i.e. CPUs: on AMX tiles for
+        """`deterministic`: row-invariant products on a GPU (linear.make_linear); `packed`:
+        prepacked weights (default: wherever they work, i.e. CPUs: on AMX tiles for
         bfloat16 where they run, else oneDNN's);
         `attention`, `ops`: the kernels (default: those `kernels` names, attention.KERNELS:
         auto is the fastest the device has)."""
@@ -91,6 +93,7 @@ class DecoderModel:
         if packed is None:
             packed = packed_linear_available(self.device, dtype)
         self.packed = packed
+        self.deterministic = deterministic
         # bfloat16 products on AMX tiles where they run (linear.py): a choice per process, so
         # every product of a model and every row count take the same path
         amx = amx_linear_library() if packed and dtype == torch.bfloat16 else None
@@ -125,7 +128,7 @@ class DecoderModel:
                     else weight.new_zeros(w(n + ".weight").shape[0])
                     for n in names
                 ])  # fmt: skip
-            return make_linear(weight, b, packed, amx)
+            return make_linear(weight, b, packed, amx, self.deterministic)
 
         self.embed = w("model.embed_tokens.weight")  # [vocab, hidden]
         head = "model.embed_tokens" if config.tie_word_embeddings else "lm_head"

@@ -158,10 +158,16 @@ def make_linear(
     bias: torch.Tensor | None = None,
     packed: bool = False,
     amx: ctypes.CDLL | None = None,
+    row_invariant: bool = False,
 ) -> Linear:
     """weight: [out, in] in the compute dtype and device. `packed`: a prepacked product
-    (`amx`, the AMX library, where the weight fits it; else oneDNN's); else a plain matmul.
-    Which one a weight gets depends on the weight alone, never on the rows it will meet."""
+    (`amx`, the AMX library, where the weight fits it; else oneDNN's); else a plain matmul, or
+    on a GPU with `row_invariant` (--deterministic) the Triton one of gpu/row_gemm.py. Which
+    one a weight gets depends on the weight alone, never on the rows it will meet."""
+    if row_invariant and weight.device.type == "cuda":
+        from services.model.gpu.row_gemm import RowInvariantLinear
+
+        return RowInvariantLinear(weight, bias)
     if packed and amx is not None and amx_fits(weight):
         return AmxLinear(amx, weight, bias)
     return PackedLinear(weight, bias) if packed else DenseLinear(weight, bias)

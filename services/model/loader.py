@@ -67,8 +67,10 @@ def load_model(
     device: str = DEFAULTS.model.device,
     quantization: str = DEFAULTS.model.quantization,
     kernels: str = DEFAULTS.model.kernels,
+    deterministic: bool = DEFAULTS.model.deterministic,
 ) -> LoadedModel:
-    """`kernels`: auto, c, torch or triton (services/model/attention.py resolve_kernels)."""
+    """`kernels`: auto, c, torch or triton (services/model/attention.py resolve_kernels);
+    `deterministic`: row-invariant products on a GPU (services/model/linear.py)."""
     if quantization not in quantize.QUANTIZATIONS:  # refused before anything loads
         raise ValueError(
             f"unknown quantization {quantization!r} (choose {', '.join(quantize.QUANTIZATIONS)})"
@@ -85,13 +87,41 @@ def load_model(
     weights = hf_dir.read_weights(path, config)
     model: CausalLM
     if config.v4 is not None:
-        model = DeepseekV4Model(config, weights, resolve_dtype(dtype, dev), dev, kernels=kernels)
+        model = DeepseekV4Model(
+            config,
+            weights,
+            resolve_dtype(dtype, dev),
+            dev,
+            kernels=kernels,
+            deterministic=deterministic,
+        )
     elif config.oss is not None:
-        model = GptOssModel(config, weights, resolve_dtype(dtype, dev), dev, kernels=kernels)
+        model = GptOssModel(
+            config,
+            weights,
+            resolve_dtype(dtype, dev),
+            dev,
+            kernels=kernels,
+            deterministic=deterministic,
+        )
     elif config.gemma3 is not None:
-        model = Gemma3Model(config, weights, resolve_dtype(dtype, dev), dev, kernels=kernels)
+        model = Gemma3Model(
+            config,
+            weights,
+            resolve_dtype(dtype, dev),
+            dev,
+            kernels=kernels,
+            deterministic=deterministic,
+        )
     else:
-        model = DecoderModel(config, weights, resolve_dtype(dtype, dev), dev, kernels=kernels)
+        model = DecoderModel(
+            config,
+            weights,
+            resolve_dtype(dtype, dev),
+            dev,
+            kernels=kernels,
+            deterministic=deterministic,
+        )
     if quantization == "int8":
         calibration = tokenizer.encode(quantize.calibration_text(), add_special_tokens=False)
         assert isinstance(model, DecoderModel)

@@ -42,6 +42,7 @@ from services.model.linear import Linear, make_linear
 from services.model.v4_attention import _rms_norm
 from services.model.v4_config import canonical_name, mtp_layer_type
 from services.model.weights import check_complete, check_shapes
+from services.settings import DEFAULTS
 
 
 class Mtp:
@@ -97,14 +98,16 @@ class V4Mtp(Mtp):
 
 
 def load_mtp(
-    path: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device, kernels: str
-) -> Mtp:
-    """The checkpoint's first MTP layer; ModelLoadError where it has none."""
+    path: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device, kernels: str,
+    deterministic: bool = DEFAULTS.model.deterministic,
+) -> Mtp:  # fmt: skip
+    """The checkpoint's first MTP layer, its products as the model's (`kernels`,
+    `deterministic`); ModelLoadError where it has none."""
     from safetensors import safe_open
 
     hf_dir.check_mtp(path, config)
     if config.v4 is not None:
-        return _load_v4(path, config, dtype, device, kernels)
+        return _load_v4(path, config, dtype, device, kernels, deterministic)
     n = config.num_layers
     own, main = f"model.layers.{n}.", ("model.embed_tokens.weight", "lm_head.weight")
     found: dict[str, torch.Tensor] = {}
@@ -133,7 +136,7 @@ def load_mtp(
     experts = moe is not None and bool(moe.layers) and n >= min(moe.layers)
     layers = dataclasses.replace(moe, layers=(0,)) if experts and moe is not None else None
     one = dataclasses.replace(config, num_layers=1, moe=layers, tie_word_embeddings=False)
-    block = DecoderModel(one, renamed, dtype, device, kernels=kernels)
+    block = DecoderModel(one, renamed, dtype, device, kernels=kernels, deterministic=deterministic)
     block.keep_hidden = True  # h' chains the drafts
     renamed.clear()  # what the block keeps, it holds (its experts are never rebuilt)
     eh = found[own + "eh_proj.weight"].to(device, dtype)
@@ -141,7 +144,7 @@ def load_mtp(
         block,
         found[own + "enorm.weight"].to(device, dtype),
         found[own + "hnorm.weight"].to(device, dtype),
-        make_linear(eh, None, block.packed, None),
+        make_linear(eh, None, block.packed, None, block.deterministic),
     )
 
 
@@ -149,8 +152,9 @@ V4_OWN = ("e_proj.", "h_proj.", "enorm.", "hnorm.")  # the MTP layer's besides i
 
 
 def _load_v4(
-    path: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device, kernels: str
-) -> V4Mtp:
+    path: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device, kernels: str,
+    deterministic: bool,
+) -> V4Mtp:  # fmt: skip
     from safetensors import safe_open
 
     assert config.v4 is not None and config.moe is not None
@@ -184,7 +188,8 @@ def _load_v4(
     one = dataclasses.replace(config, num_layers=1, v4=v4, tie_word_embeddings=False,
                               moe=dataclasses.replace(config.moe, layers=(0,)))  # fmt: skip
     _check_v4(path, one, weights)
-    block = DeepseekV4Model(one, weights, dtype, device, kernels=kernels)
+    block = DeepseekV4Model(one, weights, dtype, device, kernels=kernels,
+                            deterministic=deterministic)  # fmt: skip
     block.keep_hidden = True  # H' chains the drafts
     mtp = V4Mtp(
         block, block._w("enorm.weight", True), block._w("hnorm.weight", True),

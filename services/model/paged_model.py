@@ -24,12 +24,15 @@ class PagedModel:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         kernels: str = DEFAULTS.model.kernels,
+        deterministic: bool = DEFAULTS.model.deterministic,
     ) -> None:
         """`kernels`: attention.KERNELS; on a GPU ("triton") these models run their torch
-        code, with the row attention in Triton (gpu/row_attention.py)."""
+        code, with the row attention in Triton (gpu/row_attention.py); `deterministic`:
+        row-invariant products there (linear.make_linear)."""
         self.config, self.dtype, self.device = config, dtype, torch.device(device)
         self.kernels = resolve_kernels(kernels, self.device)
         self.packed = packed_linear_available(self.device, dtype)
+        self.deterministic = deterministic
         self._amx = amx_linear_library() if self.packed and dtype == torch.bfloat16 else None
         self.load(weights)
 
@@ -40,7 +43,7 @@ class PagedModel:
         """x @ weight.T (+ bias), weight [out, in] in its dtype (float32 ones for a float32
         input, as the hyper-connections' mixes)."""
         amx = self._amx if weight.dtype == torch.bfloat16 else None
-        return make_linear(weight.contiguous(), bias, self.packed, amx)
+        return make_linear(weight.contiguous(), bias, self.packed, amx, self.deterministic)
 
     def new_kv_cache(
         self, num_blocks: int, block_size: int = BLOCK_SIZE, num_window_blocks: int | None = None

@@ -78,6 +78,11 @@ class ModelSettings(Section):
                            "CPUs), c, torch, or triton (on a CPU: Triton's interpreter, for "
                            "tests)", (*WORKER, *OFFLINE),
                            choices=("auto", "c", "torch", "triton"))  # fmt: skip
+    deterministic: bool = setting(True, "on a GPU, products whose rows do not depend on the "
+                                  "batch (a Triton GEMM with one summation order instead of "
+                                  "cuBLAS): a request's tokens whatever it is batched with, "
+                                  "as on CPUs (where products always are)",
+                                  (*WORKER, *OFFLINE))  # fmt: skip
     quantization: str = setting("none", "int8: the decoder layers' q/k/v, o and gate/up "
                                 "products in int8, weights and activations (CPUs; fast with "
                                 "VNNI or AMX; perplexity +0.3%, docs/benchmarks.md)",

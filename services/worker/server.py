@@ -61,7 +61,9 @@ class Worker:
         # before the model loads and any thread starts: every later thread shares one arena
         keep_freed_memory()
         ms, store = settings.model, settings.store
-        loaded = load_model(ms.model, ms.dtype, ms.device, ms.quantization, ms.kernels)
+        loaded = load_model(
+            ms.model, ms.dtype, ms.device, ms.quantization, ms.kernels, ms.deterministic
+        )
         self.experts: ExpertGroup | None = None  # the experts' other processes, when spread
         es = settings.experts
         if es.expert_parallel > 1:
@@ -91,7 +93,9 @@ class Worker:
             ).model
         elif settings.engine.speculative.method == "mtp":
             model = loaded.model
-            draft = load_mtp(loaded.path, mc, model.dtype, model.device, model.kernels)
+            draft = load_mtp(
+                loaded.path, mc, model.dtype, model.device, model.kernels, ms.deterministic
+            )
         self.link = KVLink(
             self.layout, storage, store, cached_hashes=lambda: self.driver.cached_hashes,
             attention_k=attention_k(mc),

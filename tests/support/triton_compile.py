@@ -20,7 +20,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from services.model.gpu import attention, fp8, layer_ops, mla
+from services.model.gpu import attention, fp8, layer_ops, mla, row_gemm
 
 TARGET = GPUTarget("cuda", 90, 32)
 I64, I32 = "i64", "i32"
@@ -60,6 +60,10 @@ def kernels(ty: str) -> list[tuple[object, dict[str, str], dict[str, object]]]:
          "N": I32, "K": I32, "x_row": I32, "w_row": I32, "s_row": I32, "out_row": I32},
          {"SCALE_K": 128, "HAS_BIAS": False, "F32_DOT": ty == "fp32", "BLOCK_M": fp8.BLOCK_M,
           "BLOCK_N": fp8.BLOCK_N, "BLOCK_K": fp8.MAX_BLOCK_K}),
+        (row_gemm._matmul, {"x": p, "w": p, "bias": p, "out": p, "T": I32, "N": I32, "K": I32,
+         "x_row": I32, "w_row": I32, "out_row": I32},
+         {"HAS_BIAS": False, "F32_DOT": ty == "fp32", "BLOCK_M": row_gemm.BLOCK_M,
+          "BLOCK_N": row_gemm.BLOCK_N, "BLOCK_K": row_gemm.BLOCK_K}),
         (layer_ops._silu_mul_kernel, {"gate_up_ptr": p, "out_ptr": p, "gate_up_row_stride": I32,
          "gate_up_col_stride": I32, "out_row_stride": I32, "rows": I32, "ff": I32},
          {"BLOCK": 1024}),
