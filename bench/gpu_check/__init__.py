@@ -22,11 +22,13 @@ bf16 units) is recorded first.
    prefill and a decode forward) through `kernels="triton"` against the default kernels'
    (interpreted on a CPU: 10-15 s the two).
 3. throughput (throughput.py): decode tokens/s at each batch (all sequences decoding; prefill
-   and warm steps untimed) and the time of one prompt's prefill in one chunk, the engine
-   against transformers' `generate` in the same run (its decode: time(steps + 1 tokens) -
-   time(1)). On CUDA each engine row says how many of its timed steps replayed a CUDA graph
-   (`Engine.graphs.replays`), and the engine also runs without graphs at batch 1 and 32, and
-   with `kernels="torch"` when the budget allows. Pass: everything measured (the ratios are
+   and warm steps untimed), with async scheduling off and on, and with `--deterministic` off
+   (cuBLAS's products instead of the row-invariant GEMM; its prefill too), and the time of
+   one prompt's prefill in one chunk, the engine against transformers' `generate` in the
+   same run (its decode: time(steps + 1 tokens) - time(1)). On CUDA each engine row says
+   how many of its timed steps replayed a CUDA graph (`Engine.graphs.replays`), and the
+   engine also runs without graphs at batch 1 and 32, and with `kernels="torch"` when the
+   budget allows. Pass: everything measured (the ratios are
    reported, not judged).
 4. disaggregated (disaggregated.py): `pdserve up --no-colocated --kv-store local://DIR/kv-*`
    (float32; a fresh store directory under --out, removed after) serves completions, streamed
