@@ -44,7 +44,7 @@ from services.engine.prompt_scores import score_prompts
 from services.engine.request import Sequence, Status, TokenLogprobs
 from services.engine.sampler import LogprobRows, pick_logprobs
 from services.engine.scheduler import ScheduledChunk
-from services.model.batch import ForwardBatch
+from services.model.batch import ForwardBatch, on_device
 
 if TYPE_CHECKING:
     from services.engine.engine import Engine
@@ -143,11 +143,9 @@ class Overlap:
                 rows.append(row_of[id(c.seq)])
             offset += c.num_tokens
         if at:
-            device = batch.token_ids.device
-            source = self.pending.tokens.to(device, non_blocking=True)
-            index = torch.tensor(at, dtype=torch.int64).to(device, non_blocking=True)
-            picked = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
-            batch.token_ids.index_copy_(0, index, source.index_select(0, picked))
+            index, picked = on_device(torch.tensor([at, rows]), batch.token_ids.device)
+            tokens = self.pending.tokens.index_select(0, picked)
+            batch.token_ids.index_copy_(0, index, tokens)
 
     def _overlapped(self, batch: ForwardBatch) -> tuple[torch.Tensor, list[SequenceDelta], float]:
         """The forward pass and, meanwhile, the last step's tokens applied: the logits, the

@@ -26,6 +26,7 @@ from services.engine.params import SamplingParams
 from services.engine.request import Sequence, TokenLogprobs
 from services.engine.seeds import uniforms as numpy_uniforms
 from services.engine.structured import Grammars
+from services.model.batch import on_device
 
 
 def uniforms(
@@ -34,7 +35,7 @@ def uniforms(
     """One number in [0, 1) per (seed, position), float64 [R] (services/engine/seeds.py),
     computed on the host (the same numbers on every device), on `device`."""
     u = torch.from_numpy(numpy_uniforms(seeds, positions))
-    return u if device is None else u.to(device)
+    return u if device is None else on_device(u, device)
 
 
 # rows asking for logprobs, their log-softmax, and their top values and token ids
@@ -126,7 +127,7 @@ class Sampler:
             rows, cols, values = zip(*pairs, strict=True)
             x.index_put_(
                 (_index(rows, x.device), _index(cols, x.device)),
-                torch.tensor(values, dtype=x.dtype, device=x.device),
+                on_device(torch.tensor(values, dtype=x.dtype), x.device),
                 accumulate=True,
             )
         if masked:
@@ -158,7 +159,7 @@ class Sampler:
 
 
 def _index(values: Seq[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64, device=device)
+    return on_device(torch.tensor(values, dtype=torch.int64), device)
 
 
 def _draft_after(seqs: Seq[Sequence], ahead: Seq[Seq[int]], i: int) -> Seq[int]:
@@ -223,7 +224,7 @@ def apply_penalties(
     seen = seen > 0
 
     def column(values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, device=x.device)[:, None]
+        return on_device(torch.tensor(values), x.device)[:, None]
 
     presence = column([s.params.presence_penalty for s in seqs])
     frequency = column([s.params.frequency_penalty for s in seqs])
@@ -236,7 +237,7 @@ def _counts(rows: Seq[Seq[int]], vocab: int, device: torch.device) -> torch.Tens
     """[R, vocab] occurrence counts of each row's token ids (built on the host, one copy)."""
     width = max((len(r) for r in rows), default=0)
     padded = [[*r, *[vocab] * (max(width, 1) - len(r))] for r in rows]  # vocab = padding
-    ids = torch.tensor(padded, dtype=torch.int64).to(device)
+    ids = on_device(torch.tensor(padded, dtype=torch.int64), device)
     counts = torch.zeros(len(rows), vocab + 1, device=device)
     counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=counts.dtype))
     return counts[:, :vocab]
@@ -283,7 +284,7 @@ def _by_order(
     plain_rows = [i for i, p in enumerate(params) if p.top_p >= 1.0]
     parts = []
     for rows in (sorted_rows, plain_rows):
-        index = torch.tensor(rows, device=x.device)
+        index = on_device(torch.tensor(rows), x.device)
         parts.append((index, fn(x[index], [params[i] for i in rows], u[index.to(u.device)])))
     first = parts[0][1]
     out = first.new_empty((len(params), *first.shape[1:]))
@@ -304,7 +305,9 @@ def _final_probs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Temperature, top-k, top-p and min-p: float64 weights per row (not normalised), sorted
     descending when top-p needed it (then with the order: sorted position -> token)."""
-    temps = torch.tensor([p.temperature for p in params], dtype=x.dtype, device=x.device)[:, None]
+    temps = on_device(torch.tensor([p.temperature for p in params], dtype=x.dtype), x.device)[
+        :, None
+    ]
     x = x / temps
     top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
     top_p = [p.top_p for p in params]
@@ -318,7 +321,7 @@ def _final_probs(
     if order is not None:
         probs = _top_p(probs, top_p)
     if any(min_p):
-        floor = torch.tensor(min_p, dtype=probs.dtype, device=probs.device)[:, None]
+        floor = on_device(torch.tensor(min_p, dtype=probs.dtype), probs.device)[:, None]
         threshold = probs.max(dim=-1, keepdim=True).values * floor
         probs = probs.masked_fill(probs < threshold, 0.0)
     return probs, order
@@ -327,14 +330,14 @@ def _final_probs(
 def _top_k(x: torch.Tensor, ks: list[int], is_sorted: bool) -> torch.Tensor:
     kmax = max(ks)
     kth = x[:, :kmax] if is_sorted else x.topk(kmax, dim=-1).values  # [R, kmax], descending
-    index = torch.tensor([(k or kmax) - 1 for k in ks], device=x.device)[:, None]
+    index = on_device(torch.tensor([(k or kmax) - 1 for k in ks]), x.device)[:, None]
     cutoff = kth.gather(1, index)
-    keep_all = torch.tensor([k == 0 for k in ks], device=x.device)[:, None]
+    keep_all = on_device(torch.tensor([k == 0 for k in ks]), x.device)[:, None]
     return x.masked_fill(~keep_all & (x < cutoff), -float("inf"))
 
 
 def _top_p(sorted_probs: torch.Tensor, ps: list[float]) -> torch.Tensor:
     """Keep the smallest prefix (of probabilities sorted descending) holding mass >= p."""
     before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of the tokens ranked above
-    p = torch.tensor(ps, dtype=sorted_probs.dtype, device=sorted_probs.device)[:, None]
+    p = on_device(torch.tensor(ps, dtype=sorted_probs.dtype), sorted_probs.device)[:, None]
     return sorted_probs.masked_fill(before >= p, 0.0)

@@ -25,6 +25,7 @@ import torch
 from services.engine.grammar_text import check_grammar
 from services.engine.params import ValidationError
 from services.model import kernels
+from services.model.batch import on_device
 from services.tokenizer.tokenizer import Tokenizer
 
 Matcher = llguidance.LLMatcher
@@ -107,11 +108,11 @@ def apply_mask(
     """x[rows[i], t] = -inf where bits[i] clears token t, and past `vocab` (padded embedding
     rows no token maps to). x: [R, V >= vocab] float32; bits: [len(rows), words] int32."""
     if x.shape[1] > vocab:
-        x[rows.to(x.device), vocab:] = -float("inf")
+        x[on_device(rows, x.device), vocab:] = -float("inf")
     on_cpu = x.device.type == "cpu"
     library = kernels.load("token_mask") if use_kernel and on_cpu else None
     if library is None or x.dtype != torch.float32 or x.stride(1) != 1:
-        rows, bits = rows.to(x.device), bits.to(x.device)  # the masks are made on the host
+        rows, bits = on_device(rows, x.device), on_device(bits, x.device)  # made on the host
         x[rows, :vocab] = x[rows, :vocab].masked_fill(unpack(bits, vocab) == 0, -float("inf"))
         return
     library.apply_token_mask(

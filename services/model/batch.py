@@ -116,10 +116,8 @@ class ForwardBatch:
         # one host buffer, one copy to the device (pinned, asynchronous, on a GPU)
         flat = [*tokens, *positions, *slots, *logits_rows, *rows, *qlens, *lens]
         staged = torch.tensor(flat + [x for t in padded for x in t], dtype=torch.int64)
-        if device is not None and torch.device(device).type == "cuda":
-            staged = staged.pin_memory().to(device, non_blocking=True)
-        elif device is not None:
-            staged = staged.to(device)
+        if device is not None:
+            staged = on_device(staged, torch.device(device))
         parts = staged.split([len(tokens), len(positions), len(slots), len(logits_rows),
                               len(rows), len(qlens), len(lens), len(padded) * width])  # fmt: skip
         token_t, position_t, slot_t, logits_t, row_t, qlen_t, len_t, table_t = parts
@@ -135,6 +133,15 @@ class ForwardBatch:
             token_t, position_t, slot_t, spans, logits_t, block_size, table_t, row_t, qlen_t,
             len_t, max(qlens, default=0), max(lens, default=0), window_slots,
         )  # fmt: skip
+
+
+def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on the device; to a GPU from pinned memory, without waiting: a copy from
+    pageable memory waits for the work queued before it (with async scheduling, the forward
+    pass the host is meant to run ahead of)."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def _window_tables(
