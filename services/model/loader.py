@@ -85,43 +85,17 @@ def load_model(
         raise ModelLoadError(path, "--quantization int8 covers Llama-family dense models only")
     tokenizer = Tokenizer.from_dir(path)
     weights = hf_dir.read_weights(path, config)
-    model: CausalLM
+    family: type[DecoderModel | DeepseekV4Model | GptOssModel | Gemma3Model] = DecoderModel
     if config.v4 is not None:
-        model = DeepseekV4Model(
-            config,
-            weights,
-            resolve_dtype(dtype, dev),
-            dev,
-            kernels=kernels,
-            deterministic=deterministic,
-        )
+        family = DeepseekV4Model
     elif config.oss is not None:
-        model = GptOssModel(
-            config,
-            weights,
-            resolve_dtype(dtype, dev),
-            dev,
-            kernels=kernels,
-            deterministic=deterministic,
-        )
+        family = GptOssModel
     elif config.gemma3 is not None:
-        model = Gemma3Model(
-            config,
-            weights,
-            resolve_dtype(dtype, dev),
-            dev,
-            kernels=kernels,
-            deterministic=deterministic,
-        )
-    else:
-        model = DecoderModel(
-            config,
-            weights,
-            resolve_dtype(dtype, dev),
-            dev,
-            kernels=kernels,
-            deterministic=deterministic,
-        )
+        family = Gemma3Model
+    model: CausalLM = family(
+        config, weights, resolve_dtype(dtype, dev), dev, kernels=kernels,
+        deterministic=deterministic,
+    )  # fmt: skip
     if quantization == "int8":
         calibration = tokenizer.encode(quantize.calibration_text(), add_special_tokens=False)
         assert isinstance(model, DecoderModel)
