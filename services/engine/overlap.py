@@ -155,8 +155,10 @@ class Overlap:
             deltas = self.resolve()
             return logits, deltas, time.perf_counter()
         applied = self._thread.submit(self._timed_resolve)  # the forward keeps this thread's
-        logits = self.engine._forward(batch)  # OpenMP team
-        deltas, t_applied = applied.result()
+        try:  # OpenMP team
+            logits = self.engine._forward(batch)
+        finally:  # a failed pass too: nothing touches the engine while the tokens are applied
+            deltas, t_applied = applied.result()
         return logits, deltas, t_applied
 
     def _timed_resolve(self) -> tuple[list[SequenceDelta], float]:
