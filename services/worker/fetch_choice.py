@@ -24,7 +24,12 @@ read, the head chosen where the two take equally long. Reading a prefix and then
 the rest never beats the better of the two (each later token costs more to compute, the
 same to read: the sum is concave in the split point); computing the early, cheap tokens
 while the link brings the late, dear ones does, most where the two cost about the same:
-taken when expected (with SPLIT_COST_S more) SPLIT_GAIN of the better whole or less.
+taken when expected (with SPLIT_COST_S more) SPLIT_GAIN of the better whole or less. The
+two halves share the worker's cores (the read's checks and copies beside the head's products),
+so a split takes longer than either alone would: every split's seconds over its expected ones
+are smoothed into `split_factor`, which the next splits' expectations are multiplied by (on 2
+cores and a 1 Gbit/s link, splits took 1.1-1.4x their expected time, and then the plain read
+was sooner; at 0.1 Gbit/s, where the read barely uses a core, they stay worth it).
 
 `--kv-fetch always|never` overrides the choice (a benchmark's two sides; a user who knows).
 """
@@ -130,6 +135,7 @@ class Choice:
         # a read failed (the store down, or the link slower than measured): one block per
         # read, one read at a time, until one goes through
         self.cautious = False
+        self.split_factor = 1.0  # a split's seconds over its expected ones, smoothed
 
     def read_blocks(self) -> int:
         """Blocks per gentle read: `batch`, fewer on a link slow enough that a read of them
@@ -149,6 +155,10 @@ class Choice:
         if blocks and nbytes:
             self.block_bytes = nbytes / blocks
 
+    def observe_split(self, expected: float, seconds: float) -> None:
+        """A split expected to take `expected` seconds (as planned) took `seconds`."""
+        self.split_factor = smooth(self.split_factor, self.split_factor * seconds / expected)
+
     def plan(self, cached: int, missing: int, split: bool = False) -> Plan:
         """How many of `missing` blocks (after `cached` ones the engine holds) to read; with
         `split` (the caller can compute a head meanwhile), maybe how many to compute first."""
@@ -159,6 +169,7 @@ class Choice:
             return Plan(missing, "unmeasured", fetch, compute)
         if split and missing > 1:
             head, both = self._split(cached, missing)
+            both *= self.split_factor
             if both + SPLIT_COST_S < SPLIT_GAIN * min(fetch, compute):
                 return Plan(missing - head, "split", fetch, compute, head, both)
         if fetch <= compute:

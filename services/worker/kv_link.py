@@ -152,12 +152,15 @@ class KVLink:
             if split and not await self.store.longest_prefix([full[wanted - 1]]):
                 values, head, split = values[:skipped], skipped, False  # no tail stored
             if split and compute_head is not None:
+                began = time.perf_counter()
                 tail, _ = await asyncio.gather(  # the head computed even if the read fails
                     self.read_run(full[head:wanted], gentle), compute_head(head),
                     return_exceptions=True,
                 )  # fmt: skip
                 if isinstance(tail, BaseException):
                     raise tail
+                if plan.split_s and len(tail) == wanted - head:  # whole: a fair sample
+                    self.choice.observe_split(plan.split_s, time.perf_counter() - began)
                 values, skipped = values + tail, head
             else:
                 values += await self.read_run(full[len(values) : wanted], gentle)

@@ -109,6 +109,22 @@ def test_a_split_computes_the_head_while_the_tail_is_read_where_both_take_as_lon
     assert c.plan(0, 100, split=True).why == "compute"
 
 
+def test_splits_slower_than_expected_make_the_next_ones_expected_slower():
+    c = choice()
+    c.observe_read(8 * 400_000, 8, 0.32)
+    c.prompts.observe(0, 1600, 1.6 * (1 + 800 / 4000))
+    first = c.plan(0, 100, split=True)
+    assert first.why == "split"
+    for _ in range(3):  # the two halves slowed each other: 1.4x what was expected each time
+        c.observe_split(c.plan(0, 100, split=True).split_s, 1.4 * first.split_s)
+    assert c.split_factor == pytest.approx(1 + 0.4 * (1 - 0.7**3))
+    assert c.plan(0, 100, split=True).why == "compute"  # the split no longer pays
+    for _ in range(20):  # then splits as fast as expected: the factor comes back to 1
+        c.observe_split(1.0, 1.0 / c.split_factor)
+    assert c.split_factor == pytest.approx(1.0, abs=0.01)
+    assert c.plan(0, 100, split=True).why == "split"
+
+
 def test_reads_shrink_on_a_slow_link_to_a_tenth_of_a_second():
     c = choice()
     assert c.read_blocks() == 8  # unmeasured
