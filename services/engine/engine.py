@@ -29,7 +29,7 @@ from services.engine.outputs import (
     StepTiming,
     StopChecker,
 )
-from services.engine.overlap import Overlap, async_scheduling
+from services.engine.overlap import PLACEHOLDER, Overlap, async_scheduling
 from services.engine.params import SamplingParams, ValidationError, validate_prompt
 from services.engine.pool_budget import kv_budget
 from services.engine.prompt_scores import score_prompts, scores_prompt
@@ -227,6 +227,8 @@ class Engine:
         deltas = []
         for seq in req.seqs:
             if not seq.is_finished:
+                if seq.token_ids[-1] == PLACEHOLDER:  # its token still on the device: dropped
+                    seq.token_ids.pop()
                 self._finish(seq)
                 seq.finish_reason = FinishReason.ABORT
                 deltas.append(SequenceDelta.finished_only(seq))

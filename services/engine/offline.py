@@ -2,19 +2,35 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from collections.abc import Sequence as Seq
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from services.engine.outputs import Choice, RequestOutput
+from services.engine.outputs import Choice, RequestOutput, SequenceDelta
 from services.engine.params import SamplingParams
-from services.engine.request import EngineRequest
+from services.engine.request import EngineRequest, Sequence
+from services.tokenizer.tokenizer import Tokenizer
 
-if TYPE_CHECKING:
-    from services.engine.engine import Engine
+
+class _Held(Protocol):
+    seqs: list[Sequence]
+
+
+class Runner(Protocol):
+    """What running prompts takes of the engine (services/engine/engine.py)."""
+
+    tokenizer: Tokenizer
+
+    @property
+    def requests(self) -> Mapping[str, _Held]: ...
+    @property
+    def has_unfinished(self) -> bool: ...
+    def add_request(self, request: EngineRequest) -> None: ...
+    def step(self) -> list[SequenceDelta]: ...
 
 
 def generate(
-    engine: Engine,
+    engine: Runner,
     prompts: Seq[Seq[int] | str],
     params: SamplingParams | Seq[SamplingParams],
     id_prefix: str,

@@ -35,19 +35,37 @@ from __future__ import annotations
 import concurrent.futures
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-from services.engine.outputs import SequenceDelta, StepTiming
+from services.engine.kv_connector import KVConnector
+from services.engine.outputs import SequenceDelta, StepTimes, StepTiming
 from services.engine.prompt_scores import score_prompts
 from services.engine.request import Sequence, Status, TokenLogprobs
-from services.engine.sampler import LogprobRows, pick_logprobs
-from services.engine.scheduler import ScheduledChunk
+from services.engine.sampler import LogprobRows, Sampler, pick_logprobs
+from services.engine.scheduler import ScheduledChunk, Scheduler
 from services.model.batch import ForwardBatch, on_device
+from services.model.causal_lm import CausalLM
 
-if TYPE_CHECKING:
-    from services.engine.engine import Engine
+
+class Stepper(Protocol):
+    """What async scheduling takes of the engine (services/engine/engine.py)."""
+
+    model: CausalLM
+    scheduler: Scheduler
+    sampler: Sampler
+    times: StepTimes
+
+    def _batch(self, chunks: list[ScheduledChunk]) -> ForwardBatch: ...
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor: ...
+    def _computed(self, seq: Sequence, num_computed: int) -> None: ...
+    def _connector(self, seq: Sequence) -> KVConnector | None: ...
+    def _apply(
+        self, seq: Sequence, token: int, logprobs: TokenLogprobs | None, step: StepTiming,
+        placed: bool = False,
+    ) -> SequenceDelta: ...  # fmt: skip
+
 
 PLACEHOLDER = -1  # a token sampled on the device, not yet on the host
 
@@ -71,7 +89,7 @@ class _Pending:
 
 
 class Overlap:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Stepper) -> None:
         self.engine = engine
         self.pending: _Pending | None = None
         # on a CPU this thread applies tokens while the engine's computes the forward pass
@@ -124,8 +142,7 @@ class Overlap:
         logprobs: list[TokenLogprobs | None] = pick_logprobs(pending.logprobs, tokens, params)
         deltas = []
         for seq, token, lp in zip(pending.seqs, tokens, logprobs, strict=True):
-            if seq.is_finished:  # aborted since: its token goes nowhere
-                seq.token_ids.pop()
+            if seq.is_finished:  # aborted since (Engine.abort dropped the placeholder)
                 continue
             seq.token_ids[-1] = token
             deltas.append(self.engine._apply(seq, token, lp, pending.timing, placed=True))

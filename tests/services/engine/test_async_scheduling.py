@@ -102,11 +102,14 @@ def test_an_abort_while_a_token_is_on_the_device_leaves_the_others_exact(model):
         eng.add_request(EngineRequest(f"r{i}", ids, params))
     kept = [eng.requests["r0"].seqs[0], eng.requests["r2"].seqs[0]]
     aborted = eng.requests["r1"].seqs[0]
+    delivered = 0
     for _ in range(4):
-        eng.step()
+        delivered += sum(len(d.token_ids) for d in eng.step() if d.request_id == "r1")
     assert eng.overlap is not None and eng.overlap.pending is not None
     assert aborted in eng.overlap.pending.seqs
-    eng.abort("r1")
+    (delta,) = eng.abort("r1")
+    assert delta.num_output_tokens == delivered  # not the one still on the device
+    assert PLACEHOLDER not in aborted.token_ids
     eng.check()
     while eng.has_unfinished:
         eng.step()
