@@ -29,7 +29,7 @@ from services.engine.outputs import (
     StepTiming,
     StopChecker,
 )
-from services.engine.overlap import PLACEHOLDER, Overlap, async_scheduling
+from services.engine.overlap import PLACEHOLDER, Overlap, SpecOverlap, async_scheduling
 from services.engine.params import SamplingParams, ValidationError, validate_prompt
 from services.engine.pool_budget import kv_budget
 from services.engine.prompt_scores import score_prompts, scores_prompt
@@ -99,16 +99,12 @@ class Engine:
         if on_gpu and config.cuda_graph_max_batch > 0 and graphable:
             assert isinstance(model, DecoderModel)
             self.graphs = DecodeGraphs(model, self.kv, config.cuda_graph_max_batch)
-        namespace = (
-            namespace
-            or kv_cache.layout(
-                "model", str(model.dtype).removeprefix("torch."), config.block_size, mc
-            ).namespace()
-        )
+        dtype = str(model.dtype).removeprefix("torch.")
+        namespace = namespace or kv_cache.layout("model", dtype, config.block_size, mc).namespace()
         self.blocks = BlockManager(
             num_blocks, config.block_size, namespace, config.enable_prefix_caching, windows
         )
-        self.speculator = None
+        self.speculator: Speculator | None = None
         if config.speculative.enabled:
             drafter = draft_proposer(draft, model, num_blocks, config.block_size)
             self.speculator = Speculator(config.speculative, mc.max_model_len, drafter)
@@ -119,8 +115,9 @@ class Engine:
         self.requests: dict[str, _Request] = {}
         self.times = StepTimes()
         self._arrivals = itertools.count()
-        on = async_scheduling(config.async_scheduling, model.device, self.speculator is not None)
-        self.overlap = Overlap(self) if on else None  # services/engine/overlap.py
+        self.overlap: Overlap | None = None  # services/engine/overlap.py
+        if async_scheduling(config.async_scheduling, model.device):
+            self.overlap = Overlap(self) if self.speculator is None else SpecOverlap(self)
 
     # -- requests --------------------------------------------------------------------
 
@@ -344,18 +341,18 @@ class Engine:
 
     def _apply(
         self, seq: Sequence, token: int, logprobs: TokenLogprobs | None, step: StepTiming,
-        placed: bool = False,
+        placed: bool = False, advanced: bool = False,
     ) -> SequenceDelta:  # fmt: skip
-        """`placed`: the token is already the sequence's last (async scheduling's)."""
+        """`placed`: the token is already the sequence's last; `advanced`: its grammar has
+        taken it (async scheduling's)."""
         if not placed:
             seq.token_ids.append(token)
         if logprobs is not None:
             seq.logprobs.append(logprobs)
-        if seq.matcher is not None:
+        if seq.matcher is not None and not advanced:
             self.grammars.advance(seq.matcher, token)
         connector = self._connector(seq)
-        stops = StopChecker(seq, self.sampler.eos_token_ids, self.model.config.max_model_len)
-        delta = stops.apply(token, step, connector is not None and connector.hands_off(seq))
+        delta = self._stops(seq).apply(token, step, self._hands_off(seq))
         if seq.finish_reason is not None:
             if connector is not None:  # before its blocks are released
                 self._save(seq, connector.finished(self.blocks, seq))
@@ -366,6 +363,13 @@ class Engine:
         if req is not None and all(s.is_finished for s in req.seqs):
             del self.requests[seq.request_id]
         return delta
+
+    def _stops(self, seq: Sequence) -> StopChecker:
+        return StopChecker(seq, self.sampler.eos_token_ids, self.model.config.max_model_len)
+
+    def _hands_off(self, seq: Sequence) -> bool:
+        connector = self._connector(seq)
+        return connector is not None and connector.hands_off(seq)
 
     def _release_held_back(self, request_id: str) -> None:
         req = self.requests.get(request_id)

@@ -65,6 +65,9 @@ class MtpProposer:
             return
         r = 0
         for c in chunks:
+            if c.seq.is_finished:  # ended by the step before (async scheduling)
+                r += c.num_tokens
+                continue
             state = self._state(c.seq)
             end = c.start + c.num_tokens
             first = max(c.start, end - self.max_waiting, state.origin + state.exact)

@@ -131,21 +131,12 @@ class StopChecker:
         before = len(detok.text)
         detok.add([token])
         text = detok.text
-        reason: FinishReason | None = None
+        reason = self.token_reason(token, hand_off)
         cut: int | None = None
-        may_stop = seq.num_output_tokens >= p.min_tokens
-        if may_stop and (token in p.stop_token_ids or (token in self.eos and not p.ignore_eos)):
-            reason = FinishReason.STOP
-        if reason is None and may_stop and p.stop:
+        if reason is not FinishReason.STOP and p.stop and seq.num_output_tokens >= p.min_tokens:
             cut = self._stop_string(text, before)
             if cut is not None:
                 reason = FinishReason.STOP
-        if reason is None and (
-            seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len
-        ):
-            reason = FinishReason.LENGTH
-        if reason is None and hand_off:
-            reason = FinishReason.HANDED_OFF
         final = reason is not None and reason is not FinishReason.HANDED_OFF
         if final:  # the end: cut at the stop string, or flush what is pending
             text = text[:cut] if cut is not None else text + detok.flush()
@@ -169,6 +160,17 @@ class StopChecker:
             seq.scheduled_ns,
             seq.prompt_logprobs if seq.num_output_tokens == 1 else [],
         )
+
+    def token_reason(self, token: int, hand_off: bool = False) -> FinishReason | None:
+        """Why the sequence, whose last token is `token`, ends, text aside (a stop string
+        may end it too, first)."""
+        seq, p = self.seq, self.seq.params
+        may_stop = seq.num_output_tokens >= p.min_tokens
+        if may_stop and (token in p.stop_token_ids or (token in self.eos and not p.ignore_eos)):
+            return FinishReason.STOP
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return FinishReason.HANDED_OFF if hand_off else None
 
     def _hold_back(self) -> int:
         return max((len(s) for s in self.seq.params.stop), default=1) - 1

@@ -39,11 +39,13 @@ class ScheduledChunk:
     start: int  # first token of the chunk (= tokens already computed)
     num_tokens: int  # the draft included
     draft: tuple[int, ...] = ()  # proposed tokens after the sequence's last (speculation)
+    # the chunk reaches the sequence's last token: a new token is sampled (as scheduled:
+    # async scheduling may take placed tokens back before the step's logits are read)
+    want_logits: bool = field(init=False)
 
-    @property
-    def want_logits(self) -> bool:
-        """The chunk reaches the sequence's last token: a new token is sampled."""
-        return self.start + self.num_tokens - len(self.draft) == self.seq.num_tokens
+    def __post_init__(self) -> None:
+        end = self.start + self.num_tokens - len(self.draft)
+        object.__setattr__(self, "want_logits", end == self.seq.num_tokens)
 
 
 class Drafts(Protocol):

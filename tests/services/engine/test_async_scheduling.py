@@ -119,10 +119,9 @@ def test_an_abort_while_a_token_is_on_the_device_leaves_the_others_exact(model):
     assert eng.blocks.referenced_blocks() == 0
 
 
-def test_auto_is_on_with_cuda_only_and_never_with_speculation():
+def test_auto_is_on_with_cuda_only():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert async_scheduling("auto", cuda, speculative=False)
-    assert not async_scheduling("auto", cpu, speculative=False)
-    assert async_scheduling("on", cpu, speculative=False)
-    assert not async_scheduling("on", cuda, speculative=True)
-    assert not async_scheduling("off", cuda, speculative=False)
+    assert async_scheduling("auto", cuda)
+    assert not async_scheduling("auto", cpu)
+    assert async_scheduling("on", cpu)
+    assert not async_scheduling("off", cuda)
