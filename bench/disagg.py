@@ -107,6 +107,9 @@ async def measure_stall(prefill: str, decode: str, args: argparse.Namespace) -> 
             elif t > joined and last[i] < first_at:  # a gap overlapping the fetch and import
                 during.append(gap)
         last[i] = t
+    if not before or not during:
+        raise SystemExit("the streams ended before the prompt joined: raise --stream-tokens "
+                         "or lower --warmup")  # fmt: skip
     return StallResult(
         median_gap_ms=1000 * statistics.median(before),
         max_gap_during_fetch_ms=1000 * max(during),
