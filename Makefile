@@ -16,7 +16,7 @@ RUNTIME_STAMP := $(VENV)/.stamp-runtime
 TEST_STAMP := $(VENV)/.stamp-test
 STUBS := services/rpc/worker_pb2.py
 
-.PHONY: install install-test serve test lint typecheck unit clean wheels test-deploy test-multihost
+.PHONY: install install-test serve test lint typecheck unit browser clean wheels test-deploy test-multihost
 
 install: $(RUNTIME_STAMP) $(STUBS)
 install-test: $(TEST_STAMP) $(STUBS)
@@ -49,8 +49,21 @@ lint: install-test
 typecheck: install-test
 	$(BIN)/mypy
 
-unit: install-test
+unit: install-test browser
 	$(BIN)/pytest
+
+# Debian's chromium and chromedriver for the console's browser test
+# (tests/router/test_console_browser.py): installed where apt-get runs as root, else it skips
+APT_BROWSER := DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver
+browser:
+	@if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    $(APT_BROWSER) >/dev/null || (apt-get update -q >/dev/null && $(APT_BROWSER) >/dev/null) \
+	      || echo "make: chromium could not be installed: the console's browser test skips"; \
+	  else \
+	    echo "make: no chromium (apt-get install chromium chromium-driver): the console's browser test skips"; \
+	  fi; \
+	fi
 
 test: lint typecheck unit
 

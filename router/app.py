@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from router.api import routes, state_of
+from router.console import routes as console_routes
 from router.errors import APIError, bad_request, unavailable
 from router.protocol import DetokenizeRequest, TokenizeRequest, WorkerChange
 from router.responses import routes as responses_routes
@@ -24,7 +25,7 @@ from services.tracing import RECEIVED
 
 log = logging.getLogger("pdserve.router")
 VERSION = "0.1.0"
-OPEN_PATHS = {"/health", "/version", "/metrics", "/openapi.json", "/docs", "/redoc"}
+OPEN_PATHS = {"/", "/health", "/version", "/metrics", "/openapi.json", "/docs", "/redoc"}
 
 
 def create_app(settings: Settings, state: RouterState | None = None) -> FastAPI:
@@ -53,6 +54,7 @@ def create_app(settings: Settings, state: RouterState | None = None) -> FastAPI:
     app.state.router = state
     app.include_router(routes)
     app.include_router(responses_routes)
+    app.include_router(console_routes)
     app.add_middleware(Edge)
     app.add_exception_handler(APIError, _api_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
@@ -121,7 +123,8 @@ def _refusal(request: Request, state: RouterState) -> APIError | None:
             "request_too_large",
         )
     keys = state.config.api_keys
-    guarded = keys and path not in OPEN_PATHS and not path.startswith("/admin")
+    # the admin API and the console's stack view check their own keys (router/console.py)
+    guarded = keys and path not in OPEN_PATHS and not path.startswith(("/admin", "/console/"))
     key = bearer(request)
     if guarded and key not in keys:
         why = "Incorrect API key provided" if key else "Missing API key (Authorization: Bearer)"

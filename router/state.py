@@ -24,6 +24,7 @@ from router.metrics import Metrics
 from router.openai_format import ChoiceState
 from router.policy import Policy
 from router.protocol import SamplingFields
+from router.recent import Recent, StoreRates
 from router.response_store import ResponseStore
 from router.structured import grammar_of
 from router.workers import Registry
@@ -50,6 +51,8 @@ class RouterState:
     metrics: Metrics = field(default_factory=Metrics)
     tracer: Tracer = field(default_factory=lambda: Tracer("pdserve-router", None))
     responses: ResponseStore = field(default_factory=ResponseStore)  # the Responses API's
+    recent: Recent = field(default_factory=Recent)  # the console's (router/console.py)
+    store_rates: StoreRates = field(default_factory=StoreRates)
     pending: int = 0  # sequences (prompts x n) of the requests admitted and not finished
     started: int = field(default_factory=lambda: int(time.time()))
 
@@ -71,10 +74,11 @@ class RouterState:
             "SmolLM2-135M-Instruct" if settings.model.model == sources.EMBEDDED else path.name
         )
         tokenizer = Tokenizer.from_dir(path)
-        tracer = Tracer("pdserve-router", settings.server.trace_file)
+        recent = Recent()  # the router's spans are always recorded: the console's phases
+        tracer = Tracer("pdserve-router", settings.server.trace_file, recent)
         responses = ResponseStore(r.responses_stored, r.responses_ttl)
         return cls(settings, tokenizer, model, model_id, str(path), registry, pipeline, metrics,
-                   tracer, responses)  # fmt: skip
+                   tracer, responses, recent=recent)  # fmt: skip
 
     @property
     def config(self) -> RouterSettings:

@@ -7,9 +7,10 @@ checks (a Kubernetes headless Service: pods that come and go are added and remov
 A background task asks each worker for Health and Load every `health_interval`, each call
 allowed `health_timeout` seconds (a busy worker on two cores can answer late); a worker not
 healthy is asked every RECHECK_UNHEALTHY seconds in between, so that one starting or
-restarting is used as soon as it answers. A worker that answers "not ready" is left out at
-once; one that does not answer, after `health_failures` checks in a row; one good answer
-brings it back. A worker whose calls fail while serving requests `breaker_failures` times
+restarting is used as soon as it answers. A worker that answers "not ready", or whose
+address refuses the connection (UNAVAILABLE: the process is gone), is left out at once; one
+that does not answer in time, after `health_failures` checks in a row; one good answer brings
+it back. A worker whose calls fail while serving requests `breaker_failures` times
 in a row is left out for `breaker_cooldown` seconds (the circuit is open), then tried again.
 Each return to health starts a new `epoch`: a request that gave up on a worker may try it
 again once it has come back (restarted, say).
@@ -224,7 +225,8 @@ class Registry:
             )
         except grpc.aio.AioRpcError as e:
             worker.check_failures += 1
-            if worker.check_failures >= self.settings.health_failures:
+            refused = e.code() == grpc.StatusCode.UNAVAILABLE  # nothing listens: gone, not late
+            if refused or worker.check_failures >= self.settings.health_failures:
                 self._set_health(worker, False, f"{e.code().name} x{worker.check_failures}")
             return
         worker.check_failures = 0

@@ -1,4 +1,5 @@
-"""Where a request's time goes: spans across the router and the workers, off by default.
+"""Where a request's time goes: spans across the router and the workers, written out only when
+asked (the router keeps its own in memory for its console: router/recent.py).
 
 The `trace_file` setting (`--trace-file PATH`, `PDSERVE_TRACE_FILE`; `pdserve up` passes it
 to every service) turns tracing on: each process appends its finished spans to PATH, one
@@ -22,7 +23,7 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, TextIO
+from typing import Any, Protocol, TextIO
 
 RECEIVED = "pdserve.received_ns"  # ASGI scope key: when the router read the request line
 TRACEPARENT = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}")
@@ -36,7 +37,7 @@ class Span:
     span_id: str
     parent_id: str
     kind: int
-    exporter: Exporter | None
+    exporter: Sink | None
     start_ns: int = field(default_factory=time.time_ns)
     attributes: dict[str, Any] = field(default_factory=dict)
     events: list[tuple[int, str, dict[str, Any]]] = field(default_factory=list)
@@ -72,6 +73,21 @@ class Span:
 NO_SPAN = Span("", "0" * 32, "0" * 16, "", INTERNAL, None)
 
 
+class Sink(Protocol):
+    """Where finished spans go: a file (Exporter), or a process's own use of them."""
+
+    def export(self, span: Span, end_ns: int) -> None: ...
+
+
+class Tee:
+    def __init__(self, sinks: list[Sink]) -> None:
+        self.sinks = sinks
+
+    def export(self, span: Span, end_ns: int) -> None:
+        for sink in self.sinks:
+            sink.export(span, end_ns)
+
+
 class Exporter:
     """Appends finished spans to a file as OTLP/JSON lines; one process, many threads."""
 
@@ -87,10 +103,14 @@ class Exporter:
 
 
 class Tracer:
-    """Starts spans for one service: recorded to `path`, or no-ops when it is None."""
+    """Starts spans for one service: recorded to `path` and given to `sink` (the router's
+    console keeps its last requests' spans), or no-ops when there are neither."""
 
-    def __init__(self, service: str, path: str | None) -> None:
-        self.exporter = Exporter(path, service) if path else None
+    def __init__(self, service: str, path: str | None, sink: Sink | None = None) -> None:
+        sinks = ([Exporter(path, service)] if path else []) + ([sink] if sink else [])
+        self.exporter: Sink | None = None
+        if sinks:
+            self.exporter = sinks[0] if len(sinks) == 1 else Tee(sinks)
 
     @property
     def enabled(self) -> bool:

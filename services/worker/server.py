@@ -152,6 +152,10 @@ class Worker:
             store_hits=stats.hits - stats.corrupt,
             store_corrupt=stats.corrupt,
             store_unavailable=stats.unavailable,
+            store_misses=stats.misses,
+            store_writes=stats.puts,
+            store_bytes_read=stats.bytes_read,
+            store_bytes_written=stats.bytes_written,
         )
 
     # -- serving ---------------------------------------------------------------------

@@ -97,3 +97,39 @@ def test_health_tolerates_late_answers_and_needs_several_misses():
             await server.stop(0)
 
     asyncio.run(run())
+
+
+def test_a_worker_whose_address_refuses_is_left_out_at_once_and_back_when_it_answers():
+    """A killed worker's port refuses connections: no missed checks are waited for (its
+    restart may be back before three would be)."""
+
+    async def serve(port: int) -> grpc.aio.Server:
+        server = grpc.aio.server()
+        pbg.add_PrefillWorkerServicer_to_server(StandIn(), server)
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        return server
+
+    async def run() -> None:
+        port = free_port()
+        server = await serve(port)
+        registry = Registry(ANSWERED, on_health=Metrics().health_changed)
+        worker = registry.add("prefill", f"127.0.0.1:{port}")
+        try:
+            await registry.check_all()
+            assert worker.healthy and worker.epoch == 1
+            await server.stop(0)  # killed
+            await registry.check_all()
+            assert not worker.healthy and worker.check_failures == 1
+            server = await serve(port)  # restarted on its port
+            for _ in range(100):  # the channel reconnects after its backoff
+                await registry.check_all()
+                if worker.healthy:
+                    break
+                await asyncio.sleep(0.1)
+            assert worker.healthy and worker.epoch == 2
+        finally:
+            await registry.stop()
+            await server.stop(0)
+
+    asyncio.run(run())
