@@ -97,8 +97,12 @@ async function send(text) {
       }
     }
   } catch (e) {
-    if (e.name === "AbortError") stopped = true;
-    else answer.classList.add("error"), content.textContent += (content.textContent ? "\n" : "") + e.message;
+    if (e.name === "AbortError") {
+      stopped = true;
+    } else {
+      answer.classList.add("error");
+      content.textContent += (content.textContent ? "\n" : "") + e.message;
+    }
   }
   const end = performance.now();
   const tokens = usage ? usage.completion_tokens : chunks;
@@ -110,7 +114,8 @@ async function send(text) {
   }
   if (stopped) parts.push("stopped");
   stats.textContent = parts.join(" \u00b7 ");
-  chat.history.push({ role: "assistant", content: content.textContent });
+  if (answer.classList.contains("error")) chat.history.pop(); // the question goes unanswered
+  else chat.history.push({ role: "assistant", content: content.textContent });
   answer.dataset.done = "true";
   busy(false);
 }
