@@ -280,8 +280,9 @@ class RouterSettings(Section):
                                      "healthy is asked every 0.25 s)", ROUTER)  # fmt: skip
     health_timeout: float = setting(5.0, "seconds a worker's health check may take (a busy "
                                     "worker answers late)", ROUTER)  # fmt: skip
-    health_failures: int = setting(3, "failed health checks in a row before a worker is left "
-                                   "out (one success brings it back)", ROUTER,
+    health_failures: int = setting(3, "health checks unanswered in a row before a worker is "
+                                   "left out (a refused connection: at once; one success "
+                                   "brings it back)", ROUTER,
                                    minimum=1)  # fmt: skip
     prefill_timeout: float = setting(120.0, "seconds a Prefill may take before another worker "
                                      "is tried", ROUTER)  # fmt: skip
