@@ -1,9 +1,9 @@
 """Async scheduling with speculative decoding (services/engine/overlap.py's SpecOverlap) gives
 the synchronous engine's results exactly, with the same proposals verified: n-gram and suffix
-lookup in every dtype `--dtype auto` may pick here, a draft model (seeded sampling verified by
-rejection sampling) and DeepSeek V3's and V4's MTP layers; stop strings found with the text,
-after the tokens past them were placed, end the sequence where they fall. test_speculative.py's
-suite runs again with it on in test_async_speculative.py."""
+lookup, a draft model (seeded sampling verified by rejection sampling) and DeepSeek V3's and
+V4's MTP layers, each in every dtype `--dtype auto` may pick here; stop strings found with the
+text, after the tokens past them were placed, end the sequence where they fall.
+test_speculative.py's suite runs again with it on in test_async_speculative.py."""
 
 from __future__ import annotations
 
@@ -19,8 +19,15 @@ from services.settings import SpeculativeConfig
 from tests.services.engine import test_mtp as mtp_suite
 from tests.services.engine import test_speculative as suite
 from tests.services.engine import test_speculative_draft as draft_suite
+from tests.support.dtypes import COMPUTE_DTYPES
 
-model, models, checkpoints = suite.model, draft_suite.models, mtp_suite.checkpoints  # fixtures
+model, checkpoints = suite.model, mtp_suite.checkpoints  # their fixtures
+
+
+@pytest.fixture(scope="module")
+def draft_dirs(tmp_path_factory, embedded_dir):
+    return draft_suite.checkpoints(tmp_path_factory, embedded_dir)[:2]
+
 
 MIX = [
     SamplingParams(max_tokens=40, temperature=0.0, logprobs=2),
@@ -68,8 +75,9 @@ def test_lookup_proposals_verified_ahead_give_the_synchronous_results(model, met
     assert overlapped.overlap.taken_back > 0  # a stop string fell inside an accepted run
 
 
-def test_a_draft_models_proposals_verified_ahead_give_the_synchronous_results(models):
-    target, draft, _ = models
+@pytest.mark.parametrize("dtype", COMPUTE_DTYPES)
+def test_a_draft_models_proposals_verified_ahead_give_the_synchronous_results(draft_dirs, dtype):
+    target, draft = (load_model(str(d), dtype=dtype, device="cpu") for d in draft_dirs)
 
     def make(overlap: str) -> Engine:
         config = EngineConfig(num_blocks=256, speculative=draft_suite.DRAFT,
@@ -84,10 +92,11 @@ def test_a_draft_models_proposals_verified_ahead_give_the_synchronous_results(mo
     assert sync.speculator.stats.accepted < sync.speculator.stats.proposed  # some refused
 
 
+@pytest.mark.parametrize("dtype", COMPUTE_DTYPES)
 @pytest.mark.parametrize("family", ["v3", "v4"])
-def test_mtp_drafts_verified_ahead_give_the_synchronous_results(checkpoints, family):
+def test_mtp_drafts_verified_ahead_give_the_synchronous_results(checkpoints, family, dtype):
     path = checkpoints[family, "copy"]
-    loaded = load_model(str(path), dtype="float32", device="cpu")
+    loaded = load_model(str(path), dtype=dtype, device="cpu")
     m = loaded.model
     mtp = load_mtp(path, loaded.config, m.dtype, m.device, m.kernels)
 

@@ -41,10 +41,10 @@ def save(model: transformers.LlamaForCausalLM, path, embedded_dir):
     return path
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory, embedded_dir):
+def checkpoints(tmp_path_factory, embedded_dir):
     """A random 2-layer target (its head scaled: distributions far from uniform) and a draft
-    that is its first layer alone: related, as a real draft is, yet often wrong."""
+    that is its first layer alone: related, as a real draft is, yet often wrong. Their
+    directories, and the target in transformers."""
     torch.manual_seed(0)
     reference = llama(2)
     with torch.no_grad():
@@ -53,6 +53,12 @@ def models(tmp_path_factory, embedded_dir):
     draft.load_state_dict(reference.state_dict(), strict=False)
     target_dir = save(reference, tmp_path_factory.mktemp("target"), embedded_dir)
     draft_dir = save(draft, tmp_path_factory.mktemp("draft"), embedded_dir)
+    return target_dir, draft_dir, reference
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory, embedded_dir):
+    target_dir, draft_dir, reference = checkpoints(tmp_path_factory, embedded_dir)
     return (
         load_model(str(target_dir), dtype="float32", device="cpu"),
         load_model(str(draft_dir), dtype="float32", device="cpu"),
