@@ -54,7 +54,6 @@ async def stack(request: Request) -> dict[str, Any]:
         "model": state.model_id,
         "colocated": state.colocated,
         "time": round(now, 3),
-        "auth": {"api_key": bool(state.config.api_keys)},
         "workers": [_worker(w) for w in workers],
         "store": state.store_rates.sample(now, workers),
         "requests": list(state.recent.requests),

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 KEEP = 30  # requests listed
 WINDOW_S = 600.0  # how long latency points are kept
+POINTS = 2000  # ... and how many at most (the view sends them every second)
 OPEN = 1000  # calls kept waiting for their request's span to end (a bound, not a count)
 PHASES = ("queue", "prefill", "transfer", "decode")
 RATE_WINDOW = 5.0  # seconds the store's rates are averaged over
@@ -39,7 +40,8 @@ class Recent:
         self, keep: int = KEEP, window_s: float = WINDOW_S, clock: Callable[[], float] = time.time
     ) -> None:
         self.requests: deque[dict[str, Any]] = deque(maxlen=keep)  # newest first
-        self.points: deque[tuple[float, float, float | None]] = deque()  # (t, ttft, itl) s
+        # (t, ttft, itl) in s: the newest POINTS at most, whatever the request rate
+        self.points: deque[tuple[float, float, float | None]] = deque(maxlen=POINTS)
         self.window_s, self.clock = window_s, clock
         self._calls: OrderedDict[str, list[tuple[Span, int]]] = OrderedDict()  # by parent
 

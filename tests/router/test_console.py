@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from router.recent import Recent, StoreRates
+from router.recent import POINTS, Recent, StoreRates
 from services.launcher import RouterProcess
 from services.rpc import worker_pb2 as pb
 from services.tracing import CLIENT, Tracer
@@ -72,6 +72,10 @@ def test_latency_points_leave_the_window_and_requests_the_list():
     assert len(recent.latency()) == 5
     now[0] = 1060.11
     assert recent.latency() == [] and len(recent.requests) == 3
+    busy = Recent(clock=lambda: 1000.2)  # many requests in the window: the newest POINTS
+    for _ in range(POINTS + 5):
+        traced(busy, prefill=True)
+    assert len(busy.latency()) == POINTS
 
 
 class _Worker:
