@@ -7,8 +7,11 @@ address, joined to the others by a veth pair on a bridge, its link's rate (tbf) 
         WorkerProcess(...).command = bed.exec("p0") + [...]
         bed.cut("p0"); bed.restore("p0")
 
-Host i has address 10.213.0.(10 + i); this (the root) namespace is 10.213.0.1 on the bridge,
-so a test reaches every host, and every host reaches the others, through the bridge only.
+Host i has address 10.213.0.(10 + i); this (the root) namespace is 10.213.0.1, on a link of
+its own to the bridge, so a test reaches every host, and every host reaches the others, through
+the bridge only. The bridge lives in a namespace of its own (the switch), out of reach of this
+machine's firewall: once dockerd has run, the root namespace drops forwarded packets
+(`iptables -P FORWARD DROP`, and br_netfilter sends bridged frames through it).
 A host's link is shaped both ways: its own end (what it sends) and the bridge's end (what it
 receives). Between two hosts a packet crosses two links: their delays add up.
 
@@ -29,10 +32,12 @@ from types import TracebackType
 
 SUBNET = "10.213.0"
 # a bed's tag: this process's id and a letter (a process may make several beds, one at a
-# time); namespaces pdbed<tag>-<host>, the bridge pdb<tag>, its links pdb<tag>v<i>
+# time); namespaces pdbed<tag>-<host> and pdbed<tag>-switch (the bridge, br0, and its ends
+# pdb<tag>v<i>), the root namespace's link pdb<tag>
 PREFIX = "pdbed"
+SWITCH = "switch"
 LEFTOVER = re.compile(rf"^{PREFIX}(\d+)[a-z]-")
-LEFTOVER_BRIDGE = re.compile(r"^pdb(\d+)[a-z]$")
+LEFTOVER_LINK = re.compile(r"^pdb(\d+)[a-z]$")  # the root's link (a bridge, in older beds)
 _made = 0  # beds this process made
 
 
@@ -88,7 +93,7 @@ def has_netem() -> bool:
 
 
 def remove_leftovers() -> list[str]:
-    """Remove the namespaces and bridges of beds whose process has died; their names."""
+    """Remove the namespaces and links of beds whose process has died; their names."""
     removed = []
     for line in ip("netns", "list").splitlines():
         name = line.split()[0] if line.strip() else ""
@@ -97,9 +102,9 @@ def remove_leftovers() -> list[str]:
             kill_in(name)
             ip("netns", "del", name, check=False)
             removed.append(name)
-    for line in ip("-o", "link", "show", "type", "bridge").splitlines():
+    for line in ip("-o", "link", "show").splitlines():
         name = line.split(":")[1].strip().split("@")[0]
-        match = LEFTOVER_BRIDGE.match(name)
+        match = LEFTOVER_LINK.match(name)
         if match and not os.path.exists(f"/proc/{match.group(1)}"):
             ip("link", "del", name, check=False)
             removed.append(name)
@@ -118,7 +123,10 @@ class Bed:
         global _made
         self.tag = tag = f"{os.getpid()}{chr(ord('a') + _made % 26)}"
         _made += 1
-        self.bridge = f"pdb{tag}"
+        if SWITCH in hosts:
+            raise ValueError(f"a bed host cannot be called {SWITCH!r}")
+        self.root = f"pdb{tag}"  # the root namespace's link to the bridge
+        self.switch = f"{PREFIX}{tag}-{SWITCH}"  # the namespace the bridge is in
         self.hosts = {h: i for i, h in enumerate(hosts)}
         self.netns = {h: f"{PREFIX}{tag}-{h}" for h in hosts}
         self.outer = {h: f"pdb{tag}v{i}" for h, i in self.hosts.items()}  # the bridge's ends
@@ -141,32 +149,42 @@ class Bed:
     def open(self) -> Bed:
         remove_leftovers()
         self.netem = has_netem()
-        ip("link", "add", self.bridge, "type", "bridge")
-        ip("addr", "add", f"{SUBNET}.1/24", "dev", self.bridge)
-        ip("link", "set", self.bridge, "up")
+        switch = self.switch
+        ip("netns", "add", switch)
+        self.made.append(switch)
+        ip("link", "add", "br0", "type", "bridge", netns=switch)
+        ip("link", "set", "br0", "up", netns=switch)
+        self._plug(self.root, f"{self.root}r")
+        ip("addr", "add", f"{SUBNET}.1/24", "dev", self.root)
+        ip("link", "set", self.root, "up")
         for host, i in self.hosts.items():
-            ns, outer, inner = self.netns[host], self.outer[host], f"pdb{self.tag}h{i}"
+            ns, inner = self.netns[host], f"pdb{self.tag}h{i}"
             ip("netns", "add", ns)
             self.made.append(ns)
-            ip("link", "add", outer, "type", "veth", "peer", "name", inner)
+            self._plug(inner, self.outer[host])
             ip("link", "set", inner, "netns", ns)
             ip("link", "set", inner, "name", "eth0", netns=ns)
             ip("addr", "add", f"{self.address(host)}/24", "dev", "eth0", netns=ns)
             ip("link", "set", "eth0", "up", netns=ns)
             ip("link", "set", "lo", "up", netns=ns)
-            ip("link", "set", outer, "master", self.bridge)
-            ip("link", "set", outer, "up")
         return self
+
+    def _plug(self, end: str, port: str) -> None:
+        """A veth pair made here, `port` moved into the switch and onto the bridge."""
+        ip("link", "add", end, "type", "veth", "peer", "name", port)
+        ip("link", "set", port, "netns", self.switch)
+        ip("link", "set", port, "master", "br0", netns=self.switch)
+        ip("link", "set", port, "up", netns=self.switch)
 
     def close(self) -> None:
         """Remove every namespace (its processes killed first), link and qdisc made."""
         for ns in self.made:
             kill_in(ns)
-            ip("netns", "del", ns, check=False)  # its veth end goes, and the pair with it
+            ip("netns", "del", ns, check=False)  # its veth ends go, and the pairs with them
         self.made = []
-        for outer in self.outer.values():
-            ip("link", "del", outer, check=False)
-        ip("link", "del", self.bridge, check=False)
+        ip("link", "del", self.root, check=False)
+        for inner in (f"pdb{self.tag}h{i}" for i in self.hosts.values()):
+            ip("link", "del", inner, check=False)  # made, not yet moved (a failed open)
 
     # -- hosts ----------------------------------------------------------------------------
 
@@ -179,7 +197,7 @@ class Bed:
 
     def shape(self, host: str, link: Link) -> None:
         """Set the host's link, both ways (replacing what was set)."""
-        for dev, ns in (("eth0", self.netns[host]), (self.outer[host], None)):
+        for dev, ns in (("eth0", self.netns[host]), (self.outer[host], self.switch)):
             tc("qdisc", "del", "dev", dev, "root", netns=ns, check=False)
             if link.rate_bit is None and not link.delay_ms:
                 continue
@@ -199,7 +217,7 @@ class Bed:
 
     def cut(self, host: str) -> None:
         """The host's cable pulled: nothing in or out, and no reset to anyone."""
-        ip("link", "set", self.outer[host], "down")
+        ip("link", "set", self.outer[host], "down", netns=self.switch)
 
     def restore(self, host: str) -> None:
-        ip("link", "set", self.outer[host], "up")
+        ip("link", "set", self.outer[host], "up", netns=self.switch)
