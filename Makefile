@@ -50,7 +50,7 @@ typecheck: install-test
 	$(BIN)/mypy
 
 unit: install-test browser
-	$(BIN)/pytest
+	$(BIN)/pytest --durations=20
 
 # Debian's chromium and chromedriver for the console's browser test
 # (tests/router/test_console_browser.py): installed where apt-get runs as root, else it skips

@@ -24,14 +24,9 @@ attention.py), the exact float32 product of the same bfloat16 numbers instead.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-from services.model import gpu
-from services.model.gpu.rounding import round_to
+from services.model.gpu.row_gemm import tiled_matmul
 
-BLOCK_M = 16  # rows of x per program (tl.dot's smallest)
-BLOCK_N = 64  # output features per program
 MAX_BLOCK_K = 128  # k per step, at most; a divisor of the scale block
 
 
@@ -81,50 +76,5 @@ def fp8_matmul(
     scale_cols: int,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [T, out], x's dtype
-    rows, k = x.shape
-    n = weight.shape[0]
-    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    if rows == 0:
-        return out
-    x = x if x.stride(1) == 1 else x.contiguous()
-    grid = (triton.cdiv(rows, BLOCK_M), triton.cdiv(n, BLOCK_N))
-    _fp8_matmul[grid](
-        x, weight, scales, bias if bias is not None else out, out,
-        rows, n, k, x.stride(0), weight.stride(0), scales.stride(0), out.stride(0),
-        SCALE_K=scale_cols, HAS_BIAS=bias is not None,
-        F32_DOT=x.dtype == torch.float32 or gpu.interpreted(),
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=min(scale_cols, MAX_BLOCK_K),
-    )  # fmt: skip
-    return out
-
-
-@triton.jit
-def _fp8_matmul(
-    x, w, s, bias, out,
-    T, N, K, x_row, w_row, s_row, out_row,
-    SCALE_K: tl.constexpr, HAS_BIAS: tl.constexpr, F32_DOT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    """Program: a BLOCK_M x BLOCK_N tile of x @ (w * s)^T, k in BLOCK_K steps in order."""
-    rm = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    rn = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    rk = tl.arange(0, BLOCK_K)
-    dtype = x.dtype.element_ty
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + rk
-        xs = tl.load(x + rm[:, None] * x_row + kk[None, :],
-                     mask=(rm[:, None] < T) & (kk[None, :] < K), other=0.0)  # fmt: skip
-        ws = tl.load(w + rn[None, :] * w_row + kk[:, None],
-                     mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)  # fmt: skip
-        ws = ws.to(dtype)  # [BLOCK_K, BLOCK_N]: e4m3 is exact in bfloat16 and float32
-        if F32_DOT:
-            part = tl.dot(xs.to(tl.float32), ws.to(tl.float32), input_precision="ieee")
-        else:
-            part = tl.dot(xs, ws)
-        scale = tl.load(s + rn * s_row + k0 // SCALE_K, mask=rn < N, other=0.0)
-        acc += part * scale[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-    tl.store(out + rm[:, None] * out_row + rn[None, :], round_to(acc, out.dtype.element_ty),
-             mask=(rm[:, None] < T) & (rn[None, :] < N))  # fmt: skip
+    """The tiled product (gpu/row_gemm.py) with the scales applied per k-tile."""
+    return tiled_matmul(x, weight, scales, min(scale_cols, MAX_BLOCK_K), bias, scale_cols)
