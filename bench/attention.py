@@ -25,9 +25,9 @@ import time
 import torch
 
 from services.model import kernels
-from services.model.attention import CpuAttention, DecodePlan, TorchAttention, _decode_plan
 from services.model.batch import ForwardBatch, SeqChunk
 from services.model.kv_cache import _allocate
+from services.model.layers.attention import CpuAttention, DecodePlan, TorchAttention, _decode_plan
 from services.model.loader import DTYPES
 
 BLOCK, HEADS, KV_HEADS, DIM = 16, 9, 3, 64

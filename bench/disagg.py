@@ -32,7 +32,7 @@ import torch
 
 from services.engine.params import SamplingParams
 from services.launcher import WorkerProcess, start_redis
-from services.model import sources
+from services.model.loading import sources
 from services.rpc import worker_pb2 as pb
 from services.rpc import worker_pb2_grpc as pbg
 from services.worker.convert import to_proto_params

@@ -34,9 +34,9 @@ from bench.deepseek import checkpoint, log
 from services.engine.engine import Engine, EngineConfig
 from services.engine.params import SamplingParams
 from services.engine.request import EngineRequest
-from services.model import eplb
-from services.model.expert_parallel import Balance, ExpertGroup
-from services.model.expert_rank import Spec, start
+from services.model.experts import eplb
+from services.model.experts.expert_parallel import Balance, ExpertGroup
+from services.model.experts.expert_rank import Spec, start
 from services.model.loader import LoadedModel, cpu_has_bf16_units, load_model
 
 

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from services.model.linear import AmxLinear, PackedLinear, amx_linear_library
+from services.model.layers.linear import AmxLinear, PackedLinear, amx_linear_library
 
 # (out, in) of the embedded model's q/k/v, o, gate/up and down products and its output head
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]

@@ -42,7 +42,7 @@ import redis
 import torch
 
 from services.engine.params import SamplingParams
-from services.model.sources import EMBEDDED, resolve
+from services.model.loading.sources import EMBEDDED, resolve
 from services.rpc import worker_pb2 as pb
 from services.rpc import worker_pb2_grpc as pbg
 from services.settings import DEFAULTS

@@ -33,7 +33,7 @@ import httpx
 import redis
 import torch
 
-from services.model.sources import EMBEDDED, resolve
+from services.model.loading.sources import EMBEDDED, resolve
 from services.rpc import worker_pb2 as pb
 from services.rpc import worker_pb2_grpc as pbg
 from services.settings import DEFAULTS

@@ -5,7 +5,7 @@
 Held-out text: the topic texts of the Python reference that ship with every CPython
 (`pydoc_data.topics`), in sorted order, the first `--tokens` tokens, scored in windows of
 `--window` tokens each from an empty cache (every token but a window's first is predicted).
-int8 calibrates on services/model/calibration.txt, which shares nothing with it.
+int8 calibrates on services/model/loading/calibration.txt, which shares nothing with it.
 Speed: a prefill of one 512-token prompt, and decode at batch 1 and 32 (bench/forward.py's
 measurements), tokens per second.
 """

@@ -38,7 +38,7 @@ import httpx
 
 from bench.load import report
 from services.launcher import PDSERVE, free_port
-from services.model import sources
+from services.model.loading import sources
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL_ID = "SmolLM2-135M-Instruct"

@@ -29,9 +29,9 @@ import torch
 
 from services.engine.engine import Engine, EngineConfig
 from services.engine.params import SamplingParams
-from services.model import hf_config, hf_dir
-from services.model.decoder import DecoderModel
+from services.model.families.llama.model import DecoderModel
 from services.model.loader import LoadedModel, load_model
+from services.model.loading import hf_config, hf_dir
 from services.settings import SpeculativeConfig
 
 TEXTS = [

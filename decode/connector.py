@@ -9,8 +9,8 @@ request brings from the store and what goes back.
 - Out (with write_back): a finished generation's full blocks, prompt and answer, that are not
   in the store already, so the next turn of a conversation finds both there. Written at the
   end, not as blocks fill: the encoding stays off the path of the stream's tokens. A model
-  with window blocks (DeepSeek-V4) is the exception: a block goes as it fills, before its
-  window part is released (a store value is a whole block).
+  whose blocks let go of a part early (a cache group read while recent) is the exception: a
+  block goes as it fills, while it is whole (a store value is a whole block).
 """
 
 from __future__ import annotations
@@ -65,9 +65,9 @@ class DecodeConnector:
         self.imported = None  # recomputed (or the cache's) if the sequence is preempted
 
     def computed(self, blocks: BlockManager, seq: Sequence) -> list[BlockToSave]:
-        if not self.write_back or blocks.windows is None:
+        if not self.write_back or blocks.keeps_blocks_whole:
             return []
-        # a model with window blocks: each block as it fills, while its window part is there
+        # blocks that let go of a part early: each block as it fills, while it is whole
         start = self.in_store.get(seq.index, 0)
         out = full_blocks(blocks, seq, start)
         self.in_store[seq.index] = max([start] + [b.index + 1 for b in out])

@@ -87,16 +87,20 @@ class BlockStore:
 
 
 class PagedKV(Protocol):
-    """A paged KV pool (services/model/kv_cache.py's KVCache), indexed in the layout blocks are
-    stored in: K [layers, blocks, kv_heads, D / 2, 2, bs], V [layers, blocks, kv_heads, bs / 2,
-    2, D] (views: a dimension of K, a token of V, split in two). A pool with a window part
-    (`windowed`) holds a block in two places: it is written through `write_blocks`."""
-
-    k_plain: torch.Tensor
-    v_plain: torch.Tensor
+    """A paged KV pool (services/model/kv_cache.py's KVCache). `plain`: the pool indexed in
+    the layout blocks are stored in, K [layers, blocks, kv_heads, D / 2, 2, bs], V [layers,
+    blocks, kv_heads, bs / 2, 2, D] (views: a dimension of K, a token of V, split in two),
+    where the pool holds every block whole in one place; None where its parts lie in several
+    pools: a block is then written through `write_blocks`."""
 
     @property
-    def windowed(self) -> bool: ...
+    def plain(self) -> tuple[torch.Tensor, torch.Tensor] | None: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
 
     def block_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]: ...
 
@@ -106,29 +110,29 @@ class PagedKV(Protocol):
 @dataclass(frozen=True)
 class StoredBlocks:
     """Checked store values as a KVSource: decoded straight into a CPU pool's blocks, no
-    staging; for a GPU pool (or one with a window part), staged in one host buffer and copied
+    staging; for a GPU pool (or one in several parts), staged in one host buffer and copied
     once (write_staged)."""
 
     codec: BlockCodec
     values: list[bytes]
 
     def write(self, cache: PagedKV, items: list[tuple[int, int]]) -> None:
-        if cache.k_plain.device.type != "cpu" or cache.windowed:
+        plain = cache.plain
+        if cache.device.type != "cpu" or plain is None:
             self.write_staged(cache, items)
             return
+        k_plain, v_plain = plain
         for i, block_id in items:
-            self.codec.decode_into(
-                self.values[i], cache.k_plain[:, block_id], cache.v_plain[:, block_id]
-            )
+            self.codec.decode_into(self.values[i], k_plain[:, block_id], v_plain[:, block_id])
 
     def write_staged(self, cache: PagedKV, items: list[tuple[int, int]]) -> None:
         """The same, decoded into one host buffer (pinned for a CUDA pool), then copied to the
         pool's device once for K and once for V and scattered there into the blocks."""
         if not items:
             return
-        pinned = cache.k_plain.device.type == "cuda"
+        pinned = cache.device.type == "cuda"
         k_shape, v_shape = cache.block_shapes()
-        dtype = cache.k_plain.dtype
+        dtype = cache.dtype
         k = torch.empty((len(items), *k_shape), dtype=dtype, pin_memory=pinned)
         v = torch.empty((len(items), *v_shape), dtype=dtype, pin_memory=pinned)
         for j, (i, _) in enumerate(items):

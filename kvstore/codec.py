@@ -5,7 +5,8 @@
     scales  fp8 only: float32 [layers, 2] (K, V), the factor each layer's values were divided by
     payload per layer: K [kv_heads, head_dim, block_size] then V [kv_heads, block_size,
             v_head_dim] in the storage dtype (the worker's cache layout,
-            services/model/kv_cache.py); MLA's blocks: K [1, latent + rope, block_size], no V
+            services/model/kv_cache.py); a block with no V (a single K row a token, whose
+            parts serve as keys and values) has v_head_dim 0
     mac     keyed codecs only (header flag FLAG_MAC): HMAC-SHA256 of everything before it
 
 Decoding checks every header field against what the reader expects (namespace, block hash,
@@ -50,7 +51,7 @@ from kvstore.block_hash import HASH_BYTES, KVLayout
 from kvstore.keyfile import MIN_KEY_BYTES
 
 MAGIC = b"PDKV"
-CODEC_VERSION = 2  # 2: V's head dim in the header (MLA's latent blocks have none)
+CODEC_VERSION = 2  # 2: V's head dim in the header (some blocks have no V)
 # magic, version, dtype, flags, layers, block_size, num_tokens, kv_heads, head_dim (K's),
 # v_head_dim, reserved (4 zero bytes), namespace (16 bytes), block hash (32), payload length
 # (scales + payload), checksum of the payload (xxh3-64). Every byte of the header is checked
@@ -153,7 +154,7 @@ class BlockCodec:
         for j, (x, part) in enumerate(zip((k, v), self._parts(dest), strict=True)):
             x = x.flatten(2)  # a view, also for blocks gathered layer-major and transposed
             if self.dtype is StorageDtype.FP8_E4M3:
-                scale = torch.ones(n, layers)  # a part with no elements (MLA's V) keeps 1
+                scale = torch.ones(n, layers)  # a part with no elements (an absent V) keeps 1
                 if x.shape[-1]:
                     scale = (x.abs().amax(dim=-1).float() / FP8_MAX).clamp_min(1e-12)  # [n, L]
                 scales.view(torch.float32).view(n, layers, 2)[:, :, j] = scale

@@ -29,8 +29,8 @@ from router.response_store import ResponseStore
 from router.structured import grammar_of
 from router.workers import Registry
 from services.engine.params import SamplingParams, ValidationError
-from services.model import hf_config, sources
 from services.model.config import ModelConfig
+from services.model.loading import hf_config, sources
 from services.settings import RouterSettings, Settings
 from services.tokenizer.tokenizer import Tokenizer
 from services.tracing import NO_SPAN, Span, Tracer

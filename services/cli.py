@@ -150,7 +150,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from services.model.sources import convert
+    from services.model.loading.sources import convert
 
     out = convert(settings.load("generate", args).settings.model.model, args.out)
     print(f"wrote {out}")

@@ -7,7 +7,7 @@ import torch
 import transformers
 
 from services.model.loader import LoadedModel, load_model
-from services.model.sources import EMBEDDED, resolve
+from services.model.loading.sources import EMBEDDED, resolve
 
 
 @pytest.fixture(scope="session")

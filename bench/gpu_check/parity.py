@@ -13,7 +13,7 @@ from bench.offline import log
 from services.engine.engine import Engine, EngineConfig
 from services.engine.outputs import Choice
 from services.engine.params import SamplingParams
-from services.model import gpu
+from services.model.kernels import gpu
 from services.model.loader import LoadedModel, cpu_has_bf16_units
 
 BF16_PREFIX = 16  # bfloat16 must match on this many first tokens (or all, when fewer)

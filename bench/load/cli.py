@@ -142,7 +142,7 @@ def first_model(base: str, api_key: str | None) -> str:
 
 
 def load_tokenizer(name: str) -> Any:
-    from services.model import sources
+    from services.model.loading import sources
     from services.tokenizer.tokenizer import Tokenizer
 
     return Tokenizer.from_dir(sources.resolve(name))

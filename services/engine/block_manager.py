@@ -5,10 +5,10 @@ block may still carry the hash of the content it holds: it stays matchable by la
 until it is reused. Free blocks are reused least recently freed first, and a sequence frees
 its blocks tail first, so a shared prefix outlives the suffixes that hang off it.
 
-A model with a window part (DeepSeek-V4) has a second pool, of window blocks
-(services/engine/window_pool.py): a block holds one while some sequence may still read its
-window part. Allocation takes a window block for each new block; a prefix-cache hit counts only
-as far as its last blocks still have theirs.
+A model whose cache has groups released early (services/model/cache_spec.py) has a pool for
+each (services/engine/group_pool.py): a block holds a block of each while some sequence may
+still read that part. Allocation takes one of each for each new block; a
+prefix-cache hit counts only as far as its last blocks still have theirs.
 
 The pool is the one owner of this state; the scheduler and engine call its methods.
 """
@@ -20,8 +20,8 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 from kvstore.block_hash import extend_hashes
+from services.engine.group_pool import GroupPool
 from services.engine.request import Sequence
-from services.engine.window_pool import WindowPool
 
 
 class NoFreeBlocks(Exception):
@@ -42,7 +42,7 @@ class BlockManager:
         block_size: int,
         namespace: str,
         enable_caching: bool = True,
-        windows: WindowPool | None = None,
+        pools: Seq[GroupPool] = (),
     ) -> None:
         self.block_size = block_size
         self.namespace = namespace
@@ -53,7 +53,7 @@ class BlockManager:
         self.cache_version = 0  # counts changes to `cached` (AsyncEngine's snapshot of it)
         self.hits = 0  # prefix-cache lookups, in blocks
         self.queries = 0
-        self.windows = windows
+        self.pools = tuple(pools)
 
     @property
     def num_blocks(self) -> int:
@@ -61,10 +61,14 @@ class BlockManager:
 
     @property
     def num_free(self) -> int:
-        """Blocks an allocation can have now (each with its window block, where there are)."""
-        if self.windows is not None:
-            return min(len(self.free), self.windows.available)
-        return len(self.free)
+        """Blocks an allocation can have now (each with its groups' blocks)."""
+        return min([len(self.free), *(p.available for p in self.pools)])
+
+    @property
+    def keeps_blocks_whole(self) -> bool:
+        """Whether a block keeps every part until it is freed (no group lets go early): a
+        finished sequence's blocks are whole; otherwise save blocks as they fill."""
+        return not self.pools
 
     @property
     def num_cached(self) -> int:
@@ -105,13 +109,12 @@ class BlockManager:
         hashes = self.hashes(seq)
         usable = (seq.num_tokens - 1) // self.block_size
         found = self.lookup(hashes[:usable])
-        if self.windows is not None:
-            found = found[: self._windowed(found)]
+        found = found[: self._usable(found)]
         self.queries += usable
         self.hits += len(found)
         self._reference(found)
         seq.block_ids = list(found)
-        self._hold_windows(seq, len(found))
+        self._hold_prefix(seq, len(found))
         seq.num_computed_tokens = len(found) * self.block_size
         return seq.num_computed_tokens
 
@@ -127,7 +130,7 @@ class BlockManager:
                 continue
             named = self.cached.get(hashes[i])
             if named is not None and self._whole(block.id) and not self._whole(named):
-                self.blocks[named].hash = None  # the name goes to the copy with its window part
+                self.blocks[named].hash = None  # the name goes to the copy with every part
                 named = None
             if named is None:
                 block.hash = hashes[i]
@@ -142,10 +145,10 @@ class BlockManager:
         need = self.blocks_needed(seq, num_tokens)
         if need > len(self.free):
             raise NoFreeBlocks(f"need {need} blocks, {len(self.free)} free")
-        first = len(seq.block_ids)
-        windowed = need - max(0, min(need, seq.window_from - first))
-        if self.windows is not None and windowed > self.windows.available:
-            raise NoFreeBlocks(f"need {windowed} window blocks, {self.windows.available} free")
+        for pool in self.pools:
+            short = pool.shortfall(seq, need)
+            if short:
+                raise NoFreeBlocks(short)
         for _ in range(need):
             block_id, _ = self.free.popitem(last=False)
             block = self.blocks[block_id]
@@ -154,16 +157,14 @@ class BlockManager:
                 self.cache_version += 1
                 block.hash = None
             block.ref_count = 1
-            if self.windows is not None:
-                self.windows.forget(block_id)
-                if len(seq.block_ids) >= seq.window_from:
-                    self.windows.acquire(block_id)
+            for pool in self.pools:
+                pool.allocated(seq, len(seq.block_ids), block_id)
             seq.block_ids.append(block_id)
 
     def release(self, seq: Sequence) -> None:
         """Drop seq's references, tail first; it then holds no blocks and no computed KV."""
-        self._drop_windows(seq, len(seq.block_ids))
-        seq.window_from = 0
+        for pool in self.pools:
+            pool.released(seq, self._named(seq))
         for block_id in reversed(seq.block_ids):
             block = self.blocks[block_id]
             assert block.ref_count > 0, f"block {block_id} freed twice"
@@ -184,61 +185,38 @@ class BlockManager:
             block_id = seq.block_ids[i]
             block = self.blocks[block_id]
             assert block.ref_count == 1 and block.hash is None, "a rolled-back block is shared"
-            if self.windows is not None and i >= seq.window_from:
-                self.windows.drop(block_id, named=False)
+            for pool in self.pools:
+                pool.truncated(seq, i, block_id)
             block.ref_count = 0
             self.free[block_id] = None
             self.free.move_to_end(block_id, last=False)
         del seq.block_ids[keep:]
 
-    # -- window blocks (window_pool.py) -------------------------------------------------
+    # -- cache groups released early (group_pool.py) --------------------------------------
 
     def slide(self, seq: Sequence) -> None:
-        """Let go of the window part of seq's blocks its next pass cannot read (called once
-        its computed blocks are saved: a saved block carries its window part)."""
-        if self.windows is None:
-            return
-        first = self.windows.first_kept(seq.num_computed_tokens, self.block_size)
-        self._drop_windows(seq, first)
-        seq.window_from = max(seq.window_from, first)
+        """Let go of the parts of seq's blocks its next pass cannot read (called once its
+        computed blocks are saved: a saved block carries every part)."""
+        for pool in self.pools:
+            pool.slide(seq, self._named(seq))
 
     def savable(self, block_id: int) -> bool:
         """Whether a block's every part is in the pool (a store value must be whole)."""
         return self._whole(block_id)
 
     def _whole(self, block_id: int) -> bool:
-        return self.windows is None or self.windows.has(block_id)
+        return all(pool.has(block_id) for pool in self.pools)
 
-    def _drop_windows(self, seq: Sequence, end: int) -> None:
-        if self.windows is None:
-            return
-        for block_id in seq.block_ids[seq.window_from : end]:
-            self.windows.drop(block_id, named=self.blocks[block_id].hash is not None)
+    def _named(self, seq: Sequence) -> list[bool]:
+        return [self.blocks[b].hash is not None for b in seq.block_ids]
 
-    def _hold_windows(self, seq: Sequence, prefix: int) -> None:
-        """seq holds a prefix of `prefix` blocks: hold the window part of its last ones."""
-        if self.windows is None:
-            return
-        seq.window_from = max(0, prefix - self.windows.keep_blocks)
-        for block_id in seq.block_ids[seq.window_from : prefix]:
-            self.windows.acquire(block_id)
+    def _hold_prefix(self, seq: Sequence, prefix: int) -> None:
+        for pool in self.pools:
+            pool.hold_prefix(seq, prefix)
 
-    def _windowed(self, found: Seq[int], end: int | None = None) -> int:
-        """How many of the cached blocks `found` a prefix can use: it ends where the
-        window part of its last blocks is still there. `end`: a prefix `end` blocks long is
-        wanted, the blocks past `found` come with their window part: it stops at the first of
-        `found` among the last ones lacking its own."""
-        assert self.windows is not None
-        has, keep = self.windows.has, self.windows.keep_blocks
-        if end is not None:
-            return next(
-                (i for i in range(max(0, end - keep), min(len(found), end)) if not has(found[i])),
-                len(found),
-            )
-        for k in range(len(found), 0, -1):
-            if all(has(b) for b in found[max(0, k - keep) : k]):
-                return k
-        return 0
+    def _usable(self, found: Seq[int], end: int | None = None) -> int:
+        """How many of the cached blocks `found` a prefix can use (`end`: GroupPool.usable)."""
+        return min((pool.usable(found, end) for pool in self.pools), default=len(found))
 
     def _reference(self, block_ids: Seq[int]) -> None:
         for block_id in block_ids:
@@ -258,15 +236,14 @@ class BlockManager:
         assert not seq.block_ids and seq.num_computed_tokens == 0
         hashes = list(hashes)
         found = list(self.lookup(hashes) if found is None else found)
-        if self.windows is not None:  # a cached block lacking its window part: fill a new one
-            found = found[: self._windowed(found, len(hashes))]
+        found = found[: self._usable(found, len(hashes))]  # a block lacking a part: fill anew
         fresh = len(hashes) - len(found)
         short = self._short(found, len(hashes))
         if short:
             raise NoFreeBlocks(short)
         self._reference(found)
         seq.block_ids = list(found)
-        self._hold_windows(seq, len(hashes))  # past `found`: allocate takes them
+        self._hold_prefix(seq, len(hashes))  # past `found`: allocate takes them
         seq.num_computed_tokens = len(found) * self.block_size
         self.allocate(seq, fresh * self.block_size)
         seq.num_computed_tokens = len(hashes) * self.block_size
@@ -279,14 +256,7 @@ class BlockManager:
         available = len(self.free) - sum(self.blocks[b].ref_count == 0 for b in found)
         if fresh > available:
             return f"need {fresh} blocks, {available} free"
-        if self.windows is not None:
-            tail = max(0, full - self.windows.keep_blocks)
-            kept = sum(self.windows.refs[b] == 0 for b in found[tail:])  # evictable, now held
-            need = full - max(tail, len(found)) + partial
-            room = self.windows.available - kept
-            if need > room:
-                return f"need {need} window blocks, {room} free"
-        return ""
+        return next((r for p in self.pools if (r := p.short(found, full, partial))), "")
 
     def admit_external(
         self, seq: Sequence, hashes: Seq[bytes], partial_tokens: int, skipped: int
@@ -296,19 +266,17 @@ class BlockManager:
         allocated. Returns (index in the prefix, block id) for each block the caller must fill
         (before anything reads it: they are named now), or None, nothing changed, when the
         pool is short. At least one token is left to compute. The first `skipped` blocks have
-        no values outside: where they are no longer cached (or, with window blocks, the last
-        ones lack their window part), the prefix stops there."""
+        no values outside: where they are no longer cached (or the last ones lack a part),
+        the prefix stops there."""
         usable = min(len(hashes) * self.block_size + partial_tokens, seq.num_tokens - 1)
         full = min(len(hashes), usable // self.block_size)
         partial = usable - full * self.block_size if full == len(hashes) else 0
         cached = self.lookup(hashes[:full])
-        if self.windows is not None:
-            cached = cached[: self._windowed(cached, full)]
+        cached = cached[: self._usable(cached, full)]
         if len(cached) < skipped:
             full, partial = len(cached), 0
-            if self.windows is not None:
-                full = self._windowed(cached)
-                cached = cached[:full]
+            full = self._usable(cached)
+            cached = cached[:full]
         if self._short(cached, full, partial > 0):
             return None
         to_fill = self.import_prefix(seq, hashes[:full], cached)
@@ -338,8 +306,8 @@ class BlockManager:
             assert self.blocks[block_id].hash == h, f"cache entry for block {block_id} is stale"
         named = sum(b.hash is not None for b in self.blocks)
         assert named == len(self.cached), "a block carries a hash the cache does not know"
-        if self.windows is not None:
-            self.windows.check(set(self.cached.values()))
+        for pool in self.pools:
+            pool.check(set(self.cached.values()))
 
     def referenced_blocks(self) -> int:
         return self.num_blocks - len(self.free)  # every block is free or referenced (check())

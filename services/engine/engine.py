@@ -21,6 +21,8 @@ import torch
 
 from services.engine import offline
 from services.engine.block_manager import BlockManager
+from services.engine.graphs import DecodeGraphs
+from services.engine.group_pool import GroupPool, pool_sizes
 from services.engine.kv_connector import BlockToSave, KVConnector, KVConnectorWorker
 from services.engine.outputs import (
     RequestOutput,
@@ -45,14 +47,10 @@ from services.engine.scheduler import ScheduledChunk, Scheduler
 from services.engine.seeds import choice_seed
 from services.engine.speculative import Speculator, draft_proposer
 from services.engine.structured import Grammars
-from services.engine.window_pool import WindowPool, pool_sizes
 from services.model import kv_cache
 from services.model.allocator import keep_freed_memory
 from services.model.batch import ForwardBatch, SeqChunk
-from services.model.causal_lm import CausalLM
-from services.model.decoder import DecoderModel
-from services.model.gpu.graphs import DecodeGraphs
-from services.model.mtp import Mtp
+from services.model.causal_lm import CausalLM, MtpLayer
 from services.settings import EngineConfig
 from services.tokenizer.detokenize import IncrementalDetokenizer
 from services.tokenizer.tokenizer import Tokenizer
@@ -71,7 +69,7 @@ class Engine:
         model: CausalLM,
         tokenizer: Tokenizer,
         config: EngineConfig | None = None,
-        draft: CausalLM | Mtp | None = None,
+        draft: CausalLM | MtpLayer | None = None,
         namespace: str | None = None,
         kv_connector: KVConnectorWorker | None = None,
     ) -> None:
@@ -85,28 +83,26 @@ class Engine:
         mc = model.config
         itemsize = model.embed.element_size()
         budget = 0 if config.num_blocks else kv_budget(mc, config, itemsize, model.device)
-        num_blocks, num_window_blocks = pool_sizes(mc, config, itemsize, budget)
-        self.kv = model.new_kv_cache(num_blocks, config.block_size, num_window_blocks)
-        windows = None
-        if self.kv.windowed:
-            windows = WindowPool(self.kv.num_window_blocks, self.kv.window_of, mc.window_keep,
-                                 config.block_size)  # fmt: skip
+        num_blocks, group_blocks = pool_sizes(mc.cache_spec, config, itemsize, budget)
+        self.kv = model.new_kv_cache(num_blocks, config.block_size, group_blocks)
+        pools = [
+            GroupPool(g.group.name, g.num_blocks, g.table, g.group.keep or 0, config.block_size)
+            for g in self.kv.mapped
+            if g.table is not None
+        ]
         self.graphs: DecodeGraphs | None = None
         on_gpu = model.kernels == "triton" and model.device.type == "cuda"
-        # not for latent attention (its plan, KV write: no padded rows) nor experts (run_grouped)
-        graphable = isinstance(model, DecoderModel) and model.config.mla is None
-        graphable &= not model.moe_layers()
-        if on_gpu and config.cuda_graph_max_batch > 0 and graphable:
-            assert isinstance(model, DecoderModel)
+        if on_gpu and config.cuda_graph_max_batch > 0 and model.capabilities.cuda_graphs:
             self.graphs = DecodeGraphs(model, self.kv, config.cuda_graph_max_batch)
         dtype = str(model.dtype).removeprefix("torch.")
         namespace = namespace or kv_cache.layout("model", dtype, config.block_size, mc).namespace()
         self.blocks = BlockManager(
-            num_blocks, config.block_size, namespace, config.enable_prefix_caching, windows
+            num_blocks, config.block_size, namespace, config.enable_prefix_caching, pools
         )
         self.speculator: Speculator | None = None
         if config.speculative.enabled:
-            drafter = draft_proposer(draft, model, num_blocks, config.block_size)
+            drafter = draft_proposer(config.speculative, draft, model, num_blocks,
+                                     config.block_size)  # fmt: skip
             self.speculator = Speculator(config.speculative, mc.max_model_len, drafter)
         self.scheduler = Scheduler(config, self.blocks, self._admit, self.speculator)
         self.grammars = Grammars(tokenizer, mc.vocab_size, mc.eos_token_ids)
@@ -322,7 +318,6 @@ class Engine:
         return SequenceDelta.merge(deltas)
 
     def _batch(self, chunks: list[ScheduledChunk]) -> ForwardBatch:
-        windows = self.blocks.windows is not None
         return ForwardBatch.build(
             [
                 SeqChunk(
@@ -331,7 +326,7 @@ class Engine:
                     c.seq.block_ids,
                     c.want_logits,
                     all_logits=scores_prompt(c.seq) or bool(c.draft),
-                    window_table=self.kv.window_table(c.seq.block_ids) if windows else None,
+                    tables=self.kv.tables(c.seq.block_ids),
                 )
                 for c in chunks
             ],

@@ -9,8 +9,9 @@ same part):
 
 The engine knows these two protocols and nothing of prefill or decode workers or of stores:
 prefill/connector.py and decode/connector.py are the scheduler halves of the two roles,
-services/worker/kv_link.py the worker half for a KV store. A new kind of cache state (a
-latent vector, a window) or a new use of the store is a new class on one side.
+services/worker/kv_link.py the worker half for a KV store. A new kind of cache state is a
+cache group (services/model/cache_spec.py), moved as part of every block; a new use of the
+store is a new class on one side.
 
 Every method runs on the engine's thread. Blocks handed to `save` belong to the sequence
 until the call returns: the worker half copies what it needs before they can change hands.
@@ -114,7 +115,7 @@ class KVConnectorWorker(Protocol):
 
 def full_blocks(blocks: BlockManager, seq: Sequence, start: int) -> list[BlockToSave]:
     """The full, computed blocks of `seq` from its `start`-th on (those whole in the pool: a
-    block whose window part is released is not saved)."""
+    block one of whose parts is let go is not saved)."""
     return [
         BlockToSave(i, block_id, block_hash, blocks.block_size)
         for i, (block_hash, block_id) in enumerate(blocks.export(seq))

@@ -30,7 +30,7 @@ from services.engine.proposers import Proposal, draft_token
 from services.engine.request import Sequence
 from services.engine.scheduler import ScheduledChunk
 from services.model.batch import ForwardBatch, SeqChunk
-from services.model.mtp import Mtp
+from services.model.causal_lm import MtpLayer
 
 # target hidden rows a sequence keeps for the layer, at most: a sequence that does not propose
 # (more than speculative_max_batch running) keeps its latest, and the layer starts there
@@ -48,7 +48,7 @@ class _State:
 class MtpProposer:
     def __init__(
         self,
-        mtp: Mtp,
+        mtp: MtpLayer,
         vocab_size: int,
         num_blocks: int,
         block_size: int,
@@ -101,7 +101,7 @@ class MtpProposer:
                 SeqChunk(inputs[i][0], s.seq.num_computed_tokens, s.seq.block_ids)
                 for i, s in zip(rows, states, strict=True)
             ]
-            batch = ForwardBatch.build(chunks, self.blocks.block_size, self.mtp.block.device)
+            batch = ForwardBatch.build(chunks, self.blocks.block_size, self.mtp.device)
             previous = torch.cat([inputs[i][1] for i in rows])
             logits, h = self.mtp.forward(batch, self.kv, previous)
             ends = torch.tensor([len(c.token_ids) for c in chunks]).cumsum(0) - 1

@@ -81,7 +81,9 @@ class Sequence:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     block_ids: list[int] = field(default_factory=list)
-    window_from: int = 0  # its blocks from this one on hold their window part (window_pool.py)
+    # per pool of a cache group released early: the first of its blocks holding a part
+    # (group_pool.py)
+    pool_marks: dict[str, int] = field(default_factory=dict)
     block_hashes: list[bytes] = field(default_factory=list)  # of full blocks, grown lazily
     detokenizer: IncrementalDetokenizer | None = None
     text: str = ""  # output text (stop string removed at the end)

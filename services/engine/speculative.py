@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, replace
+from typing import cast
 
 import torch
 
@@ -42,10 +43,7 @@ from services.engine.request import Sequence, TokenLogprobs
 from services.engine.sampler import Sampler, draw, score_tokens, uniforms
 from services.engine.scheduler import ScheduledChunk
 from services.engine.seeds import choice_seed
-from services.model.causal_lm import CausalLM
-from services.model.decoder import DecoderModel
-from services.model.deepseek_v4 import DeepseekV4Model
-from services.model.mtp import Mtp
+from services.model.causal_lm import CausalLM, MtpLayer
 from services.settings import SpeculativeConfig
 
 PAUSE = 4  # steps without proposals after a lone proposed token was refused
@@ -68,18 +66,23 @@ class SpecStats:
 
 
 def draft_proposer(
-    draft: CausalLM | Mtp | None, target: CausalLM, num_blocks: int, block_size: int
+    config: SpeculativeConfig,
+    draft: CausalLM | MtpLayer | None,
+    target: CausalLM,
+    num_blocks: int,
+    block_size: int,
 ) -> Proposer | None:
     """The proposer around a draft model (`draft`) or an MTP layer (`mtp`: the target then
     keeps its hidden rows), with a pool of its own as large as the target's."""
     vocab_size = target.config.vocab_size
     if draft is None:
         return None
-    if isinstance(draft, Mtp):
-        if isinstance(target, DecoderModel | DeepseekV4Model):  # (load_mtp's: V3 and V4)
-            target.keep_hidden = True
-        return MtpProposer(draft, vocab_size, num_blocks, block_size)
-    return DraftModel(draft, vocab_size, num_blocks, block_size)
+    if config.method == "mtp":
+        if not target.capabilities.hidden_rows:
+            raise ValueError("--speculative mtp: the model keeps no hidden rows to draft from")
+        target.keep_hidden = True
+        return MtpProposer(cast(MtpLayer, draft), vocab_size, num_blocks, block_size)
+    return DraftModel(cast(CausalLM, draft), vocab_size, num_blocks, block_size)
 
 
 def make_proposer(config: SpeculativeConfig, draft: Proposer | None = None) -> Proposer:

@@ -5,7 +5,9 @@
     positions:  0 1 2 3 4                  37              16 17 18
 
 Each row's K/V is written to `slot_mapping[row]` (block * block_size + offset) through the
-sequence's block table; each sequence then attends over its first `context_len` tokens.
+sequence's block table; each sequence then attends over its first `context_len` tokens. A cache
+group with blocks of its own (kv_cache.py) has a table of its own for each sequence, and its
+slots through it (`tables`, `slots(index)`).
 """
 
 from __future__ import annotations
@@ -25,9 +27,9 @@ class SeqChunk:
     block_table: Sequence[int]  # physical block of each logical block, covering start + len
     want_logits: bool = True  # logits of the chunk's last token (false mid-prefill)
     all_logits: bool = False  # logits of every token of the chunk (scoring a prompt)
-    # where a model keeps a window part (DeepSeek-V4): each block's window block (-1:
-    # released, never read again); None: the block table's own
-    window_table: Sequence[int] | None = None
+    # each cache group with blocks of its own: the group's block for each block (-1: let go,
+    # never read again); none given: the block table is every group's
+    tables: tuple[Sequence[int], ...] = ()
 
     @property
     def context_len(self) -> int:
@@ -42,12 +44,12 @@ class SeqSpan:
     query_len: int
     context_len: int  # tokens attended to, new ones included
     block_table: torch.Tensor  # [num_blocks] int64
-    window_table: torch.Tensor | None = None  # [num_blocks] int64 (SeqChunk.window_table)
+    tables: tuple[torch.Tensor, ...] = ()  # [num_blocks] int64 each (SeqChunk.tables)
 
-    @property
-    def windows(self) -> torch.Tensor:
-        """The window blocks (its blocks' own where the batch names none)."""
-        return self.block_table if self.window_table is None else self.window_table
+    def table(self, index: int | None) -> torch.Tensor:
+        """The table of the cache group at `index` among those with blocks of their own (the
+        block table for a group without, or where the batch names none)."""
+        return self.block_table if index is None or not self.tables else self.tables[index]
 
     @property
     def is_decode(self) -> bool:
@@ -69,12 +71,13 @@ class ForwardBatch:
     context_lens: torch.Tensor  # [S] int64
     max_query_len: int
     max_context_len: int
-    window_slots: torch.Tensor | None = None  # [T]: each row's slot in the window pool
+    group_slots: tuple[torch.Tensor, ...] = ()  # [T] each: a row's slot in a group's pool
 
-    def layer_slots(self, windowed: bool) -> torch.Tensor:
-        """Where each row's K/V goes: its slot in the window pool, for a layer held there."""
+    def slots(self, index: int | None) -> torch.Tensor:
+        """Where each row's K/V goes in the cache group at `index` among those with blocks of
+        their own (slot_mapping for a group without, or where the batch names none)."""
         return (
-            self.window_slots if windowed and self.window_slots is not None else (self.slot_mapping)
+            self.slot_mapping if index is None or not self.group_slots else self.group_slots[index]
         )
 
     @property
@@ -126,12 +129,12 @@ class ForwardBatch:
             SeqSpan(row, n, length, table_t[i, : len(t)])
             for i, (row, n, length, t) in enumerate(zip(rows, qlens, lens, tables, strict=True))
         )
-        window_slots = None
-        if any(c.window_table is not None for c in chunks):
-            spans, window_slots = _window_tables(chunks, spans, block_size, position_t.device)
+        group_slots: tuple[torch.Tensor, ...] = ()
+        if any(c.tables for c in chunks):
+            spans, group_slots = _group_tables(chunks, spans, block_size, position_t.device)
         return cls(
             token_t, position_t, slot_t, spans, logits_t, block_size, table_t, row_t, qlen_t,
-            len_t, max(qlens, default=0), max(lens, default=0), window_slots,
+            len_t, max(qlens, default=0), max(lens, default=0), group_slots,
         )  # fmt: skip
 
 
@@ -144,19 +147,23 @@ def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device)
 
 
-def _window_tables(
+def _group_tables(
     chunks: Sequence[SeqChunk], spans: tuple[SeqSpan, ...], block_size: int, device: torch.device
-) -> tuple[tuple[SeqSpan, ...], torch.Tensor]:
-    """The spans with their window tables, and each row's window slot."""
-    out, slots = [], []
+) -> tuple[tuple[SeqSpan, ...], tuple[torch.Tensor, ...]]:
+    """The spans with their groups' tables, and each row's slot in each group's pool."""
+    groups = max(len(c.tables) for c in chunks)
+    out: list[SeqSpan] = []
+    slots: list[list[int]] = [[] for _ in range(groups)]
     for c, span in zip(chunks, spans, strict=True):
-        table = list(c.window_table if c.window_table is not None else c.block_table)
-        table = table[: len(span.block_table)]
-        for p in range(c.start, c.context_len):
-            block = table[p // block_size]
-            if block < 0:
-                raise ValueError(f"the window part of position {p} is released")
-            slots.append(block * block_size + p % block_size)
-        tensor = torch.tensor(table, dtype=torch.int64, device=device)
-        out.append(SeqSpan(span.row, span.query_len, span.context_len, span.block_table, tensor))
-    return tuple(out), torch.tensor(slots, dtype=torch.int64, device=device)
+        tables = []
+        for g in range(groups):
+            table = list(c.tables[g] if c.tables else c.block_table)[: len(span.block_table)]
+            for p in range(c.start, c.context_len):
+                block = table[p // block_size]
+                if block < 0:
+                    raise ValueError(f"the part of position {p} in cache group {g} is let go")
+                slots[g].append(block * block_size + p % block_size)
+            tables.append(torch.tensor(table, dtype=torch.int64, device=device))
+        out.append(SeqSpan(span.row, span.query_len, span.context_len, span.block_table,
+                           tuple(tables)))  # fmt: skip
+    return tuple(out), tuple(torch.tensor(g, dtype=torch.int64, device=device) for g in slots)

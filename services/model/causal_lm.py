@@ -1,8 +1,11 @@
-"""What the engine needs of a model: one forward pass over a batch and its paged cache.
-DecoderModel (Llama-family and DeepSeek-V2/V3 layers) and DeepseekV4Model both are one."""
+"""What the engine needs of a model: one forward pass over a batch and its paged cache, and
+what the model can do besides, declared (`Capabilities`) rather than found out by its class.
+Every family's model is one (families/)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -10,23 +13,41 @@ import torch
 from services.model.batch import ForwardBatch
 from services.model.config import ModelConfig
 from services.model.kv_cache import KVCache
-from services.model.moe import Moe
+from services.model.layers.moe import Moe
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a model supports beyond its forward pass, for a given config."""
+
+    # decode steps replayed from captured CUDA graphs (services/engine/graphs.py)
+    cuda_graphs: bool = False
+    # --quantization int8 (loading/quantize.py)
+    int8: bool = False
+    # keeps its last pass's hidden rows in `hidden` when `keep_hidden` is set, which is what
+    # its checkpoint's MTP layer drafts from
+    hidden_rows: bool = False
 
 
 class CausalLM(Protocol):
     config: ModelConfig
+    capabilities: Capabilities
     dtype: torch.dtype
     device: torch.device
     kernels: str  # attention.KERNELS, resolved
     embed: torch.Tensor  # [vocab, hidden], in the compute dtype
+    # keep the next passes' hidden rows in `hidden` (where capabilities.hidden_rows)
+    keep_hidden: bool
 
     def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         """Logits [len(batch.logits_rows), vocab] in float32; every row's KV is cached."""
         ...
 
     def new_kv_cache(
-        self, num_blocks: int, block_size: int, num_window_blocks: int | None = None
-    ) -> KVCache: ...
+        self, num_blocks: int, block_size: int, group_blocks: Mapping[str, int] | None = None
+    ) -> KVCache:
+        """A pool of `num_blocks` blocks (`group_blocks`: kv_cache.KVCache's)."""
+        ...
 
     def moe_layers(self) -> dict[int, Moe]:
         """The mixture-of-experts layers, by layer index (empty for dense models)."""
@@ -34,4 +55,21 @@ class CausalLM(Protocol):
 
     def expert_counts(self) -> dict[int, list[int]]:
         """Tokens routed to each expert since start, by MoE layer (empty for dense models)."""
+        ...
+
+
+class MtpLayer(Protocol):
+    """A checkpoint's multi-token-prediction layer (its family's MTP module loads it): from a
+    row's token and the target's hidden state before it, a guess at the token after next."""
+
+    config: ModelConfig
+    device: torch.device
+
+    def new_kv_cache(self, num_blocks: int, block_size: int) -> KVCache: ...
+
+    def forward(
+        self, batch: ForwardBatch, kv: KVCache, previous: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits at batch.logits_rows (float32) and every row's own hidden state, which the
+        next draft of the chain reads as its `previous`."""
         ...

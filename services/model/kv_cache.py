@@ -19,6 +19,13 @@ two products):
 MLA's cache (config.cache_shape) is K alone: one "head" of latent + rotary key per token, and
 a V of no dimensions.
 
+The pool is one pool per cache group (cache_spec.py): a group holds its layers' part of every
+block. A group read for good has a block for every block, at the same index. A group whose part
+is let go once out of every window (a sliding layer's K and V, DeepSeek-V4's window part) has
+fewer blocks than there are blocks, given out by the block manager's pool for the group
+(services/engine/group_pool.py): `table[block]` is the group's block for a block, -1 while it
+has none; a batch carries each such group's table for its sequences (`ForwardBatch.tables`).
+
 A slot is a flat token index: block * block_size + offset. This module is the only one that
 knows the layouts (the C kernel in kernels/paged_attention.c mirrors them): `plain_views`
 indexes either as the plain one. Who owns which block is the block manager's business.
@@ -30,11 +37,52 @@ import contextlib
 import math
 import mmap
 import sys
+from collections.abc import Mapping
 
 import torch
 
 from kvstore.block_hash import BLOCK_SIZE, KVLayout
+from services.model.cache_spec import CacheGroup, CacheSpec
 from services.model.config import ModelConfig
+
+
+class GroupCache:
+    """One group's pool: K [layers, blocks, heads, K elements, block_size] and V [layers,
+    blocks, heads, block_size, V elements] in the dtype's layout, `layers` the group's."""
+
+    def __init__(
+        self, group: CacheGroup, spec: CacheSpec, num_blocks: int, group_blocks: int,
+        block_size: int, dtype: torch.dtype, device: torch.device | str, index: int | None,
+    ) -> None:  # fmt: skip
+        self.group = group
+        n, heads = len(group.layers), spec.heads
+        self.k = _allocate((n, group_blocks, heads, group.k_width, block_size), dtype, device)
+        self.v = _allocate((n, group_blocks, heads, block_size, group.v_width), dtype, device)
+        # a group with blocks of its own: their table (this list is the block manager's group
+        # pool's too), and its place among a batch's tables
+        self.index = index
+        self.table: list[int] | None = None
+        if index is not None:
+            self.table = (
+                list(range(num_blocks)) if group_blocks == num_blocks else [-1] * num_blocks
+            )
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.k.shape[1])
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the block's layer i."""
+        j = self.group.layers.index(i)
+        return self.k[j], self.v[j]
+
+    def blocks_of(self, block_ids: list[int]) -> list[int]:
+        """This group's block for each block (-1 where it has none)."""
+        return list(block_ids) if self.table is None else [self.table[b] for b in block_ids]
+
+    @property
+    def bytes_per_block(self) -> int:
+        return (self.k[:, 0].numel() + self.v[:, 0].numel()) * self.k.element_size()
 
 
 class KVCache:
@@ -45,79 +93,59 @@ class KVCache:
         block_size: int = BLOCK_SIZE,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
-        num_window_blocks: int | None = None,
+        group_blocks: Mapping[str, int] | None = None,
     ) -> None:
-        """`num_window_blocks`: for a model with a window part, the size of its pool; None:
-        one per block, each block's its own (`window_of`)."""
-        layers, (heads, k_dim, v_dim) = config.cache_layers, config.cache_shape
-        # The window part of a block (V4: the last window_width elements of K; gpt-oss and
-        # Gemma 3: their sliding layers whole) lives in a window block of its own,
-        # window_of[block] (-1: released). The block manager assigns them; this module and
-        # the models read it.
-        self.window_width = config.window_width
-        self.window_layers = config.window_layers
-        self.main_layers = tuple(i for i in range(layers) if i not in self.window_layers)
-        n = num_blocks if num_window_blocks is None else num_window_blocks
-        n = n if self.windowed else 0
-        if self.window_width:
-            main = (layers, num_blocks, heads, k_dim - self.window_width, block_size)
-            window = (layers, n, heads, self.window_width, block_size)
-            v_window = (layers, n, heads, block_size, 0)
-        else:
-            main = (len(self.main_layers), num_blocks, heads, k_dim, block_size)
-            window = (len(self.window_layers), n, heads, k_dim, block_size)
-            v_window = (len(self.window_layers), n, heads, block_size, v_dim)
-        self.k = _allocate(main, dtype, device)
-        self.v = _allocate((*main[:3], block_size, v_dim), dtype, device)
-        self.k_plain, self.v_plain = plain_views(self.k, self.v)  # for whole-block copies
-        self.wk, self.wv = _allocate(window, dtype, device), _allocate(v_window, dtype, device)
+        """`group_blocks`: the blocks of each group whose part is let go early, by name
+        (default: as many as there are blocks, each block's its own at first)."""
+        self.spec = spec = config.cache_spec
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.window_of = list(range(num_blocks)) if n == num_blocks else [-1] * num_blocks
+        groups, tables = [], 0
+        for g in spec.groups:
+            n = num_blocks if g.lasting else (group_blocks or {}).get(g.name, num_blocks)
+            groups.append(GroupCache(g, spec, num_blocks, n, block_size, dtype, device,
+                                     None if g.lasting else tables))  # fmt: skip
+            tables += not g.lasting
+        self.groups = tuple(groups)
+        # the first group's pool (the whole pool, for a model with one group)
+        self.k, self.v = self.groups[0].k, self.groups[0].v
 
     @property
-    def windowed(self) -> bool:
-        """Whether part of every block lives in window blocks."""
-        return bool(self.window_width or self.window_layers)
+    def mapped(self) -> tuple[GroupCache, ...]:
+        """The groups with blocks of their own, in the order of a batch's tables."""
+        return tuple(g for g in self.groups if g.table is not None)
 
     @property
-    def num_window_blocks(self) -> int:
-        return int(self.wk.shape[1])
+    def whole(self) -> bool:
+        """Whether one group holds every block whole (the first group's pool is the block)."""
+        return len(self.groups) == 1
 
-    def in_window(self, i: int) -> bool:
-        """Whether layer i is held in window blocks (read through the window tables)."""
-        return i in self.window_layers
+    def group(self, name: str) -> GroupCache:
+        return next(g for g in self.groups if g.group.name == name)
+
+    def group_of(self, i: int) -> GroupCache:
+        """The group holding layer i (the first, where several hold parts of it)."""
+        return next(g for g in self.groups if i in g.group.layers)
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K [blocks, kv_heads, D, block_size] and V [blocks, kv_heads, block_size, D], in the
-        dtype's layout (of the window blocks, for a layer held there)."""
-        if i in self.window_layers:
-            j = self.window_layers.index(i)
-            return self.wk[j], self.wv[j]
-        j = self.main_layers.index(i)
-        return self.k[j], self.v[j]
+        """K [blocks, kv_heads, D, block_size] and V [blocks, kv_heads, block_size, D] of layer
+        i, in the dtype's layout (of its group's blocks)."""
+        return self.group_of(i).layer(i)
 
-    def window_table(self, block_ids: list[int]) -> list[int]:
-        """The window block of each of a sequence's blocks (-1 where released)."""
-        return [self.window_of[b] for b in block_ids]
+    def tables(self, block_ids: list[int]) -> tuple[list[int], ...]:
+        """A sequence's table in each group with blocks of its own (-1 where released)."""
+        return tuple(g.blocks_of(block_ids) for g in self.mapped)
 
     @property
     def bytes_per_block(self) -> int:
-        return (self.k[:, 0].numel() + self.v[:, 0].numel()) * self.k.element_size()
-
-    @property
-    def bytes_per_window_block(self) -> int:
-        if not self.windowed:
-            return 0
-        return (self.wk[:, 0].numel() + self.wv[:, 0].numel()) * self.wk.element_size()
+        """A block's bytes in the groups read for good (where every block has its part)."""
+        return sum(g.bytes_per_block for g in self.groups if g.table is None)
 
     def block_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """One block's K and V, all layers, in the plain layout's split views (what the store's
-        codec decodes into): window part included."""
-        _, _, heads, k_dim, bs = self.k.shape
-        layers = len(self.main_layers) + (0 if self.window_width else len(self.window_layers))
-        k_dim += self.window_width
-        return (layers, heads, k_dim // 2, 2, bs), (layers, heads, bs // 2, 2, self.v.shape[-1])
+        codec decodes into): every group's part."""
+        s, bs = self.spec, self.block_size
+        return (s.layers, s.heads, s.k_dim // 2, 2, bs), (s.layers, s.heads, bs // 2, 2, s.v_dim)
 
     def write_blocks(self, block_ids: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
         """Blocks shaped [n, *block_shapes()] (on any device) into the given cache blocks."""
@@ -126,14 +154,28 @@ class KVCache:
         v = v.to(device, non_blocking=True).flatten(-3, -2)
         scatter_blocks(self, block_ids, k, v)
 
+    @property
+    def device(self) -> torch.device:
+        return self.k.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k.dtype
+
+    @property
+    def plain(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The pool indexed as the plain layout, [layers, blocks, ...] (plain_views), where one
+        group holds every block whole: a stored value decodes straight into it."""
+        return plain_views(self.k, self.v) if self.whole else None
+
 
 def layout(model_id: str, kv_dtype: str, block_size: int, config: ModelConfig) -> KVLayout:
     """The layout of this model's blocks as the store and the seam know them."""
-    heads, k_dim, v_dim = config.cache_shape
+    s = config.cache_spec
     return KVLayout(
-        model_id, kv_dtype, block_size, config.cache_layers, heads, k_dim,
-        None if v_dim == k_dim else v_dim,  # named only where V differs (MLA's latent: none)
-        row_layout="v4: shares, then window part" if config.window_width else None,
+        model_id, kv_dtype, block_size, s.layers, s.heads, s.k_dim,
+        None if s.v_dim == s.k_dim else s.v_dim,  # named only where V differs (MLA's: none)
+        row_layout=s.row_layout,
     )  # fmt: skip
 
 
@@ -220,62 +262,58 @@ def gather(
 
 def gather_blocks(cache: KVCache, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Copies of whole blocks, all layers each, in the plain layout: K [n, L, kv_heads, D, bs],
-    V [n, L, kv_heads, bs, D] (gathered layer-major, viewed block-major). A block's window
-    part (V4: after its K; else its window layers) is zeros where released: the block manager
-    saves no such block."""
-    index = torch.tensor(block_ids, dtype=torch.int64, device=cache.k.device)
-    k, v = select_plain(cache.k, cache.v, 1, index)
-    if cache.windowed:
-        wk = k.new_zeros(cache.wk.shape[0], len(block_ids), *cache.wk.shape[2:])
-        wv = v.new_zeros(cache.wv.shape[0], len(block_ids), *cache.wv.shape[2:])
-        held, slots = _held(cache, block_ids)
-        if held:
-            wk[:, held], wv[:, held] = select_plain(cache.wk, cache.wv, 1, slots)
-        k, v = _join(cache, k, wk), _join(cache, v, wv, values=True)
+    V [n, L, kv_heads, bs, D] (gathered layer-major, viewed block-major). A group's part of a
+    block that group has let go of is zeros: the block manager saves no such block."""
+    device = cache.k.device
+    if cache.whole:
+        index = torch.tensor(block_ids, dtype=torch.int64, device=device)
+        k, v = select_plain(cache.k, cache.v, 1, index)
+        return k.transpose(0, 1), v.transpose(0, 1)
+    s, n, bs = cache.spec, len(block_ids), cache.block_size
+    k = cache.k.new_zeros(s.layers, n, s.heads, s.k_dim, bs)
+    v = cache.v.new_zeros(s.layers, n, s.heads, bs, s.v_dim)
+    for g in cache.groups:
+        held, slots = _held(g, block_ids, device)
+        if not held:
+            continue
+        gk, gv = select_plain(g.k, g.v, 1, slots)  # [group layers, held, ...]
+        (k0, k1), (v0, v1) = g.group.k, g.group.v
+        layers = torch.tensor(g.group.layers, device=device)[:, None]  # outer, with `rows`
+        rows = torch.tensor(held, device=device)[None, :]
+        k[layers, rows, :, k0:k1] = gk
+        v[layers, rows, :, :, v0:v1] = gv
     return k.transpose(0, 1), v.transpose(0, 1)
 
 
 def scatter_blocks(cache: KVCache, block_ids: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
-    """Write blocks shaped as `gather_blocks` returns them into the given cache blocks (the
-    window part into the block's window block, where it has one)."""
-    index = torch.tensor(block_ids, dtype=torch.int64, device=cache.k.device)
+    """Write blocks shaped as `gather_blocks` returns them into the given cache blocks (each
+    group's part into that group's block, where it has one)."""
+    device = cache.k.device
     k, v = k.transpose(0, 1).to(cache.k.dtype), v.transpose(0, 1).to(cache.v.dtype)
-    if cache.windowed:
-        (k, wk), (v, wv) = _split(cache, k), _split(cache, v, values=True)
-        held, slots = _held(cache, block_ids)
-        if held:
-            wk_plain, wv_plain = plain_views(cache.wk, cache.wv)
-            _copy_plain(wk_plain, wv_plain, slots, wk[:, held], wv[:, held])
-    _copy_plain(cache.k_plain, cache.v_plain, index, k, v)
+    if cache.whole:
+        index = torch.tensor(block_ids, dtype=torch.int64, device=device)
+        _copy_plain(*plain_views(cache.k, cache.v), index, k, v)
+        return
+    for g in cache.groups:
+        held, slots = _held(g, block_ids, device)
+        if not held:
+            continue
+        (k0, k1), (v0, v1) = g.group.k, g.group.v
+        layers = torch.tensor(g.group.layers, dtype=torch.int64, device=k.device)
+        rows = torch.tensor(held, dtype=torch.int64, device=k.device)
+        part_k = k.index_select(0, layers).index_select(1, rows)[..., k0:k1, :]
+        part_v = v.index_select(0, layers).index_select(1, rows)[..., v0:v1]
+        k_plain, v_plain = plain_views(g.k, g.v)
+        _copy_plain(k_plain, v_plain, slots, part_k, part_v)
 
 
-def _held(cache: KVCache, block_ids: list[int]) -> tuple[list[int], torch.Tensor]:
-    """Which of the blocks have a window block, and those window blocks."""
-    held = [i for i, b in enumerate(block_ids) if cache.window_of[b] >= 0]
-    slots = [cache.window_of[block_ids[i]] for i in held]
-    return held, torch.tensor(slots, dtype=torch.int64, device=cache.k.device)
-
-
-def _join(cache: KVCache, main: torch.Tensor, window: torch.Tensor, values: bool = False):
-    """Blocks [L, n, ...] of the whole layout from the two pools' parts."""
-    if cache.window_width:  # V4: K's elements after the main part's; V has none
-        return main if values else torch.cat((main, window), dim=-2)
-    out = main.new_empty(len(cache.main_layers) + len(cache.window_layers), *main.shape[1:])
-    out[list(cache.main_layers)] = main
-    out[list(cache.window_layers)] = window
-    return out
-
-
-def _split(
-    cache: KVCache, blocks: torch.Tensor, values: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The two pools' parts of blocks [L, n, ...] of the whole layout (`_join` undone)."""
-    if cache.window_width:
-        if values:  # V4's V has no elements, in either pool
-            return blocks, blocks
-        main = blocks.shape[-2] - cache.window_width
-        return blocks[..., :main, :], blocks[..., main:, :]
-    return blocks[list(cache.main_layers)], blocks[list(cache.window_layers)]
+def _held(
+    g: GroupCache, block_ids: list[int], device: torch.device
+) -> tuple[list[int], torch.Tensor]:
+    """Which of the blocks have a block in this group, and those blocks."""
+    own = g.blocks_of(block_ids)
+    held = [i for i, b in enumerate(own) if b >= 0]
+    return held, torch.tensor([own[i] for i in held], dtype=torch.int64, device=device)
 
 
 def _copy_plain(

@@ -7,15 +7,12 @@ from pathlib import Path
 
 import torch
 
-from services.model import hf_config, hf_dir, quantize, sources
-from services.model.attention import resolve_kernels
-from services.model.causal_lm import CausalLM
+from services.model import families
+from services.model.causal_lm import CausalLM, MtpLayer
 from services.model.config import ModelConfig
-from services.model.decoder import DecoderModel
-from services.model.deepseek_v4 import DeepseekV4Model
 from services.model.errors import ModelLoadError
-from services.model.gemma3 import Gemma3Model
-from services.model.gpt_oss import GptOssModel
+from services.model.layers.attention import resolve_kernels
+from services.model.loading import hf_config, hf_dir, quantize, sources
 from services.settings import DEFAULTS
 from services.tokenizer.tokenizer import Tokenizer
 
@@ -69,8 +66,8 @@ def load_model(
     kernels: str = DEFAULTS.model.kernels,
     deterministic: bool = DEFAULTS.model.deterministic,
 ) -> LoadedModel:
-    """`kernels`: auto, c, torch or triton (services/model/attention.py resolve_kernels);
-    `deterministic`: row-invariant products on a GPU (services/model/linear.py)."""
+    """`kernels`: auto, c, torch or triton (services/model/layers/attention.py resolve_kernels);
+    `deterministic`: row-invariant products on a GPU (services/model/layers/linear.py)."""
     if quantization not in quantize.QUANTIZATIONS:  # refused before anything loads
         raise ValueError(
             f"unknown quantization {quantization!r} (choose {', '.join(quantize.QUANTIZATIONS)})"
@@ -81,24 +78,29 @@ def load_model(
     if quantization == "int8" and dev.type != "cpu":
         raise ModelLoadError(path, f"--quantization int8 runs on CPUs, not {dev}")
     config = hf_config.read_config(path)
-    if quantization == "int8" and (config.mla or config.moe or config.gemma3) is not None:
+    family = families.of(config).model_class()
+    if quantization == "int8" and not family.supports(config).int8:
         raise ModelLoadError(path, "--quantization int8 covers Llama-family dense models only")
     tokenizer = Tokenizer.from_dir(path)
     weights = hf_dir.read_weights(path, config)
-    family: type[DecoderModel | DeepseekV4Model | GptOssModel | Gemma3Model] = DecoderModel
-    if config.v4 is not None:
-        family = DeepseekV4Model
-    elif config.oss is not None:
-        family = GptOssModel
-    elif config.gemma3 is not None:
-        family = Gemma3Model
     model: CausalLM = family(
         config, weights, resolve_dtype(dtype, dev), dev, kernels=kernels,
         deterministic=deterministic,
     )  # fmt: skip
     if quantization == "int8":
         calibration = tokenizer.encode(quantize.calibration_text(), add_special_tokens=False)
-        assert isinstance(model, DecoderModel)
         quantize.quantize_int8(model, weights, calibration)
     weights.release()  # what the model keeps, it holds; an expert rebuilt later reads its file
     return LoadedModel(model, tokenizer, path)
+
+
+def load_mtp(
+    path: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device, kernels: str,
+    deterministic: bool = DEFAULTS.model.deterministic,
+) -> MtpLayer:  # fmt: skip
+    """The checkpoint's first multi-token-prediction layer, its products as the model's
+    (`kernels`, `deterministic`); ModelLoadError where it has none."""
+    hf_dir.check_mtp(path, config)
+    module = families.of(config).mtp_module()
+    mtp: MtpLayer = module.load_mtp(path, config, dtype, device, kernels, deterministic)
+    return mtp

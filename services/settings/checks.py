@@ -36,8 +36,8 @@ def check(settings: Settings) -> Settings:
         _experts(settings, path)
     if role in WORKER and settings.engine.speculative.method == "mtp":
         from services.model.errors import ModelLoadError
-        from services.model.hf_config import read_config
-        from services.model.hf_dir import check_mtp
+        from services.model.loading.hf_config import read_config
+        from services.model.loading.hf_dir import check_mtp
 
         try:
             check_mtp(path, read_config(path))
@@ -51,7 +51,7 @@ def check(settings: Settings) -> Settings:
 def check_model(spec: str) -> Path:
     """The model's Hugging Face directory, its config read: an architecture or a field the
     engine does not serve is refused here (ModelLoadError). A GGUF is converted, once."""
-    from services.model import hf_config, sources
+    from services.model.loading import hf_config, sources
 
     path = sources.resolve(spec)
     hf_config.read_config(path)
@@ -60,7 +60,8 @@ def check_model(spec: str) -> Path:
 
 def _experts(s: Settings, path: Path) -> None:
     """--expert-parallel: a MoE model whose slots divide over the ranks, a policy that fits."""
-    from services.model import eplb, hf_config
+    from services.model.experts import eplb
+    from services.model.loading import hf_config
 
     es, moe = s.experts, hf_config.read_config(path).moe
     if moe is None:

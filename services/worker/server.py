@@ -26,14 +26,14 @@ from services.engine.driver import AsyncEngine
 from services.engine.engine import Engine
 from services.engine.outputs import SequenceDelta
 from services.engine.params import ValidationError
-from services.model import kv_cache, sources
+from services.model import kv_cache
 from services.model.allocator import keep_freed_memory
-from services.model.causal_lm import CausalLM
-from services.model.expert_parallel import ExpertGroup
-from services.model.expert_rank import Spec
-from services.model.expert_rank import start as start_ranks
-from services.model.loader import load_model
-from services.model.mtp import Mtp, load_mtp
+from services.model.causal_lm import CausalLM, MtpLayer
+from services.model.experts.expert_parallel import ExpertGroup
+from services.model.experts.expert_rank import Spec
+from services.model.experts.expert_rank import start as start_ranks
+from services.model.loader import load_model, load_mtp
+from services.model.loading import sources
 from services.model.openmp import release_this_threads_team
 from services.rpc import keepalive
 from services.rpc import worker_pb2 as pb
@@ -86,7 +86,7 @@ class Worker:
             weights_id, storage.name.lower(), settings.engine.block_size, mc
         )
         self.namespace = self.layout.namespace()
-        draft: CausalLM | Mtp | None = None
+        draft: CausalLM | MtpLayer | None = None
         if settings.engine.speculative.draft_model is not None:
             draft = load_model(
                 settings.engine.speculative.draft_model, ms.dtype, ms.device, kernels=ms.kernels

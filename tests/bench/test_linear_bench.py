@@ -4,7 +4,7 @@ the AMX tiles run, a one-line reason and exit status 1 where they do not."""
 from __future__ import annotations
 
 from bench import linear
-from services.model.linear import amx_linear_library
+from services.model.layers.linear import amx_linear_library
 
 
 def test_linear_benchmark_smoke(capsys):

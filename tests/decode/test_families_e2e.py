@@ -19,8 +19,9 @@ from kvstore.block_hash import block_hashes
 from kvstore.codec import FORMAT, MAC_BYTES, BlockCodec, StorageDtype
 from kvstore.keys import store_key
 from services.launcher import free_port
-from services.model import kv_cache, sources
-from services.model.hf_config import read_config
+from services.model import kv_cache
+from services.model.loading import sources
+from services.model.loading.hf_config import read_config
 from services.tokenizer.tokenizer import Tokenizer
 from tests.support.tiny_models import VOCAB, save_tiny
 from tests.support.up import Up

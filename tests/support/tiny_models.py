@@ -151,7 +151,7 @@ def save_tiny_v4_mtp(path: Path, embedded_dir: Path, copy: bool) -> None:
     from safetensors.torch import load_file
 
     from bench.mtp import SLIDING_MOE, write_v4_mtp
-    from services.model.hf_dir import safetensors_files
+    from services.model.loading.hf_dir import safetensors_files
 
     one = transformers.DeepseekV4Config(**(V4 | SLIDING_MOE | {"num_hidden_layers": 1}))
     save_config(one if copy else FAMILIES["deepseek_v4"](), path, embedded_dir,

@@ -20,7 +20,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from services.model.gpu import attention, fp8, layer_ops, mla, row_gemm
+from services.model.families.deepseek import triton_mla as mla
+from services.model.kernels.gpu import attention, fp8, layer_ops, row_gemm
 
 TARGET = GPUTarget("cuda", 90, 32)
 I64, I32 = "i64", "i32"

@@ -75,7 +75,7 @@ def load(name: str) -> ctypes.CDLL | None:
     """The compiled library `name` (kernels/<name>.c), or None where it cannot be built."""
     if os.environ.get("PDSERVE_KERNELS", "1") == "0":
         return None
-    from services.model.sources import cache_root
+    from services.model.loading.sources import cache_root
 
     source = HERE / f"{name}.c"
     headers = b"".join(h.read_bytes() for h in sorted(HERE.glob("*.h")))  # vectors.h, blocks.h

@@ -13,8 +13,7 @@ from services.engine.engine import Engine, EngineConfig
 from services.engine.outputs import RequestOutput
 from services.engine.overlap import SpecOverlap
 from services.engine.params import SamplingParams
-from services.model.loader import load_model
-from services.model.mtp import load_mtp
+from services.model.loader import load_model, load_mtp
 from services.settings import SpeculativeConfig
 from tests.services.engine import test_mtp as mtp_suite
 from tests.services.engine import test_speculative as suite

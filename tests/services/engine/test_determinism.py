@@ -22,13 +22,13 @@ from services.engine.outputs import RequestOutput
 from services.engine.params import SamplingParams
 from services.engine.request import EngineRequest, TokenLogprobs
 from services.engine.speculative import SpeculativeConfig
-from services.model.attention import CpuAttention
-from services.model.deepseek_v4 import DeepseekV4Model
-from services.model.gemma3 import Gemma3Model
-from services.model.gpt_oss import GptOssModel
+from services.model.families.deepseek.mla import CpuMlaAttention
+from services.model.families.deepseek_v4.model import DeepseekV4Model
+from services.model.families.gemma3.model import Gemma3Model
+from services.model.families.gpt_oss.model import GptOssModel
 from services.model.kv_cache import gather_blocks
+from services.model.layers.attention import CpuAttention
 from services.model.loader import LoadedModel, load_model
-from services.model.mla import CpuMlaAttention
 from tests.support.dtypes import COMPUTE_DTYPES
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2)
@@ -72,7 +72,7 @@ def model(request, family, embedded_dir, embedded, tiny_dir) -> LoadedModel:
         if not loaded.model.packed:
             pytest.skip("bitwise guarantees hold for oneDNN's products")
         return loaded
-    kernel = loaded.model.mla if loaded.config.mla else loaded.model.attention
+    kernel = getattr(loaded.model, "mla", None) or loaded.model.attention
     if not isinstance(kernel, CpuAttention | CpuMlaAttention) or not loaded.model.packed:
         pytest.skip("bitwise guarantees hold for the C attention kernels and oneDNN products")
     return loaded

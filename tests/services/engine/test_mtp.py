@@ -1,5 +1,5 @@
 """`--speculative mtp`: a DeepSeek-V3 or V4 checkpoint's own multi-token-prediction layer
-drafts (services/model/mtp.py, services/engine/mtp_proposer.py), on checkpoints made here: one
+drafts (families/deepseek/mtp.py, services/engine/mtp_proposer.py), on checkpoints made here: one
 whose MTP layer is random (its guesses refused), one whose MTP layer repeats the target's only
 layer (it drafts what the target computes next: accepted). Either way greedy and seeded
 answers, tokens and logprobs, equal the engine's without speculation, in every dtype this CPU
@@ -18,9 +18,8 @@ from services.engine.engine import Engine, EngineConfig
 from services.engine.params import SamplingParams
 from services.model.batch import ForwardBatch, SeqChunk
 from services.model.errors import ModelLoadError
-from services.model.hf_config import mtp_layers
-from services.model.loader import load_model
-from services.model.mtp import load_mtp
+from services.model.loader import load_model, load_mtp
+from services.model.loading.hf_config import mtp_layers
 from services.settings import SpeculativeConfig
 from tests.support.dtypes import COMPUTE_DTYPES
 from tests.support.tiny_models import save_tiny_mtp, save_tiny_v4_mtp

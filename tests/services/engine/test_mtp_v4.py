@@ -1,4 +1,4 @@
-"""DeepSeek-V4's MTP layer (services/model/mtp.py, V4Mtp) against transformers' own V4 parts.
+"""DeepSeek-V4's MTP layer (families/deepseek/mtp.py, V4Mtp) against transformers' own V4 parts.
 
 transformers builds no V4 MTP layer (it skips `mtp.*`), but it builds everything one is made
 of: the checkpoint reloaded with one more decoder layer holding the MTP block's weights gives
@@ -26,11 +26,11 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
     DeepseekV4RMSNorm,
 )
 
-from services.model import v4_quant
 from services.model.batch import ForwardBatch, SeqChunk
 from services.model.errors import ModelLoadError
-from services.model.loader import load_model
-from services.model.mtp import V4Mtp, load_mtp
+from services.model.families.deepseek_v4.mtp import V4Mtp
+from services.model.families.deepseek_v4 import quant as v4_quant
+from services.model.loader import load_model, load_mtp
 from tests.support.tiny_models import save_tiny_v4_mtp
 
 

@@ -10,7 +10,7 @@ import torch
 
 from services.engine.engine import Engine, EngineConfig
 from services.engine.pool_budget import CPU_POOL_BYTES, GRAPH_BYTES, kv_budget, step_bytes
-from services.engine.window_pool import pool_sizes
+from services.engine.group_pool import pool_sizes
 from services.settings.sections import GIB, SettingsError
 
 CUDA = torch.device("cuda")
@@ -39,7 +39,7 @@ def test_the_pool_gets_the_share_less_what_is_held_and_a_step(embedded):
     assert kv_budget(mc, no_graphs, 2, CUDA, h200(139)) == budget + GRAPH_BYTES
     # another process holding 60 GiB of the device leaves that much less
     assert kv_budget(mc, config, 2, CUDA, h200(79)) == budget - 60 * GIB
-    blocks, _ = pool_sizes(mc, config, 2, budget)
+    blocks, _ = pool_sizes(mc.cache_spec, config, 2, budget)
     whole = mc.cache_layers * config.block_size * mc.cache_elements * 2
     assert blocks == budget // whole
 

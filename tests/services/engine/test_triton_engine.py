@@ -18,11 +18,11 @@ import torch
 import transformers
 
 from services.engine.engine import Engine, EngineConfig
+from services.engine.graphs import fill, static_batch
 from services.engine.params import SamplingParams
 from services.model.batch import ForwardBatch, SeqChunk
-from services.model.gpu.attention import TritonAttention
-from services.model.gpu.graphs import fill, static_batch
-from services.model.gpu.layer_ops import TritonLayerOps
+from services.model.kernels.gpu.attention import TritonAttention
+from services.model.kernels.gpu.layer_ops import TritonLayerOps
 from services.model.loader import load_model
 from tests.support.dtypes import COMPUTE_DTYPES
 

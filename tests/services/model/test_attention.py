@@ -7,10 +7,10 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from services.model import kernels, kv_cache
-from services.model.attention import CpuAttention, TorchAttention, default_attention
 from services.model.batch import ForwardBatch, SeqChunk
 from services.model.config import ModelConfig
 from services.model.kv_cache import KVCache
+from services.model.layers.attention import CpuAttention, TorchAttention, default_attention
 
 BLOCK = 16
 LIBRARY = kernels.load("paged_attention")

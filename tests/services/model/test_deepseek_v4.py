@@ -16,12 +16,13 @@ from safetensors.torch import load_file, save_file
 
 from services.engine.engine import Engine, EngineConfig
 from services.engine.params import SamplingParams
-from services.model import v4_quant, v4_rows
 from services.model.batch import ForwardBatch, SeqChunk
-from services.model.deepseek_v4 import DeepseekV4Model
-from services.model.hf_config import config_from_hf
+from services.model.families.deepseek_v4 import quant as v4_quant
+from services.model.families.deepseek_v4 import rows as v4_rows
+from services.model.families.deepseek_v4.config import CSA, HCA, SLIDING, row_layout, v4_of
+from services.model.families.deepseek_v4.model import DeepseekV4Model
 from services.model.loader import load_model
-from services.model.v4_config import CSA, HCA, SLIDING, row_layout
+from services.model.loading.hf_config import config_from_hf
 from tests.support.tiny_models import V4, save_tiny
 
 N = 53  # 13 CSA entries and one token open; 3 HCA entries and 5 tokens open; 7 blocks
@@ -116,8 +117,9 @@ def test_a_legacy_config_with_yarn_and_sigmoid_scores_matches_transformers(tmp_p
     for file in ("tokenizer.json", "tokenizer_config.json"):
         (tmp_path / file).write_bytes((embedded_dir / file).read_bytes())
     ours = config_from_hf(raw | legacy)
-    assert ours.v4 is not None and ours.v4.layer_types == (SLIDING, CSA, HCA, CSA)
-    assert ours.v4.hash_layers == (0,) and ours.v4.compress_yarn is not None
+    v4 = v4_of(ours)
+    assert v4.layer_types == (SLIDING, CSA, HCA, CSA)
+    assert v4.hash_layers == (0,) and v4.compress_yarn is not None
     reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
     assert_greedy_equal(tmp_path, reference, [prompt(90, seed=1), prompt(41, seed=2)])
 
@@ -145,8 +147,7 @@ def test_deepseek_v4_flash_rows():
         "num_hidden_layers": 4, "num_attention_heads": 64, "moe_intermediate_size": 2048,
         "n_routed_experts": 256, "num_experts_per_tok": 6, "compress_ratios": [0, 4, 128, 4],
     })  # fmt: skip
-    assert flash.v4 is not None
-    widths = [(r.kv, r.raw, r.share, r.span) for r in row_layout(flash.v4, flash.head_dim)]
+    widths = [(r.kv, r.raw, r.share, r.span) for r in row_layout(v4_of(flash), flash.head_dim)]
     assert widths == [(512, 0, 0, 0), (512, 2560, 160, 4), (512, 1024, 32, 16),
                       (512, 2560, 160, 4)]  # fmt: skip
     assert flash.cache_shape == (1, 512 + 3232 + 1568 + 3232, 0) and flash.cache_layers == 1

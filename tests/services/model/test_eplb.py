@@ -1,11 +1,11 @@
-"""The balancer's planner (services/model/eplb.py): exact placements for known loads; expert
+"""The balancer's planner (services/model/experts/eplb.py): exact placements for known loads; expert
 settings that cannot work refused before anything loads."""
 
 from __future__ import annotations
 
 import pytest
 
-from services.model import eplb
+from services.model.experts import eplb
 from services.settings import SettingsError, build, check
 
 # 8 experts, expert 0 hot and expert 4 warm; 10 slots over 2 ranks (5 each)

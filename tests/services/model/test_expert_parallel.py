@@ -1,4 +1,4 @@
-"""Expert parallelism (services/model/expert_parallel.py): the experts over 2 real processes
+"""Expert parallelism (services/model/experts/expert_parallel.py): the experts over 2 real processes
 (rank 1 started by expert_rank.start, as a worker starts it) answer as one process token for
 token and logprob for logprob, greedy and seeded, in every MoE family and every dtype this
 CPU computes in; and the balancer moves experts under a skewed load while sequences run,
@@ -12,8 +12,8 @@ import torch
 from bench.expert_parallel import skewed_prompts
 from services.engine.engine import Engine, EngineConfig
 from services.engine.params import SamplingParams
-from services.model.expert_parallel import Balance
-from services.model.expert_rank import Spec, start
+from services.model.experts.expert_parallel import Balance
+from services.model.experts.expert_rank import Spec, start
 from services.model.loader import load_model
 from tests.support.dtypes import COMPUTE_DTYPES
 

@@ -12,10 +12,13 @@ import torch
 
 from services.engine.engine import Engine, EngineConfig
 from services.engine.params import SamplingParams
+from services.model import families
 from services.model.batch import ForwardBatch, SeqChunk
 from services.model.errors import ModelLoadError
-from services.model.hf_config import read_config
+from services.model.families.deepseek.config import MlaShape
+from services.model.families.deepseek_v4.config import V4Shape
 from services.model.loader import load_model
+from services.model.loading.hf_config import read_config
 from tests.support.dtypes import COMPUTE_DTYPES
 from tests.support.tiny_models import ARCHITECTURE, FAMILIES, VOCAB, save_tiny
 
@@ -49,14 +52,15 @@ def test_config_reads_the_family(checkpoint):
     name, path, reference = checkpoint
     cfg = read_config(path)
     assert cfg.architecture == ARCHITECTURE.get(name, name)
-    assert (cfg.mla is not None) == (name in ("deepseek_v2", "deepseek_v3", "deepseek_v3_dense"))
-    assert (cfg.v4 is not None) == (name == "deepseek_v4")
+    latent = name in ("deepseek_v2", "deepseek_v3", "deepseek_v3_dense")
+    assert isinstance(cfg.shape, MlaShape) == latent
+    assert isinstance(cfg.shape, V4Shape) == (name == "deepseek_v4")
     moe_layers = {"deepseek_v3": (1, 2), "deepseek_v3_dense": (), "deepseek_v2": (1, 2),
                   "mixtral": (0, 1, 2), "qwen2_moe": (0, 2), "qwen3_moe": (0, 1, 2),
                   "deepseek_v4": (0, 1, 2, 3), "gpt_oss": (0, 1, 2)}  # fmt: skip
     assert (cfg.moe.layers if cfg.moe else ()) == moe_layers.get(name, ())
     buffers = ("e_score_correction_bias", "tid2eid")  # checkpoint tensors, not parameters
-    assert cfg.num_parameters == sum(p.numel() for p in reference.parameters()) + sum(
+    assert families.num_parameters(cfg) == sum(p.numel() for p in reference.parameters()) + sum(
         b.numel() for n, b in reference.named_buffers() if n.endswith(buffers)
     )
 

@@ -13,8 +13,8 @@ from safetensors.torch import load_file, save_file
 
 from services.model.batch import ForwardBatch, SeqChunk
 from services.model.errors import ModelLoadError
-from services.model.hf_config import read_config
 from services.model.loader import load_model
+from services.model.loading.hf_config import read_config
 from tests.support.tiny_models import VOCAB, save_tiny
 
 BLOCK = (16, 16)

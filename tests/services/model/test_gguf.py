@@ -9,9 +9,9 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from services.model import sources
-from services.model.gguf_file import read_gguf
+from services.model.families.llama.gguf import read_gguf
 from services.model.loader import load_model
+from services.model.loading import sources
 from tests.services.model.gguf_files import write_llama_gguf
 
 Q = gguf.GGMLQuantizationType

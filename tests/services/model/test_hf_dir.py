@@ -11,9 +11,9 @@ import transformers
 
 from services.engine.engine import Engine, EngineConfig
 from services.engine.params import SamplingParams
-from services.model.hf_config import read_config
-from services.model.hf_dir import safetensors_files
 from services.model.loader import load_model
+from services.model.loading.hf_config import read_config
+from services.model.loading.hf_dir import safetensors_files
 
 TINY = dict(
     vocab_size=49152,  # the embedded tokenizer's, so its files can be reused

@@ -7,8 +7,8 @@ import torch
 
 from services.model import kernels
 from services.model.config import ModelConfig
-from services.model.layer_ops import CpuLayerOps, TorchLayerOps, default_layer_ops, rms_norm
-from services.model.rope import Rotary
+from services.model.layers.layer_ops import CpuLayerOps, TorchLayerOps, default_layer_ops, rms_norm
+from services.model.layers.rope import Rotary
 
 LIBRARY = kernels.load("layer_ops")
 needs_kernel = pytest.mark.skipif(LIBRARY is None, reason="no C compiler here")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from services.model import kernels
-from services.model.linear import (
+from services.model.layers.linear import (
     AmxLinear,
     DenseLinear,
     PackedLinear,

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from services.model.config import ModelConfig, MoeShape
-from services.model.layer_ops import default_layer_ops
-from services.model.linear import make_linear, packed_linear_available
-from services.model.moe import DenseMlp, Moe
-from services.model.rope import Rotary
+from services.model.layers.layer_ops import default_layer_ops
+from services.model.layers.linear import make_linear, packed_linear_available
+from services.model.layers.moe import DenseMlp, Moe
+from services.model.layers.rope import Rotary
 
 HIDDEN, FF, EXPERTS = 64, 32, 8
 ROUTERS = {

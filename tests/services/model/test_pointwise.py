@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.model import kernels, pointwise
+from services.model import kernels
+from services.model.layers import pointwise
 
 pytestmark = pytest.mark.skipif(
     kernels.load("pointwise") is None, reason="no C compiler: torch's functions stand in"

@@ -1,4 +1,4 @@
-"""`--quantization int8` (services/model/quantize.py): exact integer products, rows independent
+"""`--quantization int8` (loading/quantize.py): exact integer products, rows independent
 of their batch, the C kernels equal to the torch reference bit for bit, and a quantized model
 that stays close to the unquantized one and keeps the engine's guarantees in every dtype."""
 
@@ -12,9 +12,9 @@ import torch
 from bench.quantization import held_out_text, perplexity
 from services.engine.engine import Engine, EngineConfig
 from services.engine.params import SamplingParams
-from services.model import quantize
 from services.model.loader import load_model
-from services.model.quantize import Int8Linear, int8_kernels, quantize_rows
+from services.model.loading import quantize
+from services.model.loading.quantize import Int8Linear, int8_kernels, quantize_rows
 from tests.support.dtypes import COMPUTE_DTYPES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

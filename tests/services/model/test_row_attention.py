@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.model import row_attention
-from services.model.row_attention import attend_row, attend_rows
+from services.model.layers import row_attention
+from services.model.layers.row_attention import attend_row, attend_rows
 from tests.support.dtypes import COMPUTE_DTYPES
 
 pytestmark = pytest.mark.skipif(

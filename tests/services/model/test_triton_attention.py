@@ -1,4 +1,4 @@
-"""The Triton paged attention (services/model/gpu/attention.py) against the torch reference:
+"""The Triton paged attention (services/model/kernels/gpu/attention.py) against the torch reference:
 the KV write byte for byte, decode split along long contexts, prefill chunks over cached
 blocks, mixed batches, GQA groups 1, 3 and 8, head dims 64 and 128, both cache layouts.
 
@@ -15,10 +15,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.model import gpu, kv_cache
-from services.model.attention import TorchAttention
+from services.model import kv_cache
 from services.model.batch import ForwardBatch, SeqChunk
-from services.model.gpu.attention import SPLIT_BLOCKS, TritonAttention, decode, write_kv
+from services.model.kernels import gpu
+from services.model.kernels.gpu.attention import SPLIT_BLOCKS, TritonAttention, decode, write_kv
+from services.model.layers.attention import TorchAttention
 from tests.support.devices import test_device
 
 DEVICE = test_device()

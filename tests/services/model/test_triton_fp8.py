@@ -1,4 +1,4 @@
-"""FP8 weights kept FP8 on the Triton path (services/model/gpu/fp8.py): the kernel against the
+"""FP8 weights kept FP8 on the Triton path (kernels/gpu/fp8.py): the kernel against the
 dequantized weight, and a whole FP8 checkpoint loaded with `--kernels triton`, on
 PDSERVE_TEST_DEVICE: interpreted on the CPU, compiled on a GPU."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.model import gpu  # first: the interpreter is chosen before triton is imported
+from services.model.kernels import gpu  # first: the interpreter is chosen before triton is imported
 from services.model.batch import ForwardBatch, SeqChunk
-from services.model.gpu import fp8
+from services.model.kernels.gpu import fp8
 from services.model.loader import load_model
 from tests.services.model.test_fp8 import checkpoints, logits, quantize  # noqa: F401 (fixture)
 from tests.support.devices import test_device

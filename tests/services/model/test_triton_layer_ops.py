@@ -1,4 +1,4 @@
-"""The Triton element-wise kernels (services/model/gpu/layer_ops.py) against the torch reference,
+"""The Triton element-wise kernels (kernels/gpu/layer_ops.py) against the torch reference,
 on PDSERVE_TEST_DEVICE: interpreted on the CPU, compiled on a GPU."""
 
 from __future__ import annotations
@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.model import gpu
 from services.model.config import ModelConfig
-from services.model.gpu.layer_ops import TritonLayerOps
-from services.model.layer_ops import TorchLayerOps
-from services.model.rope import Rotary
+from services.model.kernels import gpu
+from services.model.kernels.gpu.layer_ops import TritonLayerOps
+from services.model.layers.layer_ops import TorchLayerOps
+from services.model.layers.rope import Rotary
 from tests.support.devices import test_device
 
 DEVICE = test_device()

@@ -1,5 +1,5 @@
-"""The Triton latent attention (services/model/gpu/mla.py) against the torch reference: a batch
-of a prefill chunk over cached blocks, a whole prompt and decode rows, both cache layouts. On
+"""The Triton latent attention (families/deepseek/triton_mla.py) against the torch reference: a
+batch of a prefill chunk over cached blocks, a whole prompt and decode rows, both cache layouts. On
 this CPU the kernel runs in Triton's interpreter (small sizes: it is slow there)."""
 
 from __future__ import annotations
@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.model import gpu
+from services.model.families.deepseek.mla import MlaAttention
+from services.model.kernels import gpu
 from services.model.kv_cache import KVCache
-from services.model.layer_ops import TorchLayerOps
-from services.model.mla import MlaAttention
-from services.model.rope import Rotary
+from services.model.layers.layer_ops import TorchLayerOps
+from services.model.layers.rope import Rotary
 from tests.services.model.test_mla import CONFIG, layer_weights, run, seq_chunk
 from tests.support.devices import test_device
 
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
 def test_triton_mla_equals_the_torch_reference(dtype, tol):
-    from services.model.gpu.mla import TritonMlaAttention
+    from services.model.families.deepseek.triton_mla import TritonMlaAttention
 
     ops = TorchLayerOps(CONFIG, Rotary(CONFIG, dtype, DEVICE))
     layer = layer_weights(dtype, device=str(DEVICE))

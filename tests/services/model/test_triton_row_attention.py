@@ -1,4 +1,4 @@
-"""The Triton row attention (services/model/gpu/row_attention.py) against the torch reference
+"""The Triton row attention (kernels/gpu/row_attention.py) against the torch reference
 (row_attention.attend_row): rows with windows, scattered entries and sinks, grouped heads, in
 float32 and bfloat16. On this CPU the kernel runs in Triton's interpreter (small sizes)."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.model import gpu
-from services.model.row_attention import attend_row
+from services.model.kernels import gpu
+from services.model.layers.row_attention import attend_row
 from tests.support.devices import test_device
 
 DEVICE = test_device()
@@ -24,7 +24,7 @@ LISTS = [[0, 1, 2], list(range(5, 40)), [1, 7, 30], [0], list(range(10, 27))]
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 2, 16), (2, 1, 24)])
 @pytest.mark.parametrize("sinks", [False, True])
 def test_triton_row_attention_equals_the_torch_reference(dtype, tol, heads, kv_heads, dim, sinks):
-    from services.model.gpu.row_attention import attend_rows
+    from services.model.kernels.gpu.row_attention import attend_rows
 
     g = torch.Generator().manual_seed(heads + dim)
     q = torch.randn(len(LISTS), heads, dim, generator=g).to(dtype)

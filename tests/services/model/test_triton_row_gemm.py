@@ -1,4 +1,4 @@
-"""The row-invariant product (services/model/gpu/row_gemm.py): a row's bits are the same at
+"""The row-invariant product (services/model/kernels/gpu/row_gemm.py): a row's bits are the same at
 1, 7, 64 and 300 rows and wherever the row sits among them, float32 and bfloat16, with and
 without a bias; and the product is x @ W^T (float32: within 2e-6 relative of float64's;
 bfloat16: one rounding of the float32 sum). On this CPU under Triton's interpreter;
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from services.model import gpu
-from services.model.gpu.row_gemm import RowInvariantLinear, row_matmul
+from services.model.kernels import gpu
+from services.model.kernels.gpu.row_gemm import RowInvariantLinear, row_matmul
 from tests.support.devices import test_device
 
 DEVICE = test_device()

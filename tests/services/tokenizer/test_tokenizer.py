@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import transformers
 
-from services.model import sources
+from services.model.loading import sources
 from services.tokenizer.chat import ChatTemplate, ChatTemplateError
 from services.tokenizer.tokenizer import Tokenizer
 

@@ -1,0 +1,174 @@
+"""Mixture-of-experts MLPs: the router, routed experts computed grouped, shared experts.
+
+One layer serves Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek-V2/V3; config.MoeShape says how
+each routes. The routed experts run grouped: the (token, choice) pairs are sorted by expert and
+each active expert runs one product over its contiguous rows, never a loop over tokens.
+
+Batch invariance: a token's output depends on its own row only. Each expert's products give a
+row the same bits at any row count (linear.py's prepacked products, as the dense layers), and
+a token sums its experts' outputs in its own choice order, in float32, whoever else chose them.
+The same holds across processes: with expert parallelism (expert_parallel.py) a row goes to
+whichever slot holds a copy of its expert, on whichever rank, and comes back with the bits it
+would have had here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from services.model.config import MoeShape
+from services.model.layers.layer_ops import LayerOps
+from services.model.layers.linear import Linear
+
+
+@dataclass(frozen=True)
+class DenseMlp:
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused."""
+
+    gate_up: Linear  # hidden -> 2 ff
+    down: Linear  # ff -> hidden
+
+    def __call__(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
+        return self.down(ops.silu_mul(self.gate_up(x)))
+
+
+class Dispatch(Protocol):
+    """Where a layer's routed rows are computed when its experts are spread over processes
+    (expert_parallel.ExpertGroup)."""
+
+    def compute(
+        self, moe: Moe, x: torch.Tensor, experts: torch.Tensor, ops: LayerOps
+    ) -> torch.Tensor:
+        """Each choice's expert output [T * k, hidden]: choice i is row x[i // k] through
+        expert experts[i]."""
+        ...
+
+
+class Moe:
+    def __init__(
+        self,
+        shape: MoeShape,
+        gate: Linear,  # hidden -> experts, in `router_dtype`
+        router_dtype: torch.dtype,
+        correction_bias: torch.Tensor | None,  # [experts] (noaux_tc)
+        experts: list[DenseMlp],
+        shared: DenseMlp | None,
+        shared_gate: Linear | None,  # hidden -> 1 (Qwen2-MoE)
+        build: Callable[[int], DenseMlp] | None = None,  # expert e, read from the checkpoint
+    ) -> None:
+        self.shape = shape
+        self.gate = gate  # prepacked like every product: a row's logits never depend on the batch
+        self.router_dtype = router_dtype
+        self.correction_bias = None if correction_bias is None else correction_bias.float()
+        self.experts = experts  # by expert id; empty once the layer holds slots (`hold`)
+        self.build = build
+        self.slot_experts: list[int] = []  # with expert parallelism: this process's slots'
+        self.slots: list[DenseMlp] = []  # experts, and each slot's copy
+        self.dispatch: Dispatch | None = None  # where rows go (on the rank that routes)
+        self.shared = shared
+        self.shared_gate = shared_gate
+        # tokens routed to each expert since start (metrics; the balancer's input)
+        self.counts = torch.zeros(shape.num_experts, dtype=torch.int64)
+
+    def __call__(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]."""
+        weights, ids = self.route(x, ops)  # [T, k] float32, [T, k]
+        out = self.routed(x, weights, ids, ops)
+        if self.shared is not None:
+            shared = self.shared(x, ops)
+            if self.shared_gate is not None:
+                shared = torch.sigmoid(self.shared_gate(x)) * shared
+            out = out + shared
+        return out
+
+    def route(self, x: torch.Tensor, ops: LayerOps) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's chosen experts [T, k] and their weights [T, k] (float32)."""
+        s = self.shape
+        logits = self.gate(x.to(self.router_dtype)).float()  # [T, experts]
+        scores = ops.router_scores(logits, sigmoid=s.scoring == "sigmoid")
+        choice = scores if self.correction_bias is None else scores + self.correction_bias
+        if s.topk_method in ("group_limited_greedy", "noaux_tc") and s.n_group > 1:
+            choice = self._best_groups(choice)
+        ids = choice.topk(s.top_k, dim=-1).indices
+        weights = scores.gather(1, ids)
+        if s.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * s.routed_scaling_factor, ids
+
+    def _best_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """`choice` with the experts outside each token's topk_group best groups masked out.
+        A group ranks by its best expert (V2) or the sum of its best two (V3's noaux_tc)."""
+        s = self.shape
+        grouped = choice.view(choice.shape[0], s.n_group, -1)  # [T, groups, per group]
+        if s.topk_method == "noaux_tc":
+            rank = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        else:
+            rank = grouped.amax(dim=-1)
+        best = rank.topk(s.topk_group, dim=-1).indices  # [T, topk_group]
+        keep = torch.zeros_like(rank, dtype=torch.bool).scatter_(1, best, True)
+        fill = 0.0 if s.topk_method == "group_limited_greedy" else float("-inf")
+        return grouped.masked_fill(~keep[..., None], fill).flatten(1)
+
+    def routed(
+        self,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        ids: torch.Tensor,
+        ops: LayerOps,
+    ) -> torch.Tensor:
+        """sum_j weights[t, j] * expert[ids[t, j]](x[t]), grouped by expert."""
+        tokens, k = ids.shape
+        flat = ids.flatten()  # [T * k]: choice j of token t at t * k + j
+        if self.counts.device != flat.device:  # kept where the routing runs: no sync a step
+            self.counts = self.counts.to(flat.device)
+        self.counts.index_add_(0, flat, torch.ones_like(flat))
+        if self.dispatch is not None:
+            per_choice = self.dispatch.compute(self, x, flat, ops)
+        else:
+            per_choice = run_grouped(x, k, flat, self.experts, ops)
+        summed = (per_choice.view(tokens, k, -1).float() * weights[..., None]).sum(dim=1)
+        return summed.to(x.dtype)
+
+    def hold(self, slot_experts: Sequence[int]) -> int:
+        """Keep a copy of expert slot_experts[i] in slot i, and no other expert (expert
+        parallelism: this process's share). Copies already held move between slots; the
+        others are built from the checkpoint. Returns how many were built."""
+        held = dict(zip(self.slot_experts, self.slots, strict=True)) or dict(
+            enumerate(self.experts)
+        )
+        built = [e for e in set(slot_experts) if e not in held]
+        if built:
+            assert self.build is not None, "this layer's experts cannot be rebuilt"
+            held |= {e: self.build(e) for e in built}
+        self.slot_experts = list(slot_experts)
+        self.slots = [held[e] for e in slot_experts]
+        self.experts = []
+        return len(built)
+
+
+def run_grouped(
+    x: torch.Tensor,
+    k: int,
+    keys: torch.Tensor,
+    modules: Sequence[Callable[[torch.Tensor, LayerOps], torch.Tensor]],
+    ops: LayerOps,
+) -> torch.Tensor:
+    """modules[keys[i]](x[i // k]) for every i [len(keys), hidden]: the rows of a key grouped
+    (in order) through one call of its module."""
+    order = keys.argsort(stable=True)  # the rows, grouped by key
+    counts = torch.bincount(keys, minlength=len(modules))
+    grouped = x.index_select(0, order // k)
+    outputs = torch.empty_like(grouped)
+    start = 0
+    for key, n in enumerate(counts.tolist()):
+        if n:
+            rows = slice(start, start + n)
+            outputs[rows] = modules[key](grouped[rows], ops)
+            start += n
+    out = torch.empty_like(outputs)
+    out[order] = outputs  # back in the keys' order
+    return out

@@ -1,0 +1,136 @@
+"""Read a Hugging Face checkpoint directory's weights: (sharded) safetensors (config.json:
+hf_config.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from services.model import families
+from services.model.config import ModelConfig
+from services.model.errors import ModelLoadError
+from services.model.loading.hf_config import mtp_layers
+from services.model.loading.weights import check_complete, check_shapes
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ModelLoadError(index, f"not a safetensors index: {e}") from e
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.is_file():
+                raise ModelLoadError(f, "listed in model.safetensors.index.json but missing")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(path, "no *.safetensors files in the model directory")
+    return files
+
+
+class Weights(dict[str, torch.Tensor]):
+    """A checkpoint's tensors by (canonical) name. Once the model is built, `release()` drops
+    them; a tensor asked for after that is read from its file again, and not kept (an expert
+    built for another slot while serving: expert_parallel.py)."""
+
+    def __init__(self, files: dict[str, tuple[Path, str]]) -> None:
+        super().__init__()
+        self.files = files  # name -> (its file, its name there)
+
+    def release(self) -> None:
+        self.clear()
+
+    def __missing__(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        file, stored = self.files[name]  # KeyError: not in the checkpoint
+        with safe_open(str(file), framework="pt") as f:
+            return f.get_tensor(stored)
+
+    def __contains__(self, name: object) -> bool:
+        return super().__contains__(name) or name in self.files
+
+    def get(  # type: ignore[override]
+        self, name: str, default: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        if name in self:  # (dict.get would not read a released tensor)
+            return self[name]
+        return default
+
+
+def read_weights(path: Path, config: ModelConfig) -> Weights:
+    """Every tensor the config calls for, as stored (dtype unchanged: an FP8 checkpoint's
+    weights stay e4m3 beside their block scales, `<name>_scale_inv`, checked here; the model
+    dequantizes them or keeps them, as its kernels can use them), shape-checked."""
+    from safetensors import safe_open
+
+    family = families.of(config)
+    wanted = set(family.expected_shapes(config))
+    if config.fp8_block is not None and family.own_scales is not None:
+        wanted |= {family.own_scales(name) for name in wanted}
+    elif config.fp8_block is not None:
+        wanted |= {name + SCALE for name in wanted if name.endswith(".weight")}
+    out = Weights({})
+    canonical = family.stored_name
+    for file in safetensors_files(path):
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                # e.g. rotary inv_freq buffers, a tied lm_head copy or MTP layers are skipped
+                names = {canonical(name): name for name in f.keys()}  # noqa: SIM118
+                tensors = {n: f.get_tensor(names[n]) for n in names if n in wanted}
+                out.files |= {n: (file, names[n]) for n in tensors}
+        except Exception as e:  # safetensors raises several types for a bad header
+            raise ModelLoadError(file, f"not a valid safetensors file: {e}") from e
+        check_shapes(file, config, {name: t.shape for name, t in tensors.items()})
+        out |= tensors
+    check_complete(path, config, out)
+    if config.fp8_block is not None and family.own_scales is None:  # else the family's
+        check_fp8_scales(path, out, config.fp8_block)
+    return out
+
+
+SCALE = "_scale_inv"  # a weight's FP8 block scales: `<name>.weight_scale_inv`
+
+
+def check_fp8_scales(path: Path, tensors: dict[str, torch.Tensor], block: tuple[int, int]) -> None:
+    """Each FP8 (e4m3) weight has its block scales [ceil(out / b0), ceil(in / b1)]."""
+    for name, t in tensors.items():
+        if t.dtype != torch.float8_e4m3fn:
+            continue
+        scale = tensors.get(name + SCALE)
+        rows, cols = t.shape
+        want = (-(-rows // block[0]), -(-cols // block[1]))
+        if scale is None or tuple(scale.shape) != want:
+            got = None if scale is None else tuple(scale.shape)
+            raise ModelLoadError(path, f"{name}{SCALE}: shape {got}, FP8 blocks need {want}")
+
+
+def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """An FP8 (e4m3) weight times its block scales, in float32."""
+    rows, cols = weight.shape
+    expanded = scale.float().repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+    return weight.float() * expanded[:rows, :cols]
+
+
+def check_mtp(path: Path, config: ModelConfig) -> None:
+    """ModelLoadError unless the checkpoint has an MTP layer its family serves: declared
+    (num_nextn_predict_layers) and stored (transformers declares one and saves none). Reads
+    the files' headers only."""
+    from safetensors import safe_open
+
+    family = families.of(config)
+    module = family.mtp_module()
+    if module is None or mtp_layers(path) < 1:
+        raise ModelLoadError(path, "--speculative mtp needs a DeepSeek-V3 or V4 checkpoint "
+                             "with num_nextn_predict_layers >= 1")  # fmt: skip
+    marker = module.mtp_marker(config)
+    for file in safetensors_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            if any(family.stored_name(stored) == marker for stored in f.keys()):  # noqa: SIM118
+                return
+    raise ModelLoadError(path, f"no MTP layer: {marker} is missing")
