@@ -32,8 +32,7 @@ import transformers
 from bench.deepseek import SHAPE, log
 from services.engine.engine import Engine, EngineConfig
 from services.engine.params import SamplingParams
-from services.model.families.deepseek.mtp import load_mtp
-from services.model.loader import LoadedModel, cpu_has_bf16_units, load_model
+from services.model.loader import LoadedModel, cpu_has_bf16_units, load_model, load_mtp
 from services.model.loading import hf_dir
 from services.model.loading.sources import EMBEDDED, cache_root, resolve
 from services.settings import SpeculativeConfig

@@ -30,7 +30,7 @@ here. Per 368,640-byte block (a bf16 SmolLM2 block), best of 5x300 on this machi
 EPYC with SHA-NI, Python 3.11, OpenSSL 3.0): xxh3-64 5.8 us, HMAC-SHA256 208 us (1.8 GB/s),
 keyed BLAKE2b-256 399 us, keyed BLAKE2s 698 us. So a keyed block costs ~0.2 ms more to encode
 and to check: ~26 ms per 2,000-token prompt on each side, against ~1.3 s to compute 512
-tokens. (The measurement: README.md, "Security".)
+tokens. (The measurement: docs/configuration.md, "The KV store: integrity and access".)
 """
 
 from __future__ import annotations

@@ -101,6 +101,7 @@ def test_every_family_is_found_by_its_architectures_and_model_types():
         for architecture, model_type in family.architectures.items():
             assert family.name and model_type in families.MODEL_TYPES
             assert architecture in families.ARCHITECTURES
-        assert FAMILY_PLACE / family.name in {*FAMILY_PLACE.iterdir()} or (
-            FAMILY_PLACE / f"{family.name}.py"
-        ).is_file()
+        assert (
+            FAMILY_PLACE / family.name in {*FAMILY_PLACE.iterdir()}
+            or (FAMILY_PLACE / f"{family.name}.py").is_file()
+        )

@@ -21,8 +21,7 @@ from bench.gpu_check.parity import first_divergence, hf_generate
 from bench.offline import log
 from services.engine.engine import Engine, EngineConfig
 from services.engine.params import SamplingParams
-from services.model.families.deepseek.mtp import load_mtp
-from services.model.loader import load_model
+from services.model.loader import load_model, load_mtp
 from services.model.loading.sources import EMBEDDED, resolve
 from services.settings import SpeculativeConfig
 

@@ -41,7 +41,7 @@ def engine_decode(
     for _ in range(sizes.warm_steps):
         engine.step()
     assert len(engine.scheduler.running) == batch, "not every sequence is decoding"
-    replays = engine.graphs.replays if engine.graphs else 0
+    replays = engine.runner.graphs.replays if engine.runner.graphs else 0
     engine.times = StepTimes()
     if keep is not None:
         keep.append(engine)
@@ -51,7 +51,7 @@ def engine_decode(
         engine.step()
     check.sync()
     seconds = time.perf_counter() - start
-    replayed = engine.graphs.replays - replays if engine.graphs else None
+    replayed = engine.runner.graphs.replays - replays if engine.runner.graphs else None
     return Decode(batch * sizes.decode_steps / seconds, replayed)
 
 
@@ -110,7 +110,7 @@ def run(check: Check, numbers: dict[str, Any]) -> bool:
     rows: list[dict[str, Any]] = []
     numbers |= {"dtype": dtype, "decode": rows}
     for b in sizes.decode_batches:
-        for overlap in ("off", "on"):  # async scheduling (services/engine/overlap.py)
+        for overlap in ("off", "on"):  # async scheduling (services/engine/inflight.py)
             log(f"  the engine: decode at batch {b}, async scheduling {overlap}")
             rows.append(engine_row(check, loaded, "auto", b, async_scheduling=overlap))
     if check.device.type == "cuda":

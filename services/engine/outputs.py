@@ -34,6 +34,14 @@ class StepTimes:
     sample: float = 0.0  # sampling and applying the tokens (stop checks, detokenization)
     overlapped: float = 0.0  # of forward: applying the last step's tokens (async scheduling)
 
+    def add(self, schedule: float, forward: float, sample: float, overlapped: float) -> None:
+        """One step's seconds."""
+        self.steps += 1
+        self.schedule += schedule
+        self.forward += forward
+        self.sample += sample
+        self.overlapped += overlapped
+
     @property
     def overhead_share(self) -> float:
         total = self.schedule + self.forward + self.sample

@@ -63,7 +63,6 @@ class Drafts(Protocol):
 @dataclass
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -77,10 +76,12 @@ class Scheduler:
         blocks: BlockManager,
         admit: Callable[[Sequence], int] | None = None,
         drafts: Drafts | None = None,
+        hold: Callable[[Sequence], bool] | None = None,
     ) -> None:
         """`admit` gives a sequence that holds no blocks its already-computed prefix (and
         returns its length); by default the prefix cache's. `drafts`: speculative decoding
-        (none by default)."""
+        (none by default). `hold`: sequences not to schedule now (those whose tokens in
+        flight end them: services/engine/inflight.py)."""
         self.config = config
         self.blocks = blocks
         self.admit = admit or blocks.admit
@@ -89,8 +90,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in order of arrival
         self.num_preemptions = 0
-        # sequences not to schedule now (async scheduling's: services/engine/overlap.py)
-        self.hold: Callable[[Sequence], bool] = lambda seq: False
+        self.hold = hold or (lambda seq: False)
 
     @property
     def has_work(self) -> bool:
@@ -129,7 +129,7 @@ class Scheduler:
                 i += 1
                 continue
             n = self._chunk(seq, budget)
-            if not self._make_room(seq, n, out):
+            if not self._make_room(seq, n):
                 continue  # seq itself was preempted; running[i] is now the next one
             budget -= self._schedule(seq, n, out, budget - n, len(self.running) - i - 1)
             i += 1
@@ -189,21 +189,20 @@ class Scheduler:
             self._reserved.append((len(out.chunks) - 1, slots))
         return n + slots
 
-    def _make_room(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
+    def _make_room(self, seq: Sequence, n: int) -> bool:
         """Preempt the newest running sequences until seq's chunk fits; False if seq itself
         had to go. Victims come from the tail of `running`, past seq, so none of them has a
         chunk in this step yet."""
         while self.blocks.blocks_needed(seq, n) > self.blocks.num_free:
             victim = self.running.pop()
-            self._preempt(victim, out)
+            self._preempt(victim)
             if victim is seq:
                 return False
         return True
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def _preempt(self, seq: Sequence) -> None:
         self.blocks.release(seq)
         seq.status = Status.PREEMPTED
         seq.times_preempted += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
-        out.preempted.append(seq)

@@ -1,5 +1,5 @@
 """The device the kernel tests run on: PDSERVE_TEST_DEVICE, "cpu" unless set. On a CPU the
-Triton kernels run in Triton's interpreter (services/model/kernels/gpu sets it up); a GPU machine runs
+Triton kernels run in Triton's interpreter (model/kernels/gpu sets it up); a GPU machine runs
 the same tests compiled with PDSERVE_TEST_DEVICE=cuda."""
 
 from __future__ import annotations

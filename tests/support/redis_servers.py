@@ -106,7 +106,8 @@ class TLSFiles:
 @dataclass(frozen=True)
 class ACLUser:
     """An ACL user: `rules` as redis-server's --user takes them (key patterns, commands); by
-    default what a worker needs and no more (README: pdserve's keys, GET SET EXISTS DEL)."""
+    default what a worker needs and no more (docs/configuration.md: pdserve's keys, GET SET
+    EXISTS DEL)."""
 
     name: str
     password: str

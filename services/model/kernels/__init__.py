@@ -22,6 +22,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+from services.model.kernels import gpu  # noqa: F401  (see below)
+
+# The Triton kernels (gpu/) run in Triton's interpreter on a CPU: gpu/__init__.py chooses it,
+# and must before anything imports triton (which wraps its own library's functions then, as
+# interpreted or compiled). Everything that computes imports this package first.
 log = logging.getLogger("pdserve.kernels")
 
 HERE = Path(__file__).parent

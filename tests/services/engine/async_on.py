@@ -1,4 +1,4 @@
-"""The engine's suites again with async scheduling on (services/engine/overlap.py): a
+"""The engine's suites again with async scheduling on (services/engine/inflight.py): a
 test_async_<suite>.py module imports its suite's tests and this fixture, and every engine its
 tests make steps asynchronously (module scope: before the suite's own module fixtures)."""
 

@@ -6,4 +6,4 @@ from tests.services.engine.test_engine import *  # noqa: F403
 
 def test_the_engines_here_step_asynchronously(embedded):
     eng = Engine(embedded.model, embedded.tokenizer, EngineConfig())  # noqa: F405
-    assert eng.overlap is not None
+    assert eng.flight.overlap

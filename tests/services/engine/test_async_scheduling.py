@@ -1,4 +1,4 @@
-"""Async scheduling (services/engine/overlap.py) gives the synchronous engine's results exactly:
+"""Async scheduling (services/engine/inflight.py) gives the synchronous engine's results exactly:
 tokens, logprobs, text and finish reasons, greedy and seeded, for every model family and in
 every dtype `--dtype auto` picks here; with stops that end a sequence one step early (the
 token it drew in the step already scheduled is dropped), n choices, penalties, chunked
@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from services.engine.engine import Engine, EngineConfig
+from services.engine.inflight import async_scheduling
 from services.engine.outputs import RequestOutput
-from services.engine.overlap import PLACEHOLDER, async_scheduling
 from services.engine.request import EngineRequest
+from services.engine.runner import PLACEHOLDER
 from services.model.loader import LoadedModel
 from tests.services.engine import test_determinism as suite
 
@@ -61,7 +62,7 @@ def test_async_steps_give_the_synchronous_results(model, blocks, budget, chunk):
     sync = engine(model, "off", blocks, **config)
     expected = outcome(sync.generate(prompts, MIX))
     overlapped = engine(model, "on", blocks, **config)
-    assert overlapped.overlap is not None
+    assert overlapped.flight.overlap
     assert outcome(overlapped.generate(prompts, MIX)) == expected
     assert overlapped.times.overlapped > 0  # the host applied tokens while a pass ran
     if blocks == 14:
@@ -105,8 +106,8 @@ def test_an_abort_while_a_token_is_on_the_device_leaves_the_others_exact(model):
     delivered = 0
     for _ in range(4):
         delivered += sum(len(d.token_ids) for d in eng.step() if d.request_id == "r1")
-    assert eng.overlap is not None and eng.overlap.pending is not None
-    assert aborted in eng.overlap.pending.seqs
+    assert eng.flight.overlap and eng.flight.sampled is not None
+    assert aborted in eng.flight.sampled.seqs
     (delta,) = eng.abort("r1")
     assert delta.num_output_tokens == delivered  # not the one still on the device
     assert PLACEHOLDER not in aborted.token_ids

@@ -1,8 +1,8 @@
-"""Async scheduling with speculative decoding (services/engine/overlap.py's SpecOverlap) gives
-the synchronous engine's results exactly, with the same proposals verified: n-gram and suffix
-lookup, a draft model (seeded sampling verified by rejection sampling) and DeepSeek V3's and
-V4's MTP layers, each in every dtype `--dtype auto` may pick here; stop strings found with the
-text, after the tokens past them were placed, end the sequence where they fall.
+"""Async scheduling with speculative decoding (services/engine/inflight.py: tokens placed
+early) gives the synchronous engine's results exactly, with the same proposals verified: n-gram
+and suffix lookup, a draft model (seeded sampling verified by rejection sampling) and DeepSeek
+V3's and V4's MTP layers, each in every dtype `--dtype auto` may pick here; stop strings found
+with the text, after the tokens past them were placed, end the sequence where they fall.
 test_speculative.py's suite runs again with it on in test_async_speculative.py."""
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import pytest
 
 from services.engine.engine import Engine, EngineConfig
 from services.engine.outputs import RequestOutput
-from services.engine.overlap import SpecOverlap
 from services.engine.params import SamplingParams
 from services.model.loader import load_model, load_mtp
 from services.settings import SpeculativeConfig
@@ -47,7 +46,7 @@ def both(make, prompts, params) -> tuple[Engine, Engine]:
     the outcomes and what speculation verified are asserted equal."""
     sync, overlapped = make("off"), make("on")
     expected = outcome(sync.generate(prompts, params))
-    assert isinstance(overlapped.overlap, SpecOverlap)
+    assert overlapped.flight.overlap and overlapped.flight.early
     assert outcome(overlapped.generate(prompts, params)) == expected
     assert sync.speculator is not None and overlapped.speculator is not None
     assert overlapped.speculator.stats == sync.speculator.stats
@@ -70,8 +69,8 @@ def test_lookup_proposals_verified_ahead_give_the_synchronous_results(model, met
     prompts = suite.grounded(model, 12)
     params = [MIX[i % len(MIX)] for i in range(len(prompts))]
     _, overlapped = both(make, prompts, params)
-    assert isinstance(overlapped.overlap, SpecOverlap)
-    assert overlapped.overlap.taken_back > 0  # a stop string fell inside an accepted run
+    assert overlapped.flight.overlap and overlapped.flight.early
+    assert overlapped.flight.taken_back > 0  # a stop string fell inside an accepted run
 
 
 @pytest.mark.parametrize("dtype", COMPUTE_DTYPES)

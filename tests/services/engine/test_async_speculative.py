@@ -1,11 +1,10 @@
 """test_speculative.py's tests, every engine stepping asynchronously (async_on.py): n-gram and
 suffix proposals verified before each step, their text applied while it computes
-(services/engine/overlap.py's SpecOverlap), give the outputs of the engine without them. In
+(services/engine/inflight.py: tokens placed early), give the outputs of the engine without them. In
 float32 here; test_async_speculation.py compares with the synchronous engine in every dtype."""
 
 import pytest
 
-from services.engine.overlap import SpecOverlap
 from tests.services.engine.async_on import async_steps  # noqa: F401
 from tests.services.engine.test_speculative import *  # noqa: F403
 
@@ -17,4 +16,4 @@ def model(embedded):
 
 def test_the_speculating_engines_here_step_asynchronously(embedded):
     eng = engine(embedded, NGRAM)  # noqa: F405
-    assert isinstance(eng.overlap, SpecOverlap)
+    assert eng.flight.overlap and eng.flight.early

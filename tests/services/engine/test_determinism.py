@@ -92,7 +92,7 @@ def cached_kv(eng: Engine, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     hashes = block_hashes(ids, eng.config.block_size, eng.blocks.namespace)
     found = eng.blocks.lookup(hashes)
     assert len(found) == len(hashes), "a block of the sequence is not in the cache"
-    return gather_blocks(eng.kv, found)
+    return gather_blocks(eng.runner.kv, found)
 
 
 def assert_same_kv(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor]):

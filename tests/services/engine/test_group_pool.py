@@ -12,10 +12,10 @@ from kvstore.block_hash import block_hashes
 from prefill.connector import PrefillConnector
 from services.engine.block_manager import BlockManager, NoFreeBlocks
 from services.engine.engine import Engine
+from services.engine.group_pool import GroupPool
 from services.engine.kv_connector import ImportedKV, TensorKV
 from services.engine.params import SamplingParams
 from services.engine.request import EngineRequest, Sequence
-from services.engine.group_pool import GroupPool
 from services.model.loader import load_model
 from services.settings import EngineConfig
 from tests.services.engine.test_kv_connector import InMemory
@@ -170,10 +170,10 @@ def test_a_small_window_pool_gives_the_tokens_of_one_window_block_per_block(
         return engine, tokens, hits
 
     whole, expected, whole_hits = run(num_blocks=256)
-    assert [g.num_blocks for g in whole.kv.mapped] == [256]  # one a block: every part kept
+    assert [g.num_blocks for g in whole.runner.kv.mapped] == [256]  # one a block: every part kept
     assert whole_hits == [0, 0, 8, 7]
     small, got, small_hits = run(num_blocks=24, max_num_seqs=4, max_num_batched_tokens=64)
-    (group,) = small.kv.mapped
+    (group,) = small.runner.kv.mapped
     keep = -(-(group.group.keep or 0) // 16)
     assert group.num_blocks == 4 * (keep + 3) + 4 == 20
     assert got == expected
@@ -185,7 +185,7 @@ def test_the_kv_budget_goes_to_blocks_past_the_window_pool(v4_dir):
     loaded = load_model(str(v4_dir), dtype="float32", device="cpu")
     config = EngineConfig(kv_cache_gb=0.05, max_num_seqs=4, max_num_batched_tokens=64)
     engine = Engine(loaded.model, loaded.tokenizer, config)
-    kv = engine.kv
+    kv = engine.runner.kv
     (window,) = kv.mapped
     assert window.num_blocks == 4 * (1 + 3) + 4
     used = kv.num_blocks * kv.bytes_per_block + window.num_blocks * window.bytes_per_block
@@ -211,14 +211,14 @@ def test_prefill_to_decode_with_window_blocks_and_write_back(v4_dir):
     expected = engine(None, num_blocks=256).generate([ids], params)[0].choices[0].token_ids
     saved = InMemory()
     prefill = engine(saved)
-    assert [g.num_blocks for g in prefill.kv.mapped] == [5]
+    assert [g.num_blocks for g in prefill.runner.kv.mapped] == [5]
     full = block_hashes(ids, 16, prefill.blocks.namespace)
     partial = block_hashes(ids, 16, prefill.blocks.namespace, include_partial=True)[-1]
     prefill.add_request(EngineRequest("r", ids, params, block_hashes=full),
                         PrefillConnector(full, partial, None))  # fmt: skip
     first = [t for d in _drain(prefill) for t in d.token_ids]
     assert first == expected[:1] and sorted(saved.blocks) == [0, 1, 2, 3, 4]
-    (window,) = prefill.kv.mapped  # a block's K: its shares, then its window part
+    (window,) = prefill.runner.kv.mapped  # a block's K: its shares, then its window part
     w = window.group.k_width
     assert all(saved.blocks[i][2][..., -w:, :6].abs().sum(-2).min() > 0 for i in range(5))
 

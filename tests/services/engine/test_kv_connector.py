@@ -94,7 +94,7 @@ def test_an_import_missing_blocks_is_completed_by_recomputing(embedded):
     first_engine.generate([ids], SamplingParams(max_tokens=1))  # blocks 0-2 now cached there
     full = block_hashes(ids, 16, first_engine.blocks.namespace)
     kept = first_engine.blocks.lookup(full)
-    k, v = gather_blocks(first_engine.kv, kept[:1])  # only block 0 "survived" in the store
+    k, v = gather_blocks(first_engine.runner.kv, kept[:1])  # only block 0 "survived" in the store
     decode = engine(embedded, InMemory())
     kv = ImportedKV(full[:1], TensorKV(k, v), 16)
     decode.add_request(
@@ -114,7 +114,7 @@ def _import_with_first_two_blocks_unfetched(embedded, ids):
     source = engine(embedded)
     source.generate([ids], SamplingParams(max_tokens=1))
     hashes = block_hashes(ids, 16, source.blocks.namespace)[:4]
-    k, v = gather_blocks(source.kv, source.blocks.lookup(hashes))
+    k, v = gather_blocks(source.runner.kv, source.blocks.lookup(hashes))
     k[:2], v[:2] = float("nan"), float("nan")
     return ImportedKV(hashes, TensorKV(k, v), 16, skipped=2)
 

@@ -28,8 +28,8 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
 
 from services.model.batch import ForwardBatch, SeqChunk
 from services.model.errors import ModelLoadError
-from services.model.families.deepseek_v4.mtp import V4Mtp
 from services.model.families.deepseek_v4 import quant as v4_quant
+from services.model.families.deepseek_v4.mtp import V4Mtp
 from services.model.loader import load_model, load_mtp
 from tests.support.tiny_models import save_tiny_v4_mtp
 

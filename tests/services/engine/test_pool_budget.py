@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from services.engine.engine import Engine, EngineConfig
-from services.engine.pool_budget import CPU_POOL_BYTES, GRAPH_BYTES, kv_budget, step_bytes
 from services.engine.group_pool import pool_sizes
+from services.engine.pool_budget import CPU_POOL_BYTES, GRAPH_BYTES, kv_budget, step_bytes
 from services.settings.sections import GIB, SettingsError
 
 CUDA = torch.device("cuda")

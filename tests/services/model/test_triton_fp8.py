@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.model.kernels import gpu  # first: the interpreter is chosen before triton is imported
 from services.model.batch import ForwardBatch, SeqChunk
+from services.model.kernels import gpu  # first: the interpreter is chosen before triton is imported
 from services.model.kernels.gpu import fp8
 from services.model.loader import load_model
 from tests.services.model.test_fp8 import checkpoints, logits, quantize  # noqa: F401 (fixture)

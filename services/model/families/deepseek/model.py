@@ -19,6 +19,7 @@ from services.model.families.deepseek.mla import (
     split_kv_b,
 )
 from services.model.families.llama.model import DecoderModel, LinearFn, WeightFn
+from services.model.kv_cache import KVCache
 from services.model.layers.layer_ops import LayerOps
 from services.model.layers.rope import Rotary
 
@@ -65,15 +66,10 @@ class DeepseekModel(DecoderModel):
         return self.mla.plan(batch), self.mla_rotary.tables(batch.positions)
 
     def _attention(
-        self,
-        layer: Any,
-        x: torch.Tensor,
-        at: object,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        plan: object,
+        self, i: int, layer: Any, x: torch.Tensor, at: object, kv: KVCache, plan: object
     ) -> torch.Tensor:
         assert isinstance(at, tuple)
+        k_cache, v_cache = kv.layer(i)
         return self.mla.forward(layer, x, at, k_cache, v_cache, plan)
 
 

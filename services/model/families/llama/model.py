@@ -234,8 +234,7 @@ class DecoderModel:
         h = self.embed.index_select(0, batch.token_ids) if embeds is None else embeds.clone()
         x = ops.add_rms_norm(h, None, self.layers[0].input_norm, c.rms_norm_eps)
         for i, layer in enumerate(self.layers):
-            k_cache, v_cache = kv.layer(i)
-            attended = self._attention(layer.attention, x, at, k_cache, v_cache, plan)
+            attended = self._attention(i, layer.attention, x, at, kv, plan)
             x = ops.add_rms_norm(h, attended, layer.post_norm, c.rms_norm_eps)
             mlp = layer.mlp(x, ops)
             last = i + 1 == len(self.layers)
@@ -250,14 +249,10 @@ class DecoderModel:
         return self.attention.plan(batch), self.ops.positions(batch.positions)
 
     def _attention(
-        self,
-        layer: Any,
-        x: torch.Tensor,
-        at: object,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        plan: object,
+        self, i: int, layer: Any, x: torch.Tensor, at: object, kv: KVCache, plan: object
     ) -> torch.Tensor:
+        """Layer i's attention over its rows x [T, hidden], its cache in `kv` ([T, hidden])."""
+        k_cache, v_cache = kv.layer(i)
         qkv = layer.qkv(x)
         if layer.q_norm is not None:
             qkv = self._qk_norm(qkv, layer)
