@@ -1,11 +1,13 @@
 """Checkpoints made by transformers, served by `pdserve up --no-colocated` over Redis: router ->
 prefill worker -> blocks in the store -> decode worker. Answers equal transformers' token for
 token, cold and with the prompt's blocks found in the store, for DeepSeek-V3 (latent attention,
-MoE layers), DeepSeek-V4 (issue 32: windows, CSA and HCA entries, hyper-connections, hash and
-top-k experts; a token's cache state in its rows, the window part released as it goes), gpt-oss
-(sliding and full layers, sinks) and Gemma 3 (local and global layers). The store holds blocks
-of each family's layout: DeepSeek-V3's latent (576 elements a token for its real shape, here the
-tiny model's 40), V4's rows, per-head K and V for the others."""
+MoE layers), DeepSeek-V3.2 (its lightning indexer's keys a cache group of their own, carried in
+every block beside the latents), DeepSeek-V4 (issue 32: windows, CSA and HCA entries,
+hyper-connections, hash and top-k experts; a token's cache state in its rows, the window part
+released as it goes), gpt-oss (sliding and full layers, sinks) and Gemma 3 (local and global
+layers). The store holds blocks of each family's layout: DeepSeek-V3's latent (576 elements a
+token for its real shape, here the tiny model's 40), V3.2's latent and indexer key, V4's rows,
+per-head K and V for the others."""
 
 from __future__ import annotations
 
@@ -29,7 +31,9 @@ from tests.support.up import Up
 NAME = "tiny-model"
 
 
-@pytest.fixture(scope="module", params=["deepseek_v3", "deepseek_v4", "gpt_oss", "gemma3"])
+@pytest.fixture(
+    scope="module", params=["deepseek_v3", "deepseek_v32", "deepseek_v4", "gpt_oss", "gemma3"]
+)
 def checkpoint(request, tmp_path_factory, embedded_dir):
     path = tmp_path_factory.mktemp(request.param)
     return request.param, path, save_tiny(request.param, path, embedded_dir)
@@ -90,6 +94,8 @@ def test_answers_equal_transformers_cold_and_from_the_store(checkpoint, served, 
     if name == "deepseek_v3":  # one "head" of latent + rotary key, no V
         assert (layers, heads, k_dim, v_dim) == (3, 1, 40, 0)
         assert codec.value_bytes - FORMAT.size == 3 * 16 * 40 * 4  # layers x tokens x latent
+    if name == "deepseek_v32":  # the latent and rotary key, then the indexer's key
+        assert (layers, heads, k_dim, v_dim) == (3, 1, 40 + 16, 0)
 
 
 def test_each_worker_counts_the_tokens_routed_to_each_expert(checkpoint, served):

@@ -52,6 +52,12 @@ FAMILIES = {
         num_experts_per_tok=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
         rope_parameters=YARN,
     ),
+    # V3 with the lightning indexer: 8 heads of 16 pick 8 of the earlier tokens per query
+    "deepseek_v32": lambda: transformers.DeepseekV32Config(
+        **MLA, q_lora_rank=48, n_routed_experts=8, n_group=4, topk_group=2,
+        num_experts_per_tok=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
+        rope_parameters=YARN, index_n_heads=8, index_head_dim=16, index_topk=8,
+    ),
     # every layer dense, rotate-half rotary
     "deepseek_v3_dense": lambda: transformers.DeepseekV3Config(
         **MLA, q_lora_rank=48, n_routed_experts=8, n_group=2, topk_group=1,

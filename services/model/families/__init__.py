@@ -14,6 +14,7 @@ from services.model.errors import ModelLoadError
 from services.model.families import (
     deepseek,
     deepseek_v4,
+    deepseek_v32,
     gemma3,
     gpt_oss,
     llama,
@@ -27,6 +28,7 @@ FAMILIES: tuple[Family, ...] = (
     mixtral.FAMILY,
     qwen_moe.FAMILY,
     deepseek.FAMILY,
+    deepseek_v32.FAMILY,
     deepseek_v4.FAMILY,
     gpt_oss.FAMILY,
     gemma3.FAMILY,

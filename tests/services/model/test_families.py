@@ -1,5 +1,6 @@
 """Checkpoints of the MoE and latent-attention families, made by transformers, load and match it
-token for token: DeepSeek-V3 with and without MoE layers, DeepSeek-V2 (no q LoRA), DeepSeek-V4
+token for token: DeepSeek-V3 with and without MoE layers, DeepSeek-V3.2 (its lightning indexer
+picking 8 earlier tokens per query), DeepSeek-V2 (no q LoRA), DeepSeek-V4
 (every layer type, both MoE kinds), gpt-oss (sliding and full layers, sinks), Gemma 3 (local
 and global layers, softcaps), Mixtral, Qwen2-MoE, Qwen3-MoE and Qwen3."""
 
@@ -29,6 +30,9 @@ def checkpoint(request, tmp_path_factory, embedded_dir):
     return request.param, path, save_tiny(request.param, path, embedded_dir)
 
 
+PICKS_KEYS = ("deepseek_v32",)  # an indexer picks the keys of each query, by a top-k
+
+
 def prompts() -> list[list[int]]:
     generator = torch.Generator().manual_seed(1)
     return [torch.randint(0, VOCAB, (n,), generator=generator).tolist() for n in (40, 17, 5)]
@@ -52,10 +56,11 @@ def test_config_reads_the_family(checkpoint):
     name, path, reference = checkpoint
     cfg = read_config(path)
     assert cfg.architecture == ARCHITECTURE.get(name, name)
-    latent = name in ("deepseek_v2", "deepseek_v3", "deepseek_v3_dense")
+    latent = name in ("deepseek_v2", "deepseek_v3", "deepseek_v3_dense", "deepseek_v32")
     assert isinstance(cfg.shape, MlaShape) == latent
     assert isinstance(cfg.shape, V4Shape) == (name == "deepseek_v4")
     moe_layers = {"deepseek_v3": (1, 2), "deepseek_v3_dense": (), "deepseek_v2": (1, 2),
+                  "deepseek_v32": (1, 2),
                   "mixtral": (0, 1, 2), "qwen2_moe": (0, 2), "qwen3_moe": (0, 1, 2),
                   "deepseek_v4": (0, 1, 2, 3), "gpt_oss": (0, 1, 2)}  # fmt: skip
     assert (cfg.moe.layers if cfg.moe else ()) == moe_layers.get(name, ())
@@ -91,11 +96,18 @@ def test_bfloat16_logits_follow_transformers(checkpoint, dtype):
     prompt = prompts()[0]
     kv = loaded.model.new_kv_cache(3, 16)
     ours = loaded.model.forward(ForwardBatch.build([SeqChunk(prompt, 0, [0, 1, 2])], 16), kv)[0]
+    exact = reference_tokens(reference, prompt, 1).logits[0][0]
     bf16 = reference.to(torch.bfloat16)
     try:
         theirs = reference_tokens(bf16, prompt, 1).logits[0][0].float()
     finally:
         reference.to(torch.float32)
+    if name in PICKS_KEYS:
+        # which keys a query reads is a top-k of scores that bfloat16 rounds: the two pick
+        # apart where scores are near, and each moves from float32 as far as the other
+        theirs_off, ours_off = (theirs - exact).abs().max(), (ours - exact).abs().max()
+        assert ours_off <= 1.5 * theirs_off + 2e-2 * exact.abs().max(), name
+        return
     scale = theirs.abs().max()
     assert (ours - theirs).abs().max() <= 2e-2 * scale + 2e-2, name
     assert int(ours.argmax()) == int(theirs.argmax()), name
