@@ -71,15 +71,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     print("| ---: | ---: | ---: | ---: | ---: | ---: |")
     for row in rows:
-        print(f"| {row['batch']} | {row['off']:.1f} | {row['on']:.1f} | {row['ratio']:.3f} | "
-              f"{100 * row['host']:.1f}% | {100 * row['overlapped']:.1f}% |")  # fmt: skip
+        print(
+            f"| {row['batch']} | {row['off']:.1f} | {row['on']:.1f} | {row['ratio']:.3f} | "
+            f"{100 * row['host']:.1f}% | {100 * row['overlapped']:.1f}% |"
+        )
     return 0
 
 
 ASK = "Repeat this text exactly:\n"
-TEXTS = ["def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n",
-         "The cat sat on the mat. The dog sat on the log. The bird sat on the branch.",
-         "Monday, Tuesday, Wednesday, Thursday, Friday, Saturday, Sunday"]  # fmt: skip
+TEXTS = [
+    "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n",
+    "The cat sat on the mat. The dog sat on the log. The bird sat on the branch.",
+    "Monday, Tuesday, Wednesday, Thursday, Friday, Saturday, Sunday",
+]
 
 
 def speculating(loaded: LoadedModel, args: argparse.Namespace) -> int:
@@ -89,15 +93,17 @@ def speculating(loaded: LoadedModel, args: argparse.Namespace) -> int:
     print("| ---: | ---: | ---: | ---: | ---: |")
     for batch in [int(b) for b in args.batches.split(",")]:
         texts = [TEXTS[i % len(TEXTS)] for i in range(batch)]
-        prompts = [loaded.tokenizer.encode_chat([{"role": "user", "content": ASK + t}])
-                   for t in texts]  # fmt: skip
+        prompts = [
+            loaded.tokenizer.encode_chat([{"role": "user", "content": ASK + t}]) for t in texts
+        ]
         runs: dict[str, list[float]] = {"off": [], "on": []}
         stats = None
         for r in range(args.rounds):
             for overlap in ("off", "on") if r % 2 == 0 else ("on", "off"):
                 log(f"  batch {batch}, round {r + 1}, async {overlap}")
-                config = EngineConfig(num_blocks=batch * 8 + 8, speculative=spec,
-                                      async_scheduling=overlap)  # fmt: skip
+                config = EngineConfig(
+                    num_blocks=batch * 8 + 8, speculative=spec, async_scheduling=overlap
+                )
                 engine = Engine(loaded.model, loaded.tokenizer, config)
                 engine.generate(prompts[:1], params)  # warm
                 start = time.perf_counter()

@@ -103,9 +103,11 @@ def prefill_table(kernel: CpuAttention, chunks: str, dtype: torch.dtype, rounds:
             outs.append(out.float())
         # q.k and p.v over keys 0..position for every query: 2 products of D, 2 FLOP each
         flop = 4 * HEADS * DIM * sum(start + i + 1 for i in range(n))
-        print(f"| {start} | {n} | {seconds[0] * 1e6:.0f} | {seconds[1] * 1e6:.0f} | "
-              f"{flop / seconds[0] / 1e9:.0f} | {seconds[1] / seconds[0]:.2f}x | "
-              f"{(outs[0] - outs[1]).abs().max().item():.1e} |")  # fmt: skip
+        print(
+            f"| {start} | {n} | {seconds[0] * 1e6:.0f} | {seconds[1] * 1e6:.0f} | "
+            f"{flop / seconds[0] / 1e9:.0f} | {seconds[1] / seconds[0]:.2f}x | "
+            f"{(outs[0] - outs[1]).abs().max().item():.1e} |"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,9 +136,11 @@ def main(argv: list[str] | None = None) -> int:
             torch_path = per_layer(reference, q, k, v, plan, args.rounds)
             kv_bytes = batch * context * KV_HEADS * DIM * 2 * k.element_size()
             diff = kernel._decode(q, k[0], v[0], plan) - reference._decode(q, k[0], v[0], plan)
-            print(f"| {batch} | {context} | {ours * 1e6:.0f} | {torch_path * 1e6:.0f} | "
-                  f"{kv_bytes / ours / 1e9:.1f} GB/s | {torch_path / ours:.2f}x | "
-                  f"{diff.abs().max().item():.1e} |")  # fmt: skip
+            print(
+                f"| {batch} | {context} | {ours * 1e6:.0f} | {torch_path * 1e6:.0f} | "
+                f"{kv_bytes / ours / 1e9:.1f} GB/s | {torch_path / ours:.2f}x | "
+                f"{diff.abs().max().item():.1e} |"
+            )
             del q, k, v
     prefill_table(kernel, args.chunks, dtype, args.rounds)
     return 0

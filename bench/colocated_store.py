@@ -44,8 +44,9 @@ async def turn(address: str, rid: str, ids: list[int]) -> tuple[float, list[int]
     async with grpc.aio.insecure_channel(address) as channel:
         stub = pbg.DecodeWorkerStub(channel)
         hits = (await stub.Load(pb.LoadRequest())).store_hits
-        request = pb.DecodeRequest(request_id=rid, prompt_token_ids=ids, params=PARAMS, seed=1,
-                                   local_prefill=True)  # fmt: skip
+        request = pb.DecodeRequest(
+            request_id=rid, prompt_token_ids=ids, params=PARAMS, seed=1, local_prefill=True
+        )
         start, ttft, tokens = time.perf_counter(), 0.0, []
         async for chunk in stub.Decode(request):
             ttft = ttft or time.perf_counter() - start
@@ -78,8 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         store = args.store or f"local://{Path(tmp) / 'kv'}"
         model = str(resolve(EMBEDDED))
-        workers = [WorkerProcess("decode", model, store, Path(tmp), "--num-blocks", "1024")
-                   for _ in range(2)]  # the default dtype (auto)  # fmt: skip
+        workers = [
+            WorkerProcess("decode", model, store, Path(tmp), "--num-blocks", "1024")
+            for _ in range(2)
+        ]  # the default dtype (auto)
         for w in workers:
             w.launch()
         try:
@@ -87,13 +90,18 @@ def main(argv: list[str] | None = None) -> int:
                 w.wait_ready()
             a, b = (w.address for w in workers)
             print(f"{platform.processor() or platform.machine()}, store {store.split('://')[0]}")
-            print("| prompt tokens | TTFT imported ms | TTFT computed ms | computed / imported "
-                  "| blocks imported |\n| --- | --- | --- | --- | --- |")  # fmt: skip
+            print(
+                "| prompt tokens | TTFT imported ms | TTFT computed ms | computed / imported "
+                "| blocks imported |\n| --- | --- | --- | --- | --- |"
+            )
             for length in (int(n) for n in args.lengths.split(",")):
                 m = asyncio.run(measure(a, b, length, args.repeats))
-                print(f"| {length + 8 + 32} | {1000 * m['imported']:.1f} | "
-                      f"{1000 * m['computed']:.1f} | {m['computed'] / m['imported']:.2f}x | "
-                      f"{m['blocks']:.0f} |", flush=True)  # fmt: skip
+                print(
+                    f"| {length + 8 + 32} | {1000 * m['imported']:.1f} | "
+                    f"{1000 * m['computed']:.1f} | {m['computed'] / m['imported']:.2f}x | "
+                    f"{m['blocks']:.0f} |",
+                    flush=True,
+                )
         finally:
             for w in workers:
                 w.stop()

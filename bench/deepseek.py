@@ -43,12 +43,26 @@ from services.model.loader import cpu_has_bf16_units, load_model
 from services.model.loading.sources import EMBEDDED, cache_root, resolve
 
 SHAPE = dict(
-    vocab_size=49152, hidden_size=1024, intermediate_size=2816, moe_intermediate_size=512,
-    num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=16, n_routed_experts=32,
-    num_experts_per_tok=4, n_shared_experts=1, n_group=4, topk_group=2, first_k_dense_replace=1,
-    q_lora_rank=768, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
-    v_head_dim=128, max_position_embeddings=4096,
-)  # fmt: skip
+    vocab_size=49152,
+    hidden_size=1024,
+    intermediate_size=2816,
+    moe_intermediate_size=512,
+    num_hidden_layers=8,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    n_routed_experts=32,
+    num_experts_per_tok=4,
+    n_shared_experts=1,
+    n_group=4,
+    topk_group=2,
+    first_k_dense_replace=1,
+    q_lora_rank=768,
+    kv_lora_rank=512,
+    qk_rope_head_dim=64,
+    qk_nope_head_dim=128,
+    v_head_dim=128,
+    max_position_embeddings=4096,
+)
 
 
 def log(msg: str) -> None:
@@ -81,10 +95,17 @@ def checkpoint(path: Path | None = None) -> Path:
 
 # the same width with one K and V per head (16 heads x 128), experts alike: Mixtral's layout
 PER_HEAD = dict(
-    vocab_size=49152, hidden_size=1024, intermediate_size=512, num_hidden_layers=8,
-    num_attention_heads=16, num_key_value_heads=16, head_dim=128, num_local_experts=32,
-    num_experts_per_tok=4, max_position_embeddings=4096,
-)  # fmt: skip
+    vocab_size=49152,
+    hidden_size=1024,
+    intermediate_size=512,
+    num_hidden_layers=8,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    head_dim=128,
+    num_local_experts=32,
+    num_experts_per_tok=4,
+    max_position_embeddings=4096,
+)
 
 
 def per_head_checkpoint(path: Path | None = None) -> Path:
@@ -119,8 +140,10 @@ def experts_table(path: Path, dtype: str, counts: list[int], repeats: int) -> st
     assert isinstance(ours, Moe)
     theirs = hf.model.layers[1].mlp.experts
     ops = loaded.model.ops
-    lines = ["| tokens | pdserve grouped ms | transformers loop ms | ratio |",
-             "| ---: | ---: | ---: | ---: |"]  # fmt: skip
+    lines = [
+        "| tokens | pdserve grouped ms | transformers loop ms | ratio |",
+        "| ---: | ---: | ---: | ---: |",
+    ]
     for n in counts:
         x = torch.randn(n, SHAPE["hidden_size"], generator=torch.Generator().manual_seed(n))
         x = x.to(forward.DTYPES[dtype])
@@ -145,8 +168,10 @@ def mla_prefill_table(path: Path, dtype: str, chunks: list[int], repeats: int) -
     expanded = MlaAttention(model.config, model.ops)
     layer = model.layers[0].attention
     assert isinstance(layer, MlaWeights)
-    lines = ["| prompt tokens | absorbed (C) ms | expanded (torch) ms | expanded / absorbed |",
-             "| ---: | ---: | ---: | ---: |"]  # fmt: skip
+    lines = [
+        "| prompt tokens | absorbed (C) ms | expanded (torch) ms | expanded / absorbed |",
+        "| ---: | ---: | ---: | ---: |",
+    ]
     for n in chunks:
         blocks = -(-n // 16)
         batch = ForwardBatch.build([SeqChunk([0] * n, 0, list(range(blocks)))], 16)
@@ -159,8 +184,9 @@ def mla_prefill_table(path: Path, dtype: str, chunks: list[int], repeats: int) -
             run = functools.partial(form.forward, layer, x, at, k, v, form.plan(batch))
             with torch.inference_mode():
                 times.append(forward.best_of(repeats, run))
-        lines.append(f"| {n} | {times[0] * 1e3:.1f} | {times[1] * 1e3:.1f} | "
-                     f"{times[1] / times[0]:.2f}x |")  # fmt: skip
+        lines.append(
+            f"| {n} | {times[0] * 1e3:.1f} | {times[1] * 1e3:.1f} | {times[1] / times[0]:.2f}x |"
+        )
         log(lines[-1])
     return "\n".join(lines)
 
@@ -169,16 +195,27 @@ def bytes_table() -> str:
     """Cache bytes per token, per layer summed over 61 layers (DeepSeek-V3's own shape)."""
     v3 = MlaShape(q_lora_rank=1536, kv_lora_rank=512, nope_dim=128, rope_dim=64, v_dim=128)
     base = dict(
-        architecture="deepseek_v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432,
-        num_layers=61, num_heads=128, num_kv_heads=128, head_dim=192, rms_norm_eps=1e-6,
-        rope_theta=10000.0, max_position_embeddings=4096, tie_word_embeddings=False,
+        architecture="deepseek_v3",
+        vocab_size=129280,
+        hidden_size=7168,
+        intermediate_size=18432,
+        num_layers=61,
+        num_heads=128,
+        num_kv_heads=128,
+        head_dim=192,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
         attention_bias=False,
-    )  # fmt: skip
+    )
     mla = ModelConfig(**base, shape=v3, cache=latent_cache(61, v3))  # type: ignore[arg-type]
     per_head = ModelConfig(**base | {"head_dim": 128})  # type: ignore[arg-type]
-    lines = ["| model | cache elements / token / layer | pool bytes / token (bf16) | "
-             "store bytes / token (bf16) | store bytes / token (fp8) |",
-             "| --- | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    lines = [
+        "| model | cache elements / token / layer | pool bytes / token (bf16) | "
+        "store bytes / token (bf16) | store bytes / token (fp8) |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
     for label, config in (
         ("DeepSeek-V3, MLA latent", mla),
         ("same width, per-head K and V", per_head),
@@ -188,8 +225,10 @@ def bytes_table() -> str:
         for dtype in (StorageDtype.BFLOAT16, StorageDtype.FP8_E4M3):
             layout = kv_cache.layout("m", dtype.name.lower(), 16, config)
             store.append(BlockCodec(layout, dtype).value_bytes / 16)
-        lines.append(f"| {label} | {config.cache_elements:,} | {pool:,} | {store[0]:,.0f} | "
-                     f"{store[1]:,.0f} |")  # fmt: skip
+        lines.append(
+            f"| {label} | {config.cache_elements:,} | {pool:,} | {store[0]:,.0f} | "
+            f"{store[1]:,.0f} |"
+        )
     ratio = per_head.cache_elements / mla.cache_elements
     lines.append(f"\nper-head / latent: {ratio:.1f}x (header {FORMAT.size} bytes a block)")
     return "\n".join(lines)
@@ -208,9 +247,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", default="forward,experts,mla,bytes", help="which tables")
     p.add_argument("--checkpoint", type=Path, help="where the random checkpoint lives")
     p.add_argument(
-        "--make-checkpoints", action="store_true",
+        "--make-checkpoints",
+        action="store_true",
         help="only make the two checkpoints (MLA, per-head) and print their paths",
-    )  # fmt: skip
+    )
     args = p.parse_args(argv)
     if args.make_checkpoints:
         print(checkpoint(args.checkpoint))
@@ -225,10 +265,13 @@ def main(argv: list[str] | None = None) -> int:
     for dtype in args.dtypes.split(","):
         if "forward" in only:
             fwd = argparse.Namespace(
-                model=str(path), prompt_len=args.prompt_len, context=args.context,
-                steps=args.steps, repeats=args.repeats,
+                model=str(path),
+                prompt_len=args.prompt_len,
+                context=args.context,
+                steps=args.steps,
+                repeats=args.repeats,
                 batches=[int(b) for b in args.batches.split(",")],
-            )  # fmt: skip
+            )
             print(forward.markdown(forward.bench_dtype(dtype, fwd)))
         if "experts" in only:
             counts = [int(n) for n in args.expert_tokens.split(",")]

@@ -6,9 +6,9 @@ K and V of the same width.
 Two Markdown tables:
 
 1. memory per token of context at 1k, 8k and 32k (exact, from the layouts: kv_cache.py and
-   v4_config.row_layout), DeepSeek-V4-Flash's shape (43 layers: 2 sliding, 21 CSA, 20 HCA)
-   as pdserve keeps it (shares in blocks for good, window keys and compressor inputs in
-   window blocks released as they leave every window: window_pool.py) and as it would with
+   deepseek_v4/config.py row_layout), DeepSeek-V4-Flash's shape (43 layers: 2 sliding, 21
+   CSA, 20 HCA) as pdserve keeps it (shares in blocks for good, window keys and compressor inputs in
+   a cache group released as they leave every window: group_pool.py) and as it would with
    every window part kept, against an MLA model (DeepSeek-V3's latent, 512 + 64) and
    per-head K and V (32 heads x 128) of the same 43 layers;
 2. one layer's decode step at each context and batch size (the attention alone: projections,
@@ -52,11 +52,23 @@ from services.model.loading.hf_config import config_from_hf
 
 FLASH_RATIOS = [0, 0] + [4 if i % 2 == 0 else 128 for i in range(2, 43)]  # V4-Flash's layers
 WIDTH = dict(
-    vocab_size=256, hidden_size=1024, num_attention_heads=16, head_dim=512, q_lora_rank=512,
-    o_groups=4, o_lora_rank=512, index_n_heads=64, index_head_dim=128, index_topk=512,
-    sliding_window=128, moe_intermediate_size=16, n_routed_experts=1, num_experts_per_tok=1,
-    max_position_embeddings=65536, qk_rope_head_dim=64,
-)  # fmt: skip
+    vocab_size=256,
+    hidden_size=1024,
+    num_attention_heads=16,
+    head_dim=512,
+    q_lora_rank=512,
+    o_groups=4,
+    o_lora_rank=512,
+    index_n_heads=64,
+    index_head_dim=128,
+    index_topk=512,
+    sliding_window=128,
+    moe_intermediate_size=16,
+    n_routed_experts=1,
+    num_experts_per_tok=1,
+    max_position_embeddings=65536,
+    qk_rope_head_dim=64,
+)
 
 
 def v4_config(ratios: list[int], **shape: Any) -> ModelConfig:
@@ -68,9 +80,14 @@ def v4_config(ratios: list[int], **shape: Any) -> ModelConfig:
 def memory_table(contexts: tuple[int, ...] = (1024, 8192, 32768)) -> str:
     """Cache bytes per token of context (bfloat16), averaged over the context."""
     flash = v4_config(
-        FLASH_RATIOS, hidden_size=4096, num_attention_heads=64, vocab_size=129280,
-        moe_intermediate_size=2048, n_routed_experts=256, num_experts_per_tok=6,
-    )  # fmt: skip
+        FLASH_RATIOS,
+        hidden_size=4096,
+        num_attention_heads=64,
+        vocab_size=129280,
+        moe_intermediate_size=2048,
+        n_routed_experts=256,
+        num_experts_per_tok=6,
+    )
     rows = row_layout(v4_of(flash), flash.head_dim)
     window = sum(r.kv + r.raw for r in rows) * 2  # bytes a token while in the window
     share = sum(r.share for r in rows) * 2  # bytes a token keeps
@@ -86,8 +103,12 @@ def memory_table(contexts: tuple[int, ...] = (1024, 8192, 32768)) -> str:
 
     mla = 43 * (512 + 64) * 2
     per_head = 43 * 2 * 32 * 128 * 2
-    lines = ["| cache (bfloat16) | " + " | ".join(f"{n // 1024}k: bytes / token" for n in contexts)
-             + " |", "| --- |" + " ---: |" * len(contexts)]  # fmt: skip
+    lines = [
+        "| cache (bfloat16) | "
+        + " | ".join(f"{n // 1024}k: bytes / token" for n in contexts)
+        + " |",
+        "| --- |" + " ---: |" * len(contexts),
+    ]
     for label, fn in (
         ("DeepSeek-V4-Flash, every window part kept", whole),
         ("DeepSeek-V4-Flash, pdserve (window blocks released)", released),
@@ -95,8 +116,10 @@ def memory_table(contexts: tuple[int, ...] = (1024, 8192, 32768)) -> str:
         ("per-head K and V (32 x 128), 43 layers", lambda n: per_head),
     ):
         lines.append(f"| {label} | " + " | ".join(f"{fn(n):,.0f}" for n in contexts) + " |")
-    lines.append(f"\nV4-Flash per token: {window:,} bytes of window keys and compressor inputs, "
-                 f"{share:,} of compressed entries (shares)")  # fmt: skip
+    lines.append(
+        f"\nV4-Flash per token: {window:,} bytes of window keys and compressor inputs, "
+        f"{share:,} of compressed entries (shares)"
+    )
     return "\n".join(lines)
 
 
@@ -118,8 +141,9 @@ def _decode_batch(context: int, batch: int, blocks: int) -> ForwardBatch:
     return ForwardBatch.build([SeqChunk([1], context, table) for _ in range(batch)], 16)
 
 
-def v4_step(kind: str, dtype: torch.dtype, contexts: list[int], batches: list[int],
-            repeats: int) -> list[float]:  # fmt: skip
+def v4_step(
+    kind: str, dtype: torch.dtype, contexts: list[int], batches: list[int], repeats: int
+) -> list[float]:
     ratio = {SLIDING: 0, CSA: 4, HCA: 128}[kind]
     config = v4_config([ratio], **WIDTH)
     model = DeepseekV4Model(config, _random_weights(config), dtype)
@@ -142,11 +166,20 @@ def v4_step(kind: str, dtype: torch.dtype, contexts: list[int], batches: list[in
 
 def mla_step(dtype: torch.dtype, contexts: list[int], batches: list[int], repeats: int) -> list:
     base = dict(
-        architecture="deepseek_v3", vocab_size=256, hidden_size=1024, intermediate_size=16,
-        num_layers=1, num_heads=16, num_kv_heads=16, head_dim=192, rms_norm_eps=1e-6,
-        rope_theta=10000.0, max_position_embeddings=65536, tie_word_embeddings=False,
+        architecture="deepseek_v3",
+        vocab_size=256,
+        hidden_size=1024,
+        intermediate_size=16,
+        num_layers=1,
+        num_heads=16,
+        num_kv_heads=16,
+        head_dim=192,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=65536,
+        tie_word_embeddings=False,
         attention_bias=False,
-    )  # fmt: skip
+    )
     shape = MlaShape(q_lora_rank=512, kv_lora_rank=512, nope_dim=128, rope_dim=64, v_dim=128)
     config = ModelConfig(**base, shape=shape, cache=latent_cache(1, shape))  # type: ignore[arg-type]
     model = DeepseekModel(config, _random_weights(config), dtype)

@@ -60,8 +60,12 @@ class StallResult:
         return self.max_gap_during_fetch_ms / self.median_gap_ms
 
 
-async def stream(stub: pbg.DecodeWorkerStub, request: pb.DecodeRequest, index: int,
-                 arrivals: list[tuple[int, float]]) -> None:  # fmt: skip
+async def stream(
+    stub: pbg.DecodeWorkerStub,
+    request: pb.DecodeRequest,
+    index: int,
+    arrivals: list[tuple[int, float]],
+) -> None:
     async for chunk in stub.Decode(request):
         if chunk.token_ids:
             arrivals.append((index, time.perf_counter()))
@@ -72,24 +76,44 @@ async def measure_stall(prefill: str, decode: str, args: argparse.Namespace) -> 
     greedy = to_proto_params(SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     async with grpc.aio.insecure_channel(prefill) as pch, grpc.aio.insecure_channel(decode) as dch:
         p, d = pbg.PrefillWorkerStub(pch), pbg.DecodeWorkerStub(dch)
-        reply = await p.Prefill(pb.PrefillRequest(request_id="long", prompt_token_ids=long_prompt,
-                                                  params=greedy, seed=1))  # fmt: skip
+        reply = await p.Prefill(
+            pb.PrefillRequest(
+                request_id="long", prompt_token_ids=long_prompt, params=greedy, seed=1
+            )
+        )
         log(f"prefilled the {args.prompt_len}-token prompt ({reply.computed_tokens} computed)")
-        running = to_proto_params(SamplingParams(max_tokens=args.stream_tokens, temperature=0,
-                                                 ignore_eos=True))  # fmt: skip
+        running = to_proto_params(
+            SamplingParams(max_tokens=args.stream_tokens, temperature=0, ignore_eos=True)
+        )
         arrivals: list[tuple[int, float]] = []
         tasks = [
-            asyncio.create_task(stream(d, pb.DecodeRequest(
-                request_id=f"s{i}", prompt_token_ids=tokens(32, seed=100 + i), params=running,
-                seed=i, local_prefill=True), i, arrivals))
+            asyncio.create_task(
+                stream(
+                    d,
+                    pb.DecodeRequest(
+                        request_id=f"s{i}",
+                        prompt_token_ids=tokens(32, seed=100 + i),
+                        params=running,
+                        seed=i,
+                        local_prefill=True,
+                    ),
+                    i,
+                    arrivals,
+                )
+            )
             for i in range(args.streams)
-        ]  # fmt: skip
+        ]
         await asyncio.sleep(args.warmup)  # all streams prefilled and decoding steadily
         joined = time.perf_counter()
-        join = d.Decode(pb.DecodeRequest(
-            request_id="joiner", prompt_token_ids=long_prompt, output_token_ids=[reply.first_token],
-            params=greedy, seed=1,
-        ))  # fmt: skip
+        join = d.Decode(
+            pb.DecodeRequest(
+                request_id="joiner",
+                prompt_token_ids=long_prompt,
+                output_token_ids=[reply.first_token],
+                params=greedy,
+                seed=1,
+            )
+        )
         first = await join.read()
         first_at = time.perf_counter()
         assert first is not grpc.aio.EOF and first.token_ids
@@ -108,8 +132,9 @@ async def measure_stall(prefill: str, decode: str, args: argparse.Namespace) -> 
                 during.append(gap)
         last[i] = t
     if not before or not during:
-        raise SystemExit("the streams ended before the prompt joined: raise --stream-tokens "
-                         "or lower --warmup")  # fmt: skip
+        raise SystemExit(
+            "the streams ended before the prompt joined: raise --stream-tokens or lower --warmup"
+        )
     return StallResult(
         median_gap_ms=1000 * statistics.median(before),
         max_gap_during_fetch_ms=1000 * max(during),
@@ -141,8 +166,10 @@ async def measure_ttft(writer: str, reader: str, args: argparse.Namespace) -> di
             again = prefix + tokens(args.prompt_len - shared, seed=4000 + k)
             reply = await r.Prefill(request(f"h{k}", again))
             hit.append(time.perf_counter() - start)
-            log(f"ttft {k}: uncached {cold[-1] * 1000:.0f} ms, 90% in the store "
-                f"{hit[-1] * 1000:.0f} ms ({reply.cached_tokens} tokens cached)")  # fmt: skip
+            log(
+                f"ttft {k}: uncached {cold[-1] * 1000:.0f} ms, 90% in the store "
+                f"{hit[-1] * 1000:.0f} ms ({reply.cached_tokens} tokens cached)"
+            )
     return {"uncached_ms": 1000 * statistics.median(cold), "hit_ms": 1000 * statistics.median(hit)}
 
 
@@ -161,8 +188,13 @@ def plot(result: StallResult, path: Path) -> None:
         last[i] = t
     fig, ax = plt.subplots(figsize=(7, 3.5))
     ax.scatter(xs, ys, s=4, alpha=0.6, label="gap between tokens, per running stream")
-    ax.axvspan(0, result.first_token_at - result.joined_at, color="C1", alpha=0.2,
-               label="long prompt's KV fetched and imported")  # fmt: skip
+    ax.axvspan(
+        0,
+        result.first_token_at - result.joined_at,
+        color="C1",
+        alpha=0.2,
+        label="long prompt's KV fetched and imported",
+    )
     ax.axhline(result.median_gap_ms, color="gray", lw=1, ls="--", label="median gap before")
     ax.set_xlim(-3, 1)
     ax.set_xlabel("seconds from the joining request's Decode call")

@@ -143,8 +143,10 @@ def planner_table() -> str:
             for policy in ("global", "hierarchical"):
                 placed = eplb.plan(load.tolist(), start_, ranks, policy, nodes, 8)
                 row.append(eplb.imbalance(load.tolist(), placed, ranks))
-            rows.append(f"| Zipf {s} | {ranks} | {redundant} | {row[0]:.2f} | {row[1]:.2f} | "
-                        f"{row[2]:.2f} ({nodes}) |")  # fmt: skip
+            rows.append(
+                f"| Zipf {s} | {ranks} | {redundant} | {row[0]:.2f} | {row[1]:.2f} | "
+                f"{row[2]:.2f} ({nodes}) |"
+            )
     return "\n".join(rows)
 
 
@@ -181,15 +183,17 @@ def skew_table(path: Path, dtype: str) -> str:
             group.stop()
         figures.append((snap, tokens == one, seconds / passes * 1e3))
     (fixed, same_fixed, _), (moved, same_moved, step) = figures
-    return "\n".join([
-        "| run | imbalance, passes 1-3 | imbalance after the move's passes | experts loaded | "
-        "longest pause (one layer) | ms per pass | same tokens |",
-        "|---|---|---|---|---|---|---|",
-        f"| placement kept | | {fixed['imbalance']:.3f} | 0 | | | {same_fixed} |",
-        f"| rebalanced live | {moved['imbalance_before_rebalance']:.3f} | "
-        f"{moved['imbalance']:.3f} | {moved['experts_loaded']} | "
-        f"{moved['longest_pause_ms']:.1f} ms | {step:.1f} | {same_moved} |",
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            "| run | imbalance, passes 1-3 | imbalance after the move's passes | experts loaded | "
+            "longest pause (one layer) | ms per pass | same tokens |",
+            "|---|---|---|---|---|---|---|",
+            f"| placement kept | | {fixed['imbalance']:.3f} | 0 | | | {same_fixed} |",
+            f"| rebalanced live | {moved['imbalance_before_rebalance']:.3f} | "
+            f"{moved['imbalance']:.3f} | {moved['experts_loaded']} | "
+            f"{moved['longest_pause_ms']:.1f} ms | {step:.1f} | {same_moved} |",
+        ]
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -203,8 +207,10 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     path = a.model or checkpoint()
     skip = set(a.skip.split(","))
-    print(f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
-          f"{a.dtype}, {path.name}\n")  # fmt: skip
+    print(
+        f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+        f"{a.dtype}, {path.name}\n"
+    )
     if "speed" not in skip:
         log("1 process against 2")
         print(speed_table(path, a.dtype, a.seqs, a.prompt_len, a.max_tokens) + "\n")

@@ -69,9 +69,14 @@ async def bench_redis(url: str, batch: int, batches: int) -> dict[str, float]:
     store = open_store(url, LAYOUT.namespace(), timeout=10)
     # the raw client gets the connection settings RedisStore uses, so the ratio is our cost
     pool = aioredis.BlockingConnectionPool.from_url(
-        url, max_connections=16, timeout=10, socket_timeout=10, socket_connect_timeout=10,
-        retry=Retry(NoBackoff(), 0), health_check_interval=0,
-    )  # fmt: skip
+        url,
+        max_connections=16,
+        timeout=10,
+        socket_timeout=10,
+        socket_connect_timeout=10,
+        retry=Retry(NoBackoff(), 0),
+        health_check_interval=0,
+    )
     raw = aioredis.Redis(connection_pool=pool)
     keys = [f"raw:{h.hex()}" for h, _ in items]
 

@@ -77,11 +77,22 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     tiles, held = measure("tiles", rows, args.rounds), measure("onednn", rows, args.rounds)
     child = subprocess.run(
-        [sys.executable, "-m", "bench.linear", "--only", "onednn", "--rows", args.rows,
-         "--rounds", str(args.rounds)],
-        env={**os.environ, "ONEDNN_MAX_CPU_ISA": "ALL"}, capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "bench.linear",
+            "--only",
+            "onednn",
+            "--rows",
+            args.rows,
+            "--rounds",
+            str(args.rounds),
+        ],
+        env={**os.environ, "ONEDNN_MAX_CPU_ISA": "ALL"},
+        capture_output=True,
+        text=True,
         check=True,
-    )  # fmt: skip
+    )
     onednn_amx = json.loads(child.stdout.strip().splitlines()[-1])
     print(f"bfloat16 products, {torch.get_num_threads()} threads, fastest of {args.rounds} calls")
     print(
@@ -92,9 +103,11 @@ def main(argv: list[str] | None = None) -> int:
     for key, seconds in tiles.items():
         out_f, in_f, m = map(int, key.split(","))
         flop = 2 * out_f * in_f * m
-        print(f"| {out_f} x {in_f} | {m} | {seconds * 1e6:.0f} | {flop / seconds / 1e9:.0f} | "
-              f"{held[key] * 1e6:.0f} | {onednn_amx[key] * 1e6:.0f} | "
-              f"{held[key] / seconds:.2f}x | {onednn_amx[key] / seconds:.2f}x |")  # fmt: skip
+        print(
+            f"| {out_f} x {in_f} | {m} | {seconds * 1e6:.0f} | {flop / seconds / 1e9:.0f} | "
+            f"{held[key] * 1e6:.0f} | {onednn_amx[key] * 1e6:.0f} | "
+            f"{held[key] / seconds:.2f}x | {onednn_amx[key] / seconds:.2f}x |"
+        )
     return 0
 
 

@@ -67,8 +67,9 @@ def random_prompt(n: int, seed: int) -> list[int]:
 
 async def ttft(address: str, rid: str, ids: list[int]) -> float:
     async with grpc.aio.insecure_channel(address) as channel:
-        request = pb.DecodeRequest(request_id=rid, prompt_token_ids=ids, params=PARAMS, seed=1,
-                                   local_prefill=True)  # fmt: skip
+        request = pb.DecodeRequest(
+            request_id=rid, prompt_token_ids=ids, params=PARAMS, seed=1, local_prefill=True
+        )
         start = time.perf_counter()
         async for _ in pbg.DecodeWorkerStub(channel).Decode(request, timeout=600):
             return time.perf_counter() - start
@@ -88,8 +89,9 @@ def write(writer: BedWorker, store: redis.Redis, rid: str, ids: list[int]) -> No
 
 def choice_of(reader: BedWorker, rid: str) -> dict[str, str]:
     """The auto reader's choice for the request and the two times it expected."""
-    line = next(e for e in log_events(reader) if e.get("msg") == "fetched"
-                and e.get("request_id") == rid)  # fmt: skip
+    line = next(
+        e for e in log_events(reader) if e.get("msg") == "fetched" and e.get("request_id") == rid
+    )
     return {k: line.get(k, "?") for k in ("choice", "expected_fetch_ms", "expected_compute_ms")}
 
 
@@ -154,9 +156,11 @@ def table(rows: list[dict], title: str) -> str:
            "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for r in rows:
         better = min(r["fetch"], r["compute"])
-        out.append(f"| {r['tokens']} | {1000 * r['fetch']:.0f} | {1000 * r['compute']:.0f} | "
-                   f"{1000 * r['auto']:.0f} ({r['auto_choice']}) | {r['auto'] / better:.2f} | "
-                   f"{1000 * r['fp8']:.0f} |")  # fmt: skip
+        out.append(
+            f"| {r['tokens']} | {1000 * r['fetch']:.0f} | {1000 * r['compute']:.0f} | "
+            f"{1000 * r['auto']:.0f} ({r['auto_choice']}) | {r['auto'] / better:.2f} | "
+            f"{1000 * r['fp8']:.0f} |"
+        )
     return "\n".join(out)
 
 
@@ -213,8 +217,11 @@ def main(argv: list[str] | None = None) -> int:
                 w.launch()
             for w in workers.values():
                 w.wait_ready(300)
-            print(f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} "
-                  f"threads, netem: {bed.netem}", flush=True)  # fmt: skip
+            print(
+                f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} "
+                f"threads, netem: {bed.netem}",
+                flush=True,
+            )
             for rate in (float(r) for r in args.rates.split(",")):
                 for delay in (float(d) for d in args.delays.split(",")):
                     for host in READERS:
@@ -222,8 +229,10 @@ def main(argv: list[str] | None = None) -> int:
                     tag = f"r{rate}-d{delay}"
                     store.flushall()
                     warm(workers, store, tag)
-                    rows = [measure(workers, store, int(n), tag, args.repeats)
-                            for n in args.lengths.split(",")]  # fmt: skip
+                    rows = [
+                        measure(workers, store, int(n), tag, args.repeats)
+                        for n in args.lengths.split(",")
+                    ]
                     link = f"{rate:g} Gbit/s" + (f", {delay:g} ms each way" if delay else "")
                     results.append({"link": link, "rows": rows})
                     print(table(rows, link) + "\n", flush=True)

@@ -75,9 +75,11 @@ def save_with_mtp(
     source = "model.layers.0." if copy else f"model.layers.{n - 1}."
     mtp = {
         f"model.layers.{n}.{name.removeprefix(source)}": t.clone()
-        if copy else t.clone().normal_(0, float(t.float().std()) or 0.02)
-        for name, t in state.items() if name.startswith(source)
-    }  # fmt: skip
+        if copy
+        else t.clone().normal_(0, float(t.float().std()) or 0.02)
+        for name, t in state.items()
+        if name.startswith(source)
+    }
     own = f"model.layers.{n}."
     eh = torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], dim=1)
     mtp |= {
@@ -96,14 +98,30 @@ def save_with_mtp(
 # DeepSeek-V4 at the same width: 8 layers (sliding, then CSA / HCA alternating; top-k experts
 # after the first, hashed, except in the `copy` model's first), 4 streams, a 128-token window
 V4_SHAPE = dict(
-    vocab_size=49152, hidden_size=1024, moe_intermediate_size=512, num_hidden_layers=8,
-    num_attention_heads=16, num_key_value_heads=1, head_dim=512, q_lora_rank=768,
-    qk_rope_head_dim=64, n_routed_experts=32, num_experts_per_tok=4, o_groups=4,
-    o_lora_rank=512, index_n_heads=32, index_head_dim=128, index_topk=256, sliding_window=128,
+    vocab_size=49152,
+    hidden_size=1024,
+    moe_intermediate_size=512,
+    num_hidden_layers=8,
+    num_attention_heads=16,
+    num_key_value_heads=1,
+    head_dim=512,
+    q_lora_rank=768,
+    qk_rope_head_dim=64,
+    n_routed_experts=32,
+    num_experts_per_tok=4,
+    o_groups=4,
+    o_lora_rank=512,
+    index_n_heads=32,
+    index_head_dim=128,
+    index_topk=256,
+    sliding_window=128,
     max_position_embeddings=4096,
-    layer_types=["sliding_attention", *["compressed_sparse_attention",
-                                        "heavily_compressed_attention"] * 3, "sliding_attention"],
-)  # fmt: skip
+    layer_types=[
+        "sliding_attention",
+        *["compressed_sparse_attention", "heavily_compressed_attention"] * 3,
+        "sliding_attention",
+    ],
+)
 SLIDING_MOE = dict(layer_types=["sliding_attention"], mlp_layer_types=["moe"])
 
 
@@ -116,18 +134,23 @@ def write_v4_mtp(path: Path, source: dict[str, torch.Tensor], copy: bool) -> Non
 
     hidden = int(source["model.norm.weight"].shape[0])
     g = torch.Generator().manual_seed(2)
-    mtp = {"mtp.0." + k.removeprefix("model.layers.0."): t.clone()
-           for k, t in source.items() if k.startswith("model.layers.0.")}  # fmt: skip
+    mtp = {
+        "mtp.0." + k.removeprefix("model.layers.0."): t.clone()
+        for k, t in source.items()
+        if k.startswith("model.layers.0.")
+    }
     mtp |= {f"mtp.0.hc_head_{k}": source[f"model.hc_head.hc_{k}"] for k in ("fn", "base", "scale")}
     mtp |= {
         "mtp.0.norm.weight": source["model.norm.weight"],
         "mtp.0.enorm.weight": torch.ones(hidden),
         "mtp.0.hnorm.weight": torch.ones(hidden),
-        "mtp.0.e_proj.weight": torch.eye(hidden) if copy
+        "mtp.0.e_proj.weight": torch.eye(hidden)
+        if copy
         else torch.randn(hidden, hidden, generator=g) / hidden**0.5,
-        "mtp.0.h_proj.weight": torch.zeros(hidden, hidden) if copy
+        "mtp.0.h_proj.weight": torch.zeros(hidden, hidden)
+        if copy
         else torch.randn(hidden, hidden, generator=g) / hidden**0.5,
-    }  # fmt: skip
+    }
     add_shard(path, mtp)
 
 
@@ -225,8 +248,9 @@ def run(loaded: LoadedModel, method: str, prompts: list[list[int]], tokens: int)
         m = loaded.model
         draft = load_mtp(loaded.path, loaded.config, m.dtype, m.device, m.kernels)
     spec = SpeculativeConfig(method if method != "none" else "none", num_tokens=3)
-    engine = Engine(loaded.model, loaded.tokenizer,
-                    EngineConfig(num_blocks=1024, speculative=spec), draft=draft)  # fmt: skip
+    engine = Engine(
+        loaded.model, loaded.tokenizer, EngineConfig(num_blocks=1024, speculative=spec), draft=draft
+    )
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
     engine.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0))  # warm-up
     if engine.speculator is not None:
@@ -260,9 +284,11 @@ def table(dtype: str, tokens: int, concurrent: int, family: str = "v3") -> str:
                 if stats is not None:
                     share = stats.accepted / max(stats.proposed, 1)
                     proposed, accepted = f"{stats.proposed}", f"{stats.accepted} ({share:.0%})"
-                rows.append(f"| {kind} | {streams} | {method} | {rate:.1f} | "
-                            f"{rate / base[1]:.2f}x | {proposed} | {accepted} | "
-                            f"{out == base[0]} |")  # fmt: skip
+                rows.append(
+                    f"| {kind} | {streams} | {method} | {rate:.1f} | "
+                    f"{rate / base[1]:.2f}x | {proposed} | {accepted} | "
+                    f"{out == base[0]} |"
+                )
     return "\n".join(rows)
 
 
@@ -273,8 +299,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--family", choices=("v3", "v4"), default="v3", help="DeepSeek-V3 or V4")
     a = p.parse_args(argv)
-    print(f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
-          f"{a.dtype}, DeepSeek-{a.family.upper()}\n")  # fmt: skip
+    print(
+        f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+        f"{a.dtype}, DeepSeek-{a.family.upper()}\n"
+    )
     print(table(a.dtype, a.tokens, a.prompts, a.family))
     return 0
 

@@ -71,9 +71,12 @@ def run_engine(engine: Engine, prompts: list[list[int]], output_len: int) -> Res
     seconds = time.perf_counter() - start
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
     return Result(
-        "pdserve", seconds, sum(map(len, prompts)), output_len * len(prompts),
+        "pdserve",
+        seconds,
+        sum(map(len, prompts)),
+        output_len * len(prompts),
         faults / max(engine.times.steps, 1),
-    )  # fmt: skip
+    )
 
 
 def decode_overhead(engine: Engine, batch: int, steps: int) -> dict[str, float]:
@@ -170,14 +173,18 @@ def main(argv: list[str] | None = None) -> int:
                 loaded.path, DTYPES[dtype_name], prompts, args.output_len, args.hf_batch
             )
         )
-    print(f"dtype {dtype_name}, {len(prompts)} requests, prompts {args.min_len}-{args.max_len}"
-          f" tokens, {args.output_len} output tokens each; engine: max {args.max_num_seqs}"
-          f" sequences, {args.kv_cache_gb:g} GiB of KV, {preemptions} preemptions")  # fmt: skip
+    print(
+        f"dtype {dtype_name}, {len(prompts)} requests, prompts {args.min_len}-{args.max_len}"
+        f" tokens, {args.output_len} output tokens each; engine: max {args.max_num_seqs}"
+        f" sequences, {args.kv_cache_gb:g} GiB of KV, {preemptions} preemptions"
+    )
     print("| system | seconds | output tok/s | total tok/s |")
     print("| --- | ---: | ---: | ---: |")
     for r in results:
-        print(f"| {r.system} | {r.seconds:.1f} | {r.output_throughput:.1f} | "
-              f"{r.total_throughput:.1f} |")  # fmt: skip
+        print(
+            f"| {r.system} | {r.seconds:.1f} | {r.output_throughput:.1f} | "
+            f"{r.total_throughput:.1f} |"
+        )
     if len(results) == 2:
         print(f"ratio (output tok/s): {ours.output_throughput / results[1].output_throughput:.2f}x")
     print(f"engine: {ours.faults_per_step:,.0f} minor page faults a step")

@@ -120,8 +120,9 @@ def main(argv: list[str] | None = None) -> int:
         store = redis.Redis.from_url(server.url)
         dtype = DEFAULTS.model.dtype
         prefill = BedWorker(bed, "p0", "prefill", model, server.url, logs, dtype=dtype)
-        decode = BedWorker(bed, "d0", "decode", model, server.url, logs, "--no-write-back",
-                           dtype=dtype)  # fmt: skip
+        decode = BedWorker(
+            bed, "d0", "decode", model, server.url, logs, "--no-write-back", dtype=dtype
+        )
         routers: dict[str, BedRouter] = {}
         try:
             for w in (prefill, decode):
@@ -129,8 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             for w in (prefill, decode):
                 w.wait_ready(300)
             for name, extra in (("after", ["--prefetch-tokens", "0"]), ("prefetch", [])):
-                routers[name] = BedRouter(bed, logs, [prefill.address], [decode.address],
-                                          *extra)  # fmt: skip
+                routers[name] = BedRouter(bed, logs, [prefill.address], [decode.address], *extra)
                 routers[name].start()
             print(f"{platform.processor() or platform.machine()}, netem: {bed.netem}", flush=True)
             print(
@@ -149,16 +149,23 @@ def main(argv: list[str] | None = None) -> int:
                         block_bytes = max(store.strlen(store.randomkey() or b"") for _ in range(9))
                         blocks, ms = int(line["blocks"]), float(line["ms"])
                         mbps = blocks * block_bytes / ms / 1000
-                        row.update(link=f"{rate:g} Gbit/s", tokens=length, mode=name,
-                                   read_mb_s=mbps, link_mb_s=rate * 125)  # fmt: skip
+                        row.update(
+                            link=f"{rate:g} Gbit/s",
+                            tokens=length,
+                            mode=name,
+                            read_mb_s=mbps,
+                            link_mb_s=rate * 125,
+                        )
                         results.append(row)
                         share = (
                             f"{mbps:.0f} ({mbps / (rate * 125):.0%})" if name == "after" else "-"
                         )
-                        print(f"| {rate:g} Gbit/s | {length} | {name} | {1000 * row['ttft']:.0f} "
-                              f"| {1000 * row['second']:.0f} | "
-                              f"{1000 * (row['second'] - row['ttft']):.0f} | {share} |",
-                              flush=True)  # fmt: skip
+                        print(
+                            f"| {rate:g} Gbit/s | {length} | {name} | {1000 * row['ttft']:.0f} "
+                            f"| {1000 * row['second']:.0f} | "
+                            f"{1000 * (row['second'] - row['ttft']):.0f} | {share} |",
+                            flush=True,
+                        )
         finally:
             for child in (*routers.values(), prefill, decode):
                 child.stop(timeout=10)

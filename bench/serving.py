@@ -106,8 +106,11 @@ def servers(args: argparse.Namespace) -> dict[str, list[str]]:
     # each system in its best dtype here, unless --dtype says which
     dtype = args.dtype or ("bfloat16" if bf16_cpu() else "float32")
     forced = ["--dtype", dtype] if args.dtype else []
-    out = {f"pdserve {v}": [PDSERVE, "up", "--port", "{port}", *PDSERVE_VARIANTS[v], *forced]
-           for v in args.pdserve.split(",") if v}  # fmt: skip
+    out = {
+        f"pdserve {v}": [PDSERVE, "up", "--port", "{port}", *PDSERVE_VARIANTS[v], *forced]
+        for v in args.pdserve.split(",")
+        if v
+    }
     for variant in args.variant:  # NAME=FLAGS
         name, _, flags = variant.partition("=")
         out[f"pdserve {name}"] = [PDSERVE, "up", "--port", "{port}", *shlex.split(flags), *forced]
@@ -140,8 +143,9 @@ def wait_ready(url: str, process: subprocess.Popen[bytes], timeout: float) -> No
     raise SystemExit(f"{url} not ready in {timeout:.0f}s")
 
 
-def client_command(args: argparse.Namespace, url: str, s: Scenario, seed: int,
-                   result: Path) -> list[str]:  # fmt: skip
+def client_command(
+    args: argparse.Namespace, url: str, s: Scenario, seed: int, result: Path
+) -> list[str]:
     if args.vllm_python:
         cmd = [args.vllm_python, "-m", "bench.vllm_client", "--backend", "openai",
                "--base-url", url, "--endpoint", "/v1/completions", "--model", MODEL_ID,
@@ -196,13 +200,17 @@ def measure(name: str, command: list[str], args: argparse.Namespace) -> dict[str
 
 def run_scenarios(name: str, command: list[str], args: argparse.Namespace) -> dict[str, Path]:
     port = free_port()
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{(os.cpu_count() or 1) - 1}",
-               VLLM_CPU_KVCACHE_SPACE="2")  # fmt: skip
+    env = dict(
+        os.environ,
+        VLLM_CPU_OMP_THREADS_BIND=f"0-{(os.cpu_count() or 1) - 1}",
+        VLLM_CPU_KVCACHE_SPACE="2",
+    )
     slug = name.replace(" ", "-")
     log = open(args.out / f"{slug}.log", "wb")  # noqa: SIM115 (the server keeps it)
     argv = [c.replace("{port}", str(port)) for c in command]
-    process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
-                               start_new_session=True)  # fmt: skip
+    process = subprocess.Popen(
+        argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
     url = f"http://127.0.0.1:{port}"
     # vLLM's client guesses its platform from the version string and, on an AVX2-only CPU,
     # dies with SIGILL in AVX-512 kernels unless told it runs on a CPU (PEERS.md)
@@ -211,9 +219,15 @@ def run_scenarios(name: str, command: list[str], args: argparse.Namespace) -> di
     try:
         wait_ready(url, process, args.start_timeout)
         warm = Scenario("warmup", 128, 16, 2, concurrency=1)
-        subprocess.run(client_command(args, url, warm, random.getrandbits(30),
-                                      args.out / f"{slug}-warmup.json"),
-                       cwd=REPO, check=True, capture_output=True, env=client_env)  # fmt: skip
+        subprocess.run(
+            client_command(
+                args, url, warm, random.getrandbits(30), args.out / f"{slug}-warmup.json"
+            ),
+            cwd=REPO,
+            check=True,
+            capture_output=True,
+            env=client_env,
+        )
         for key in args.scenarios.split(","):
             result = args.out / f"{slug}-{key}.json"
             cmd = client_command(args, url, SCENARIOS[key], random.getrandbits(30), result)
@@ -241,9 +255,11 @@ def table(results: dict[str, dict[str, Path]], machine: str) -> str:
                 continue
             f = figures(runs[key])
             ratio = f"{f['tok/s'] / base['tok/s']:.2f}x" if base and base["tok/s"] else ""
-            lines.append(f"| {s.label} | {name} | {f['tok/s']:.1f} | {f['TTFT p50']:.0f} | "
-                         f"{f['TTFT p99']:.0f} | {f['TPOT p50']:.1f} | {f['goodput']:.2f} | "
-                         f"{f['failed']:.0f} | {ratio} |")  # fmt: skip
+            lines.append(
+                f"| {s.label} | {name} | {f['tok/s']:.1f} | {f['TTFT p50']:.0f} | "
+                f"{f['TTFT p99']:.0f} | {f['TPOT p50']:.1f} | {f['goodput']:.2f} | "
+                f"{f['failed']:.0f} | {ratio} |"
+            )
     return "\n".join(lines)
 
 
@@ -275,21 +291,32 @@ def plot(results: dict[str, dict[str, Path]], out: Path, machine: str) -> Path:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--out", type=Path, default=Path("results/serving"))
     p.add_argument("--scenarios", default=",".join(SCENARIOS))
-    p.add_argument("--pdserve", default="up,up-slo,disaggregated",
-                   help=f"pdserve up variants: {', '.join(PDSERVE_VARIANTS)}")  # fmt: skip
-    p.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
-                   help="another pdserve up to measure, e.g. 'b1k=--max-num-batched-tokens "
-                   "1024' (repeatable)")  # fmt: skip
+    p.add_argument(
+        "--pdserve",
+        default="up,up-slo,disaggregated",
+        help=f"pdserve up variants: {', '.join(PDSERVE_VARIANTS)}",
+    )
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=FLAGS",
+        help="another pdserve up to measure, e.g. 'b1k=--max-num-batched-tokens 1024' (repeatable)",
+    )
     p.add_argument("--vllm-python", help="python of a venv with vllm-cpu (PEERS.md)")
     p.add_argument("--model-dir", type=Path, help="`pdserve convert --out DIR` (vLLM's input)")
     p.add_argument("--llama-server", help="a llama-server binary (PEERS.md)")
     p.add_argument("--start-timeout", type=float, default=600)
-    p.add_argument("--dtype", choices=["float32", "bfloat16"],
-                   help="every server's dtype (default: each its best on this CPU)")  # fmt: skip
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        help="every server's dtype (default: each its best on this CPU)",
+    )
     args = p.parse_args()
     if args.vllm_python and not args.model_dir:
         p.error("--vllm-python needs --model-dir")

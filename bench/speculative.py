@@ -99,18 +99,20 @@ CONFIGS: list[tuple[str, SpeculativeConfig]] = [
 
 def grounded(loaded: LoadedModel, count: int) -> list[list[int]]:
     return [
-        loaded.tokenizer.encode_chat([{"role": "user", "content": ASKS[i % len(ASKS)].format(
-            TEXTS[i % len(TEXTS)])}])
+        loaded.tokenizer.encode_chat(
+            [{"role": "user", "content": ASKS[i % len(ASKS)].format(TEXTS[i % len(TEXTS)])}]
+        )
         for i in range(count)
-    ]  # fmt: skip
+    ]
 
 
 def open_questions(loaded: LoadedModel, count: int) -> list[list[int]]:
     return [
-        loaded.tokenizer.encode_chat([{"role": "user", "content": f"Write a short story about "
-                                       f"{TOPICS[i % len(TOPICS)]}."}])
+        loaded.tokenizer.encode_chat(
+            [{"role": "user", "content": f"Write a short story about {TOPICS[i % len(TOPICS)]}."}]
+        )
         for i in range(count)
-    ]  # fmt: skip
+    ]
 
 
 def random_prompts(count: int, length: int = 200) -> list[list[int]]:
@@ -139,9 +141,10 @@ def layer_skip_draft(loaded: LoadedModel, layers: int) -> DecoderModel:
     config = hf_config.read_config(loaded.path)
     weights = hf_dir.read_weights(loaded.path, config)
     kept = {
-        name: w for name, w in weights.items()
+        name: w
+        for name, w in weights.items()
         if not name.startswith("model.layers.") or int(name.split(".")[2]) < layers
-    }  # fmt: skip
+    }
     small = dataclasses.replace(config, num_layers=layers)
     return DecoderModel(small, kept, loaded.model.dtype, loaded.model.device)
 
@@ -154,8 +157,9 @@ def run(
     concurrent: bool,
     draft: DecoderModel | None = None,
 ) -> Run:
-    engine = Engine(loaded.model, loaded.tokenizer,
-                    EngineConfig(num_blocks=2048, speculative=spec), draft)  # fmt: skip
+    engine = Engine(
+        loaded.model, loaded.tokenizer, EngineConfig(num_blocks=2048, speculative=spec), draft
+    )
     params = SamplingParams(max_tokens=tokens, temperature=0)
     engine.generate([prompts[0][:8]], SamplingParams(max_tokens=2))  # warm
     engine.times.steps = 0
@@ -168,10 +172,14 @@ def run(
     made = [o.choices[0].token_ids for o in outputs]
     stats = engine.speculator.stats if engine.speculator else None
     return Run(
-        sum(len(m) for m in made), seconds, engine.times.steps,
-        stats.proposed if stats else 0, stats.accepted if stats else 0,
-        stats.steps if stats else 0, made,
-    )  # fmt: skip
+        sum(len(m) for m in made),
+        seconds,
+        engine.times.steps,
+        stats.proposed if stats else 0,
+        stats.accepted if stats else 0,
+        stats.steps if stats else 0,
+        made,
+    )
 
 
 def row(workload: str, name: str, r: Run, base: Run) -> list[str]:
@@ -232,9 +240,11 @@ async def one_stream(base: str, prompts: list[str], tokens: int) -> int:
     made = 0
     for text in prompts:
         out = await client.chat.completions.create(
-            model=MODEL_ID, messages=[{"role": "user", "content": text}], max_tokens=tokens,
+            model=MODEL_ID,
+            messages=[{"role": "user", "content": text}],
+            max_tokens=tokens,
             temperature=0,
-        )  # fmt: skip
+        )
         assert out.usage is not None
         made += out.usage.completion_tokens
     return made
@@ -249,8 +259,11 @@ def serving_table(count: int, tokens: int) -> str:
     for name, spec in CONFIGS:
         port = free_port()
         extra = ["--speculative", spec.method] if spec else []
-        up = subprocess.Popen([PDSERVE, "up", "--port", str(port), *extra],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+        up = subprocess.Popen(
+            [PDSERVE, "up", "--port", str(port), *extra],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         try:
             wait_ready(f"http://127.0.0.1:{port}", up, 600)
             url = f"http://127.0.0.1:{port}/v1"
@@ -296,10 +309,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--serving", action="store_true", help="also through `pdserve up`")
     parser.add_argument("--plot", help="write the ratios as a PNG bar chart here")
-    parser.add_argument("--draft-layers", type=int, default=0, help="also speculate with a "
-                        "draft made of the model's first N layers")  # fmt: skip
-    parser.add_argument("--sweep", help="batch sizes to run with and without speculation, "
-                        "no batch gate (e.g. 1,2,4,8,16)")  # fmt: skip
+    parser.add_argument(
+        "--draft-layers",
+        type=int,
+        default=0,
+        help="also speculate with a draft made of the model's first N layers",
+    )
+    parser.add_argument(
+        "--sweep",
+        help="batch sizes to run with and without speculation, no batch gate (e.g. 1,2,4,8,16)",
+    )
     args = parser.parse_args(argv)
     loaded = load_model("embedded", dtype=args.dtype)
     if args.sweep:

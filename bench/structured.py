@@ -27,25 +27,52 @@ import llguidance
 import torch
 
 from bench.serving import MODEL_ID
-from router.structured import compile_grammar
+from router.completions.structured import compile_grammar
 from services.engine.engine import Engine, EngineConfig
 from services.engine.params import SamplingParams
 from services.model.loader import LoadedModel, load_model
 from services.tokenizer.tokenizer import Tokenizer
 
 SCHEMAS = {
-    "flat": {"type": "object", "properties": {"name": {"type": "string"}, "age": {
-        "type": "integer"}}, "required": ["name", "age"], "additionalProperties": False},
-    "nested + enum": {"type": "object", "properties": {"tags": {"type": "array", "items": {
-        "enum": ["a", "bb", "ccc"]}, "minItems": 1, "maxItems": 3}, "address": {
-        "type": "object", "properties": {"city": {"type": "string"}, "zip": {
-            "type": "string", "pattern": "^[0-9]{5}$"}}, "required": ["city", "zip"]}},
-        "required": ["tags", "address"]},
-    "$defs / $ref": {"$defs": {"p": {"type": "object", "properties": {"x": {"type": "integer"},
-        "y": {"type": "integer"}}, "required": ["x", "y"]}}, "type": "object", "properties": {
-        "corners": {"type": "array", "items": {"$ref": "#/$defs/p"}, "minItems": 3}},
-        "required": ["corners"]},
-}  # fmt: skip
+    "flat": {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    },
+    "nested + enum": {
+        "type": "object",
+        "properties": {
+            "tags": {
+                "type": "array",
+                "items": {"enum": ["a", "bb", "ccc"]},
+                "minItems": 1,
+                "maxItems": 3,
+            },
+            "address": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string"},
+                    "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+                },
+                "required": ["city", "zip"],
+            },
+        },
+        "required": ["tags", "address"],
+    },
+    "$defs / $ref": {
+        "$defs": {
+            "p": {
+                "type": "object",
+                "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
+                "required": ["x", "y"],
+            }
+        },
+        "type": "object",
+        "properties": {"corners": {"type": "array", "items": {"$ref": "#/$defs/p"}, "minItems": 3}},
+        "required": ["corners"],
+    },
+}
 EXAMPLES = {
     "flat": {"name": "Ada Lovelace", "age": 36},
     "nested + enum": {"tags": ["a", "ccc"], "address": {"city": "London", "zip": "12345"}},
@@ -185,10 +212,15 @@ async def stream_all(base: str, sequences: int, tokens: int, constrained: bool) 
 
     async def one(k: int) -> int:
         stream = await client.chat.completions.create(
-            model=MODEL_ID, messages=[{"role": "user", "content": f"List {100 + k} things."}],
-            max_tokens=tokens, temperature=0.8, seed=k, stream=True,
-            stream_options={"include_usage": True}, **extra,
-        )  # fmt: skip
+            model=MODEL_ID,
+            messages=[{"role": "user", "content": f"List {100 + k} things."}],
+            max_tokens=tokens,
+            temperature=0.8,
+            seed=k,
+            stream=True,
+            stream_options={"include_usage": True},
+            **extra,
+        )
         used = 0
         async for chunk in stream:
             if chunk.usage is not None:
@@ -203,8 +235,9 @@ def serving_table(sequences: int, tokens: int) -> str:
     from services.launcher import PDSERVE, free_port
 
     port = free_port()
-    up = subprocess.Popen([PDSERVE, "up", "--port", str(port)], stdout=subprocess.DEVNULL,
-                          stderr=subprocess.DEVNULL)  # fmt: skip
+    up = subprocess.Popen(
+        [PDSERVE, "up", "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     try:
         wait_ready(f"http://127.0.0.1:{port}", up, 600)
         base = f"http://127.0.0.1:{port}/v1"

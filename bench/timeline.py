@@ -43,8 +43,9 @@ def send(base_url: str, input_len: int, output_len: int, trace_id: str, seed: in
         "stream": True,
     }
     headers = {"traceparent": f"00-{trace_id}-{secrets.token_hex(8)}-01"}
-    with httpx.stream("POST", f"{base_url}/v1/completions", json=body, headers=headers,
-                      timeout=600) as response:  # fmt: skip
+    with httpx.stream(
+        "POST", f"{base_url}/v1/completions", json=body, headers=headers, timeout=600
+    ) as response:
         response.raise_for_status()
         for _ in response.iter_lines():
             pass
@@ -125,8 +126,11 @@ def breakdown(spans: list[Span]) -> dict[str, Any]:
             done = steps[0]["time"] + int(steps[0]["forward_ms"] * 1e6)
             phase("decode: compute the prompt (chunks, last forward)", scheduled, done)
             phase("decode: sample, send the first token", done, first(events(d_work, "send")))
-            phase("router: first token in, SSE written", first(events(d_call, "chunk")),
-                  written[0]["time"] if written else None)  # fmt: skip
+            phase(
+                "router: first token in, SSE written",
+                first(events(d_call, "chunk")),
+                written[0]["time"] if written else None,
+            )
     if written:
         phases.append(("first token written (TTFT at the router)", ms(written[0]["time"]), 0.0))
     return {"phases": phases, "tokens": per_token(root, d_call, d_work),
@@ -207,8 +211,11 @@ def render(result: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.timeline", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m bench.timeline",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--trace-file", type=Path, required=True, help="the servers' --trace-file")
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
     p.add_argument("--input-len", type=int, default=128)
@@ -218,12 +225,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     trace_id = secrets.token_hex(16)
     seed = args.seed if args.seed is not None else random.getrandbits(32)
-    send(args.base_url.rstrip("/").removesuffix("/v1"), args.input_len, args.output_len,
-         trace_id, seed)  # fmt: skip
+    send(
+        args.base_url.rstrip("/").removesuffix("/v1"),
+        args.input_len,
+        args.output_len,
+        trace_id,
+        seed,
+    )
     spans = spans_of(args.trace_file, trace_id)
     if not any(is_root(s) for s in spans):
-        print(f"no spans of trace {trace_id} in {args.trace_file}: was the server started "
-              "with --trace-file?", file=sys.stderr)  # fmt: skip
+        print(
+            f"no spans of trace {trace_id} in {args.trace_file}: was the server started "
+            "with --trace-file?",
+            file=sys.stderr,
+        )
         return 1
     result = breakdown(spans)
     print(f"trace {trace_id}: {args.input_len} prompt tokens, {args.output_len} generated")

@@ -53,8 +53,9 @@ class DecodeConnector:
         rest = len(prompt) % link.layout.block_size
         read = await prefetcher.claim(request_id, full) if prefetcher is not None else None
         head = None if compute_head is None else functools.partial(compute_head, full)
-        imported = await link.fetch(request_id, full, partial, rest, gentle=True, prefetched=read,
-                                    compute_head=head)  # fmt: skip
+        imported = await link.fetch(
+            request_id, full, partial, rest, gentle=True, prefetched=read, compute_head=head
+        )
         return cls(full, imported, write_back)
 
     def prefix(self, seq: Sequence) -> ImportedKV | None:

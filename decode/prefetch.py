@@ -93,10 +93,17 @@ class Prefetcher:
                 polls += 1
                 pause = PREFETCH_POLL[0] if got else min(2 * pause, PREFETCH_POLL[1])
                 await asyncio.sleep(pause)  # the prefill has not written the next block yet
-            log.info("prefetched", extra={"fields": {
-                "request_id": request_id, "blocks": len(state.values), "polls": polls,
-                "ms": 1000 * (time.perf_counter() - state.started),
-            }})  # fmt: skip
+            log.info(
+                "prefetched",
+                extra={
+                    "fields": {
+                        "request_id": request_id,
+                        "blocks": len(state.values),
+                        "polls": polls,
+                        "ms": 1000 * (time.perf_counter() - state.started),
+                    }
+                },
+            )
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(state.claimed.wait(), deadline - time.monotonic())
         except StoreUnavailable:

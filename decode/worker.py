@@ -68,10 +68,23 @@ class DecodeWorker(Worker, worker_pb2_grpc.DecodeWorkerServicer):
     ) -> AsyncIterator[pb.DecodeChunk]:
         rid = request.request_id
         prompt, output = list(request.prompt_token_ids), list(request.output_token_ids)
-        span = self.span("Decode", context, request_id=rid, prompt_tokens=len(prompt),
-                         local_prefill=request.local_prefill)  # fmt: skip
-        log.info("decode", extra={"fields": {"request_id": rid, "prompt_tokens": len(prompt),
-                                              "local_prefill": request.local_prefill}})  # fmt: skip
+        span = self.span(
+            "Decode",
+            context,
+            request_id=rid,
+            prompt_tokens=len(prompt),
+            local_prefill=request.local_prefill,
+        )
+        log.info(
+            "decode",
+            extra={
+                "fields": {
+                    "request_id": rid,
+                    "prompt_tokens": len(prompt),
+                    "local_prefill": request.local_prefill,
+                }
+            },
+        )
         try:
             convert.check_no_unknown_fields(request)
             params = convert.sampling_params(request.params, request.seed)
@@ -84,20 +97,30 @@ class DecodeWorker(Worker, worker_pb2_grpc.DecodeWorkerServicer):
             await self._compute_head(rid, prompt, request.salt, hashes, blocks)
 
         connector = await DecodeConnector.fetch(
-            self.link, rid, prompt, request.salt, self.settings.worker.write_back,
-            self.prefetcher, compute_head,
-        )  # fmt: skip
+            self.link,
+            rid,
+            prompt,
+            request.salt,
+            self.settings.worker.write_back,
+            self.prefetcher,
+            compute_head,
+        )
         kv = connector.imported
         span.event("fetched", tokens=kv.num_tokens if kv is not None else 0)
         submitted = time.perf_counter()
         try:
             stream = await self.driver.submit(
                 EngineRequest(
-                    rid, prompt, params, request.salt, output_ids=output,
+                    rid,
+                    prompt,
+                    params,
+                    request.salt,
+                    output_ids=output,
                     text_sent=request.text_sent if request.HasField("text_sent") else None,
                     block_hashes=connector.block_hashes,
-                ), connector,
-            )  # fmt: skip
+                ),
+                connector,
+            )
             measured = submitted if not output else None  # a migrated stream computes more
             async for chunk in self._chunks(rid, len(prompt), stream, span, measured):
                 yield chunk
@@ -116,8 +139,9 @@ class DecodeWorker(Worker, worker_pb2_grpc.DecodeWorkerServicer):
         head of a split between computing and reading (services/worker/fetch_choice.py). A
         failure costs nothing but the head: the request computes what the cache lacks."""
         tokens = blocks * self.layout.block_size
-        request = EngineRequest(f"{rid}/head", prompt[:tokens], HEAD, salt,
-                                block_hashes=hashes[:blocks])  # fmt: skip
+        request = EngineRequest(
+            f"{rid}/head", prompt[:tokens], HEAD, salt, block_hashes=hashes[:blocks]
+        )
         try:  # not a measure of the prompt rate: the reading shares the cores meanwhile
             async for _ in await self.driver.submit(request):
                 pass
@@ -154,16 +178,26 @@ class DecodeWorker(Worker, worker_pb2_grpc.DecodeWorkerServicer):
                 )
                 if delta.finished:
                     finished = True
-                    chunk.usage.CopyFrom(pb.Usage(
-                        prompt_tokens=prompt_len,
-                        completion_tokens=delta.num_output_tokens,
-                        cached_tokens=delta.num_cached_tokens,
-                        store_tokens=delta.num_external_tokens,
-                    ))  # fmt: skip
-                    log.info("decoded", extra={"fields": {
-                        "request_id": rid, "tokens": delta.num_output_tokens,
-                        "finish": delta.finish_reason.value if delta.finish_reason else None,
-                    }})  # fmt: skip
+                    chunk.usage.CopyFrom(
+                        pb.Usage(
+                            prompt_tokens=prompt_len,
+                            completion_tokens=delta.num_output_tokens,
+                            cached_tokens=delta.num_cached_tokens,
+                            store_tokens=delta.num_external_tokens,
+                        )
+                    )
+                    log.info(
+                        "decoded",
+                        extra={
+                            "fields": {
+                                "request_id": rid,
+                                "tokens": delta.num_output_tokens,
+                                "finish": delta.finish_reason.value
+                                if delta.finish_reason
+                                else None,
+                            }
+                        },
+                    )
                 span.event("send")  # handed to gRPC (after the yield may be later than received)
                 yield chunk
         finally:

@@ -182,8 +182,23 @@ class BlockCodec:
         if len(value) < FORMAT.size:
             raise CodecError(f"truncated: {len(value)} bytes, header alone is {FORMAT.size}")
         fields = FORMAT.unpack_from(value, 0)
-        (magic, version, dtype, flags, layers, block_size, num_tokens, kv_heads, head_dim,
-         v_dim, reserved, namespace, stored_hash, payload_len, checksum) = fields  # fmt: skip
+        (
+            magic,
+            version,
+            dtype,
+            flags,
+            layers,
+            block_size,
+            num_tokens,
+            kv_heads,
+            head_dim,
+            v_dim,
+            reserved,
+            namespace,
+            stored_hash,
+            payload_len,
+            checksum,
+        ) = fields
         lay, keyed = self.layout, bool(flags & FLAG_MAC)
         expect = [
             (magic == MAGIC, "bad magic"),
@@ -236,8 +251,9 @@ class BlockCodec:
         n, lay = len(values), self.layout
         rows = np.empty((n, self.payload_bytes), dtype=np.uint8)
         for i, value in enumerate(values):
-            rows[i] = np.frombuffer(value, dtype=np.uint8, count=self.payload_bytes,
-                                    offset=FORMAT.size)  # fmt: skip
+            rows[i] = np.frombuffer(
+                value, dtype=np.uint8, count=self.payload_bytes, offset=FORMAT.size
+            )
         payload = torch.from_numpy(rows[:, self.scales_bytes :])
         k, v = self._parts(payload.view(self.dtype.torch).view(n, lay.num_layers, -1))
         if self.scales_bytes:

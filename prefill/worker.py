@@ -55,9 +55,11 @@ class PrefillWorker(Worker, worker_pb2_grpc.PrefillWorkerServicer):
         submitted = time.perf_counter()
         try:
             stream = await self.driver.submit(
-                EngineRequest(rid, prompt, params, request.salt,
-                              block_hashes=connector.block_hashes), connector,
-            )  # fmt: skip
+                EngineRequest(
+                    rid, prompt, params, request.salt, block_hashes=connector.block_hashes
+                ),
+                connector,
+            )
             # a caller gone (cancelled) aborts the request as the stream is left
             delta = [d async for d in stream][-1]
             cached = delta.num_cached_tokens
@@ -78,8 +80,12 @@ class PrefillWorker(Worker, worker_pb2_grpc.PrefillWorkerServicer):
         if delta.finish_reason is FinishReason.ABORT:
             await context.abort(grpc.StatusCode.CANCELLED, f"request {rid} was aborted")
         cached = delta.num_cached_tokens
-        log.info("prefilled", extra={"fields": {"request_id": rid, "cached": cached,
-                                                 "computed": len(prompt) - cached}})  # fmt: skip
+        log.info(
+            "prefilled",
+            extra={
+                "fields": {"request_id": rid, "cached": cached, "computed": len(prompt) - cached}
+            },
+        )
         reply = pb.PrefillReply(
             request_id=rid,
             first_token=delta.token_ids[0],

@@ -14,11 +14,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from router.api import routes, state_of
-from router.console import routes as console_routes
+from router.completions.api import routes, state_of
+from router.completions.protocol import DetokenizeRequest, TokenizeRequest, WorkerChange
+from router.console.page import routes as console_routes
 from router.errors import APIError, bad_request, unavailable
-from router.protocol import DetokenizeRequest, TokenizeRequest, WorkerChange
-from router.responses import routes as responses_routes
+from router.responses.api import routes as responses_routes
 from router.state import RouterState, bearer, new_id, read_model
 from services.settings import Settings
 from services.tracing import RECEIVED
@@ -99,8 +99,13 @@ class Edge:
             fields = {"request_id": rid, "path": request.url.path}
             log.exception("unhandled error", extra={"fields": fields})
             if not status:  # nothing sent yet: the client gets an answer it can parse
-                error = APIError(500, f"Internal server error (request id {rid})", None,
-                                 "internal_error", {"X-Request-Id": rid})  # fmt: skip
+                error = APIError(
+                    500,
+                    f"Internal server error (request id {rid})",
+                    None,
+                    "internal_error",
+                    {"X-Request-Id": rid},
+                )
                 await error.response()(scope, receive, counted)
         path = request.url.path
         # unknown paths share one label: a scanner's random URLs must not grow the series
@@ -123,7 +128,7 @@ def _refusal(request: Request, state: RouterState) -> APIError | None:
             "request_too_large",
         )
     keys = state.config.api_keys
-    # the admin API and the console's stack view check their own keys (router/console.py)
+    # the admin API and the console's stack view check their own keys (router/console/page.py)
     guarded = keys and path not in OPEN_PATHS and not path.startswith(("/admin", "/console/"))
     key = bearer(request)
     if guarded and key not in keys:

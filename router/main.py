@@ -11,7 +11,11 @@ from services.settings import Settings
 def run(settings: Settings) -> int:
     """The `router` role's entry point (pyproject.toml); `settings` checked (secrets read)."""
     app = create_app(settings)
-    uvicorn.run(app, host=settings.server.host, port=settings.port,
-                log_level=settings.server.log_level,
-                access_log=False)  # fmt: skip
+    uvicorn.run(
+        app,
+        host=settings.server.host,
+        port=settings.port,
+        log_level=settings.server.log_level,
+        access_log=False,
+    )
     return 0

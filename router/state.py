@@ -18,16 +18,16 @@ from typing import Any, TypeVar
 import pydantic
 from fastapi import Request
 
+from router.completions.openai_format import ChoiceState
+from router.completions.protocol import SamplingFields
+from router.completions.structured import grammar_of
+from router.console.recent import Recent, StoreRates
 from router.errors import APIError, bad_request
-from router.generation import Delta, Job, Pipeline
 from router.metrics import Metrics
-from router.openai_format import ChoiceState
-from router.policy import Policy
-from router.protocol import SamplingFields
-from router.recent import Recent, StoreRates
-from router.response_store import ResponseStore
-from router.structured import grammar_of
-from router.workers import Registry
+from router.responses.store import ResponseStore
+from router.workers.generation import Delta, Job, Pipeline
+from router.workers.policy import Policy
+from router.workers.registry import Registry
 from services.engine.params import SamplingParams, ValidationError
 from services.model.config import ModelConfig
 from services.model.loading import hf_config, sources
@@ -51,7 +51,7 @@ class RouterState:
     metrics: Metrics = field(default_factory=Metrics)
     tracer: Tracer = field(default_factory=lambda: Tracer("pdserve-router", None))
     responses: ResponseStore = field(default_factory=ResponseStore)  # the Responses API's
-    recent: Recent = field(default_factory=Recent)  # the console's (router/console.py)
+    recent: Recent = field(default_factory=Recent)  # the console's (router/console/page.py)
     store_rates: StoreRates = field(default_factory=StoreRates)
     pending: int = 0  # sequences (prompts x n) of the requests admitted and not finished
     started: int = field(default_factory=lambda: int(time.time()))

@@ -100,8 +100,9 @@ def start_redis(
     port = port or free_port()
     workdir.mkdir(parents=True, exist_ok=True)
     conf = redis_conf(workdir / "redis.conf", port, workdir, password)
-    proc = subprocess.Popen([binary, str(conf)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)  # fmt: skip
+    proc = subprocess.Popen(
+        [binary, str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     wait_for_port(port)
     auth = f":{quote(password, safe='')}@" if password is not None else ""
     return proc, f"redis://{auth}127.0.0.1:{port}/0"

@@ -1,5 +1,5 @@
 """Where a request's time goes: spans across the router and the workers, written out only when
-asked (the router keeps its own in memory for its console: router/recent.py).
+asked (the router keeps its own in memory for its console: router/console/recent.py).
 
 The `trace_file` setting (`--trace-file PATH`, `PDSERVE_TRACE_FILE`; `pdserve up` passes it
 to every service) turns tracing on: each process appends its finished spans to PATH, one
@@ -53,8 +53,9 @@ class Span:
     def child(self, name: str, kind: int = INTERNAL, **attributes: Any) -> Span:
         if self.exporter is None:
             return self
-        return Span(name, self.trace_id, new_id(8), self.span_id, kind, self.exporter,
-                    attributes=attributes)  # fmt: skip
+        return Span(
+            name, self.trace_id, new_id(8), self.span_id, kind, self.exporter, attributes=attributes
+        )
 
     def event(self, name: str, at_ns: int | None = None, **attributes: Any) -> None:
         if self.exporter is not None:

@@ -84,9 +84,14 @@ class Child:
 
     def start(self) -> None:
         self.process = subprocess.Popen(
-            self.argv, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent,
-        )  # fmt: skip
+            self.argv,
+            env=self.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
         self.started = time.monotonic()
         self.restart_at = None
         self.pump = threading.Thread(target=self._pump, args=(self.process,), daemon=True)
@@ -136,8 +141,10 @@ class Stack:
             return f"prefill x{u.num_prefill}, decode x{u.num_decode}"
         shape = f"colocated: decode x{u.num_decode} computing prompts too"
         if u.colocated is None:
-            shape += (f" (chosen for {self.cores} cores: faster than prefill and decode "
-                      "processes sharing them; --no-colocated to run prefill workers)")  # fmt: skip
+            shape += (
+                f" (chosen for {self.cores} cores: faster than prefill and decode "
+                "processes sharing them; --no-colocated to run prefill workers)"
+            )
         return shape
 
     def build(self, workdir: Path) -> str:
@@ -152,8 +159,11 @@ class Stack:
         secrets_env = {
             env_name("kv_store"): store, env_name("kv_key_file"): key_file,
         }  # fmt: skip
-        roles = (("decode", s.up.num_decode),) if self.colocated else (
-            ("prefill", s.up.num_prefill), ("decode", s.up.num_decode))  # fmt: skip
+        roles = (
+            (("decode", s.up.num_decode),)
+            if self.colocated
+            else (("prefill", s.up.num_prefill), ("decode", s.up.num_decode))
+        )
         shared = sum(count for _, count in roles) > 1
         shared_cores = shared_host_env(base) if shared else {}
         addresses: dict[str, list[str]] = {"prefill": [], "decode": []}
@@ -202,8 +212,10 @@ class Stack:
         together), else for this run only, in the work directory."""
         try:
             if not store.startswith("local:"):
-                say("pdserve: KV blocks are authenticated with a key made for this run: give "
-                    "--kv-key-file to keep them across restarts or share the store")  # fmt: skip
+                say(
+                    "pdserve: KV blocks are authenticated with a key made for this run: give "
+                    "--kv-key-file to keep them across restarts or share the store"
+                )
                 return make_key(workdir / "kv.key")
             return make_key(local.private_dir(local.path_of(store)) / "kv.key")
         except (OSError, ValueError) as e:
@@ -234,8 +246,10 @@ class Stack:
                 if now - child.started > STABLE_AFTER:
                     child.backoff = 1.0
                 child.restart_at = now + child.backoff
-                say(f"pdserve: {child.name} exited with code {code}; "
-                    f"restarting in {child.backoff:.0f}s")  # fmt: skip
+                say(
+                    f"pdserve: {child.name} exited with code {code}; "
+                    f"restarting in {child.backoff:.0f}s"
+                )
                 child.backoff = min(BACKOFF_MAX, child.backoff * 2)
             elif child.restart_at is not None and now >= child.restart_at:
                 child.start()
@@ -280,8 +294,10 @@ def up(settings: Settings) -> int:
         child.start()
     try:
         if stack.wait_ready():
-            say(f"pdserve: ready at {stack.url}/v1 ({stack.topology()}, KV store {shown}); "
-                "Ctrl-C stops")  # fmt: skip
+            say(
+                f"pdserve: ready at {stack.url}/v1 ({stack.topology()}, KV store {shown}); "
+                "Ctrl-C stops"
+            )
         elif not stack.stopping.is_set():
             say(f"pdserve: error: not healthy within {READY_TIMEOUT:.0f}s; stopping")
             return 1

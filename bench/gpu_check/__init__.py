@@ -186,12 +186,17 @@ def table(env: dict[str, Any], sections: list[Section]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", type=Path, required=True, help="writes gpu_check.json here")
-    p.add_argument("--device", choices=("cuda", "cpu"),
-                   default="cuda" if torch.cuda.is_available() else "cpu")  # fmt: skip
+    p.add_argument(
+        "--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu"
+    )
     p.add_argument("--dry", action="store_true", help="tiny shapes (the CPU test suite's run)")
     p.add_argument("--budget-s", type=float, default=450, help="no section starts after this")
-    p.add_argument("--only", type=lambda v: v.split(","), default=list(SECTIONS),
-                   help=f"sections to run, comma-separated (of {','.join(SECTIONS)})")  # fmt: skip
+    p.add_argument(
+        "--only",
+        type=lambda v: v.split(","),
+        default=list(SECTIONS),
+        help=f"sections to run, comma-separated (of {','.join(SECTIONS)})",
+    )
     args = p.parse_args(argv)
     if unknown := set(args.only) - set(SECTIONS):
         p.error(f"--only: no section {', '.join(sorted(unknown))}")

@@ -43,17 +43,32 @@ class Sizes:
 
 
 FULL = Sizes(
-    kernel_tests="", parity_prompts=8, parity_tokens=64, decode_batches=(1, 32, 256),
-    hf_batches=(1, 32, 256), decode_prompt_len=32, warm_steps=4, decode_steps=64,
-    prefill_len=4096, served_prompts=4, served_tokens=32,
-)  # fmt: skip
+    kernel_tests="",
+    parity_prompts=8,
+    parity_tokens=64,
+    decode_batches=(1, 32, 256),
+    hf_batches=(1, 32, 256),
+    decode_prompt_len=32,
+    warm_steps=4,
+    decode_steps=64,
+    prefill_len=4096,
+    served_prompts=4,
+    served_tokens=32,
+)
 DRY = Sizes(  # the CPU suite's: every section end to end, each as small as it goes
     # one test a file: the suite runs them all (TRITON_INTERPRET=1) elsewhere
     kernel_tests="float32 and (views_are_read_and_written or decode_rows_alone)",
-    parity_prompts=2, parity_tokens=8, decode_batches=(1, 4), hf_batches=(1,),
-    decode_prompt_len=16, warm_steps=1, decode_steps=2, prefill_len=32, served_prompts=1,
+    parity_prompts=2,
+    parity_tokens=8,
+    decode_batches=(1, 4),
+    hf_batches=(1,),
+    decode_prompt_len=16,
+    warm_steps=1,
+    decode_steps=2,
+    prefill_len=32,
+    served_prompts=1,
     served_tokens=8,
-)  # fmt: skip
+)
 
 
 class Skip(Exception):
@@ -81,10 +96,13 @@ class Check:
     ) -> LoadedModel:
         key = (dtype, kernels, deterministic)
         if key not in self.models:
-            log(f"  loading the embedded model: {dtype}, kernels {kernels}, "
-                f"deterministic {deterministic}")  # fmt: skip
-            self.models[key] = load_model("embedded", dtype, str(self.device), kernels=kernels,
-                                          deterministic=deterministic)  # fmt: skip
+            log(
+                f"  loading the embedded model: {dtype}, kernels {kernels}, "
+                f"deterministic {deterministic}"
+            )
+            self.models[key] = load_model(
+                "embedded", dtype, str(self.device), kernels=kernels, deterministic=deterministic
+            )
         return self.models[key]
 
     def reference(self, dtype: str) -> Any:

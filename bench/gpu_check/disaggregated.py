@@ -32,8 +32,10 @@ from services.launcher import PDSERVE, free_port
 
 # the decode worker's /metrics (services/worker/http.py): blocks it read from the store, and
 # prompt tokens it computed because the store missed
-DECODE_COUNTERS = {"block_hits": "pdserve_kv_store_block_hits_total",
-                   "recomputed_tokens": "pdserve_recomputed_tokens_total"}  # fmt: skip
+DECODE_COUNTERS = {
+    "block_hits": "pdserve_kv_store_block_hits_total",
+    "recomputed_tokens": "pdserve_recomputed_tokens_total",
+}
 
 
 def alive(pid: int) -> bool:
@@ -50,8 +52,14 @@ class UpProcess:
 
     def __init__(self, argv: list[str], log_path: Path) -> None:
         env = {**os.environ, "PDSERVE_LOG_LEVEL": "warning"}
-        self.process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                        text=True, env=env, start_new_session=True)  # fmt: skip
+        self.process = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
         self.lines: list[str] = []
         self.log_path = log_path
         threading.Thread(target=self._read, daemon=True).start()
@@ -73,15 +81,19 @@ class UpProcess:
                 if re.match(r"pdserve: \S+ exited with code", line):  # no use waiting for it
                     raise RuntimeError(" / ".join(lines[max(0, i - 3) : i + 1]))
             if self.process.poll() is not None:
-                raise RuntimeError(f"pdserve up exited with code {self.process.returncode}; "
-                                   f"see {self.log_path}")  # fmt: skip
+                raise RuntimeError(
+                    f"pdserve up exited with code {self.process.returncode}; see {self.log_path}"
+                )
             time.sleep(0.2)
         raise RuntimeError(f"pdserve up not ready in {timeout:.0f}s; see {self.log_path}")
 
     def stop(self) -> list[str]:
         """SIGINT, as Ctrl-C; the names of the processes that had to be killed after."""
-        children = {m.group(1): int(m.group(2)) for line in list(self.lines)
-                    if (m := re.search(r"pdserve: (\S+) started \(pid (\d+)\)", line))}  # fmt: skip
+        children = {
+            m.group(1): int(m.group(2))
+            for line in list(self.lines)
+            if (m := re.search(r"pdserve: (\S+) started \(pid (\d+)\)", line))
+        }
         left = []
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGINT)
@@ -198,8 +210,10 @@ def run(check: Check, numbers: dict[str, Any]) -> bool:
 
 def summary(n: dict[str, Any]) -> str:
     d = n["decode_worker"]
-    return (f"{n['identical']}/{n['prompts']} texts equal the engine's "
-            f"({n['streamed_identical']} streamed); the decode worker read {d['block_hits']} "
-            f"blocks from the local:// store, recomputed {d['recomputed_tokens']} tokens; "
-            f"TTFT {n['ttft_ms']:.0f} ms, {n['tok_s']:.1f} tok/s; left running: "
-            f"{', '.join(n['left_running']) or 'none'}")  # fmt: skip
+    return (
+        f"{n['identical']}/{n['prompts']} texts equal the engine's "
+        f"({n['streamed_identical']} streamed); the decode worker read {d['block_hits']} "
+        f"blocks from the local:// store, recomputed {d['recomputed_tokens']} tokens; "
+        f"TTFT {n['ttft_ms']:.0f} ms, {n['tok_s']:.1f} tok/s; left running: "
+        f"{', '.join(n['left_running']) or 'none'}"
+    )

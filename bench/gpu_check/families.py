@@ -34,12 +34,18 @@ def prompts(vocab: int) -> list[list[int]]:
 
 
 def engine_tokens(
-    loaded: Any, batch: list[list[int]], tokens: int, draft: Any = None,
+    loaded: Any,
+    batch: list[list[int]],
+    tokens: int,
+    draft: Any = None,
     spec: SpeculativeConfig | None = None,
-) -> tuple[list[list[int]], Any]:  # fmt: skip
-    engine = Engine(loaded.model, loaded.tokenizer,
-                    EngineConfig(num_blocks=64, speculative=spec or SpeculativeConfig()),
-                    draft=draft)  # fmt: skip
+) -> tuple[list[list[int]], Any]:
+    engine = Engine(
+        loaded.model,
+        loaded.tokenizer,
+        EngineConfig(num_blocks=64, speculative=spec or SpeculativeConfig()),
+        draft=draft,
+    )
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
     out = [o.choices[0].token_ids for o in engine.generate(batch, params)]
     return out, engine.speculator.stats if engine.speculator is not None else None
@@ -68,8 +74,11 @@ def run(check: Check, numbers: dict[str, Any]) -> bool:
             except Exception as e:  # recorded; the next family runs
                 results[name] = {"error": f"{type(e).__name__}: {e}"}
                 continue
-            results[name] = {"first_divergence": [first_divergence(a, b) for a, b in
-                                                  zip(ours, theirs, strict=True)]}  # fmt: skip
+            results[name] = {
+                "first_divergence": [
+                    first_divergence(a, b) for a, b in zip(ours, theirs, strict=True)
+                ]
+            }
         numbers["mtp"] = {}
         for name, save in (
             ("deepseek_v3", tiny.save_tiny_mtp),
@@ -98,8 +107,11 @@ def run(check: Check, numbers: dict[str, Any]) -> bool:
 def summary(n: dict[str, Any]) -> str:
     fams = n["families"]
     same = [k for k, r in fams.items() if all(d is None for d in r.get("first_divergence", [0]))]
-    differ = {k: r["first_divergence"] for k, r in fams.items()
-              if "first_divergence" in r and k not in same}  # fmt: skip
+    differ = {
+        k: r["first_divergence"]
+        for k, r in fams.items()
+        if "first_divergence" in r and k not in same
+    }
     missing = [k for k, r in fams.items() if "missing" in r]
     errors = {k: r["error"] for k, r in fams.items() if "error" in r}
     drafts = ", ".join(

@@ -11,8 +11,10 @@ from typing import Any
 from bench.gpu_check.check import REPO, Check, Skip
 from bench.offline import log
 
-FILES = tuple(f"tests/services/model/test_triton_{name}.py"
-              for name in ("layer_ops", "attention", "mla", "fp8", "row_gemm"))  # fmt: skip
+FILES = tuple(
+    f"tests/services/model/test_triton_{name}.py"
+    for name in ("layer_ops", "attention", "mla", "fp8", "row_gemm")
+)
 
 
 def run(check: Check, numbers: dict[str, Any]) -> bool:
@@ -27,8 +29,9 @@ def run(check: Check, numbers: dict[str, Any]) -> bool:
     numbers["selected"] = check.sizes.kernel_tests or "all"
     argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *selected, *files]
     log(f"  {' '.join(argv[1:])}")
-    done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=max(10.0, check.left()))  # fmt: skip
+    done = subprocess.run(
+        argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=max(10.0, check.left())
+    )
     lines = done.stdout.strip().splitlines() or [""]
     numbers |= {"returncode": done.returncode, "summary": lines[-1]}
     counts = re.findall(r"(\d+) (passed|failed|skipped|deselected|errors?)", lines[-1])

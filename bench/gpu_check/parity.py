@@ -37,9 +37,13 @@ def hf_generate(model: Any, prompt: list[int], tokens: int, device: torch.device
     ids = torch.tensor([prompt], device=device)
     with torch.inference_mode():
         out = model.to(device).generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, do_sample=False,
-            eos_token_id=None, pad_token_id=0,
-        )  # fmt: skip
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
     return list(out[0, len(prompt) :].tolist())
 
 
@@ -78,8 +82,10 @@ def run(check: Check, numbers: dict[str, Any]) -> bool:
         matched = sum(d is None or d >= prefix for d in b16["first_divergence"])
         # a dry run's prompts are too few and short to judge: bfloat16 on a CPU rounds
         # differently from transformers' kernels and 8 tokens can cross a near tie
-        b16 |= {"matched_first_tokens": {"tokens": prefix, "prompts": matched},
-                "judged": not check.dry}  # fmt: skip
+        b16 |= {
+            "matched_first_tokens": {"tokens": prefix, "prompts": matched},
+            "judged": not check.dry,
+        }
         if b16["judged"]:
             passed = passed and 2 * matched > b16["prompts"]
     if check.dry:
@@ -110,8 +116,10 @@ def summary(n: dict[str, Any]) -> str:
         line += f"skip: {b16['skip']}"
     else:
         m = b16["matched_first_tokens"]
-        line += (f"{b16['identical']}/{b16['prompts']} identical, {m['prompts']} on the first "
-                 f"{m['tokens']} tokens (first divergence {b16['first_divergence']})")  # fmt: skip
+        line += (
+            f"{b16['identical']}/{b16['prompts']} identical, {m['prompts']} on the first "
+            f"{m['tokens']} tokens (first divergence {b16['first_divergence']})"
+        )
         line += "" if b16["judged"] else ", recorded, not judged (dry)"
     if t := n.get("triton"):
         if "skip" in t:

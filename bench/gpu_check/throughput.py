@@ -30,8 +30,11 @@ def engine_decode(
     sizes = check.sizes
     tokens = sizes.warm_steps + sizes.decode_steps + 2
     blocks = batch * math.ceil((sizes.decode_prompt_len + tokens) / BLOCK) + 8
-    engine = Engine(loaded.model, loaded.tokenizer,
-                    EngineConfig(num_blocks=blocks, max_num_seqs=batch, **config))  # fmt: skip
+    engine = Engine(
+        loaded.model,
+        loaded.tokenizer,
+        EngineConfig(num_blocks=blocks, max_num_seqs=batch, **config),
+    )
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
     length = sizes.decode_prompt_len
     for i, p in enumerate(workload(batch, length, length, seed=batch)):
@@ -58,8 +61,12 @@ def engine_decode(
 def engine_prefill(check: Check, loaded: LoadedModel) -> float:
     """Seconds of one fresh prompt's prefill, in one chunk, after one untimed prefill."""
     n = check.sizes.prefill_len
-    config = EngineConfig(num_blocks=2 * math.ceil(n / BLOCK) + 8, max_num_batched_tokens=n,
-                          prefill_chunk_size=n, enable_prefix_caching=False)  # fmt: skip
+    config = EngineConfig(
+        num_blocks=2 * math.ceil(n / BLOCK) + 8,
+        max_num_batched_tokens=n,
+        prefill_chunk_size=n,
+        enable_prefix_caching=False,
+    )
     engine = Engine(loaded.model, loaded.tokenizer, config)
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     seconds = 0.0
@@ -78,8 +85,14 @@ def hf_generate_seconds(check: Check, hf: Any, ids: torch.Tensor, tokens: int) -
     check.sync()
     start = time.perf_counter()
     with torch.inference_mode():
-        hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens,
-                    min_new_tokens=tokens, do_sample=False, pad_token_id=0)  # fmt: skip
+        hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=tokens,
+            min_new_tokens=tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
     check.sync()
     return time.perf_counter() - start
 
@@ -130,8 +143,9 @@ def run(check: Check, numbers: dict[str, Any]) -> bool:
         rows.append({"system": "transformers", "batch": b, "tok_s": hf_decode(check, hf, b)})
     log(f"  prefill of {sizes.prefill_len} tokens: the engine, transformers")
     mine = engine_prefill(check, loaded)
-    ids = torch.tensor(workload(1, sizes.prefill_len, sizes.prefill_len, seed=8),
-                       device=check.device)  # fmt: skip
+    ids = torch.tensor(
+        workload(1, sizes.prefill_len, sizes.prefill_len, seed=8), device=check.device
+    )
     hf_generate_seconds(check, hf, ids, 1)  # warm
     theirs = hf_generate_seconds(check, hf, ids, 1)
     numbers["prefill"] = {"tokens": sizes.prefill_len, "pdserve_s": mine,
@@ -158,24 +172,30 @@ def torch_kernels(check: Check, dtype: str, rows: list[dict[str, Any]]) -> None:
 
 def summary(n: dict[str, Any]) -> str:
     p = n["prefill"]
-    return (f"{n['dtype']}; prefill {p['tokens']} tokens {1000 * p['pdserve_s']:.0f} ms "
-            f"(deterministic off {1000 * p['pdserve_not_deterministic_s']:.0f} ms; "
-            f"transformers {1000 * p['transformers_s']:.0f} ms, {p['ratio']:.2f}x); "
-            "decode below")  # fmt: skip
+    return (
+        f"{n['dtype']}; prefill {p['tokens']} tokens {1000 * p['pdserve_s']:.0f} ms "
+        f"(deterministic off {1000 * p['pdserve_not_deterministic_s']:.0f} ms; "
+        f"transformers {1000 * p['transformers_s']:.0f} ms, {p['ratio']:.2f}x); "
+        "decode below"
+    )
 
 
 def decode_table(rows: list[dict[str, Any]]) -> list[str]:
     """The decode rows as a markdown table; CUDA graphs: replays / timed steps, or off."""
-    lines = ["| system | kernels | CUDA graphs | async | deterministic | batch | decode tok/s "
-             "| vs transformers |",
-             "| --- | --- | --- | --- | --- | ---: | ---: | ---: |"]  # fmt: skip
+    lines = [
+        "| system | kernels | CUDA graphs | async | deterministic | batch | decode tok/s "
+        "| vs transformers |",
+        "| --- | --- | --- | --- | --- | ---: | ---: | ---: |",
+    ]
     for r in rows:
         graphs = ""
         if r["system"] == "pdserve":
             replays = r["graph_replays"]
             graphs = "off" if replays is None else f"{replays}/{r['steps']} steps replayed"
         ratio = f"{r['vs_transformers']:.2f}x" if "vs_transformers" in r else ""
-        lines.append(f"| {r['system']} | {r.get('kernels', '')} | {graphs} | "
-                     f"{r.get('async', '')} | {r.get('deterministic', '')} | {r['batch']} | "
-                     f"{r['tok_s']:.1f} | {ratio} |")  # fmt: skip
+        lines.append(
+            f"| {r['system']} | {r.get('kernels', '')} | {graphs} | "
+            f"{r.get('async', '')} | {r.get('deterministic', '')} | {r['batch']} | "
+            f"{r['tok_s']:.1f} | {ratio} |"
+        )
     return lines

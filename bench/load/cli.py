@@ -27,25 +27,45 @@ from bench.load.workloads import WORKLOADS, WorkloadConfig, build
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pdserve bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="pdserve bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     server = p.add_argument_group("server")
-    server.add_argument("--base-url", default="http://127.0.0.1:8000",
-                        help="the server (with or without /v1)")  # fmt: skip
+    server.add_argument(
+        "--base-url", default="http://127.0.0.1:8000", help="the server (with or without /v1)"
+    )
     server.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     server.add_argument("--model", help="model id (default: the first of /v1/models)")
-    server.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
-                        help="bearer key (default: $OPENAI_API_KEY)")  # fmt: skip
-    server.add_argument("--extra-body", type=json.loads, default=None, metavar="JSON",
-                        help="more request fields, e.g. '{\"temperature\": 0}'")  # fmt: skip
+    server.add_argument(
+        "--api-key",
+        default=os.environ.get("OPENAI_API_KEY"),
+        help="bearer key (default: $OPENAI_API_KEY)",
+    )
+    server.add_argument(
+        "--extra-body",
+        type=json.loads,
+        default=None,
+        metavar="JSON",
+        help="more request fields, e.g. '{\"temperature\": 0}'",
+    )
     server.add_argument("--ignore-eos", action="store_true", help="generate output-len tokens")
     server.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     load = p.add_argument_group("load shape")
     load.add_argument("--num-prompts", type=int, default=100)
-    load.add_argument("--request-rate", type=float, default=math.inf,
-                      help="requests (conversations) per second; inf: all at once")  # fmt: skip
-    load.add_argument("--burstiness", type=float, default=1.0,
-                      help="gamma shape of the gaps: 1 = Poisson, < 1 burstier")  # fmt: skip
+    load.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="requests (conversations) per second; inf: all at once",
+    )
+    load.add_argument(
+        "--burstiness",
+        type=float,
+        default=1.0,
+        help="gamma shape of the gaps: 1 = Poisson, < 1 burstier",
+    )
     load.add_argument("--max-concurrency", type=int, help="requests in flight at most")
     load.add_argument("--warmup", type=int, default=0, help="unmeasured requests first")
     load.add_argument("--duration", type=float, help="seconds to keep starting requests")
@@ -53,19 +73,28 @@ def parser() -> argparse.ArgumentParser:
     load.add_argument("--sweep-rate", help="R1,R2,...: one run per rate, and a sweep plot")
     work = p.add_argument_group("workload")
     work.add_argument("--workload", choices=WORKLOADS, default="random")
-    work.add_argument("--tokenizer", default="embedded",
-                      help="builds prompts, counts tokens: embedded or a model dir")  # fmt: skip
+    work.add_argument(
+        "--tokenizer",
+        default="embedded",
+        help="builds prompts, counts tokens: embedded or a model dir",
+    )
     work.add_argument("--input-len", type=int, default=256, help="tokens per prompt (per turn)")
     work.add_argument("--output-len", type=int, default=128, help="tokens to generate")
-    work.add_argument("--range-ratio", type=float, default=0.0,
-                      help="lengths uniform in len*(1-r)..len*(1+r)")  # fmt: skip
+    work.add_argument(
+        "--range-ratio", type=float, default=0.0, help="lengths uniform in len*(1-r)..len*(1+r)"
+    )
     work.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: system tokens")
     work.add_argument("--groups", type=int, default=8, help="shared-prefix: prompt groups")
     work.add_argument("--turns", type=int, default=4, help="multi-turn: turns per conversation")
     work.add_argument("--dataset-path", type=Path, help="sharegpt JSON or trace JSONL")
     out = p.add_argument_group("results")
-    out.add_argument("--goodput", nargs="+", default=[], metavar="KEY:MS",
-                     help="SLOs for goodput: ttft:MS tpot:MS e2el:MS")  # fmt: skip
+    out.add_argument(
+        "--goodput",
+        nargs="+",
+        default=[],
+        metavar="KEY:MS",
+        help="SLOs for goodput: ttft:MS tpot:MS e2el:MS",
+    )
     out.add_argument("--result-file", type=Path, help="write the result JSON here")
     out.add_argument("--detailed", action="store_true", help="per-request records in the JSON")
     out.add_argument("--plot", type=Path, metavar="DIR", help="write PNG plots here")
@@ -107,11 +136,17 @@ def main(argv: Sequence[str]) -> int:
         records, duration = asyncio.run(run(target, conversations, tokenizer, load))
         result = summarize(records, duration, slo) | {
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "backend": "openai", "base_url": base, "endpoint": args.endpoint, "model": model,
-            "workload": args.workload, "num_prompts": args.num_prompts, "request_rate": rate,
-            "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
+            "backend": "openai",
+            "base_url": base,
+            "endpoint": args.endpoint,
+            "model": model,
+            "workload": args.workload,
+            "num_prompts": args.num_prompts,
+            "request_rate": rate,
+            "burstiness": args.burstiness,
+            "max_concurrency": args.max_concurrency,
             "usage_reported": all(r.usage_reported for r in records),
-        }  # fmt: skip
+        }
         if args.detailed:
             result["requests"] = report.records_json(records)
         print(f"\n== {args.workload} workload, request rate {rate} ==")

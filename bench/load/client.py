@@ -52,8 +52,10 @@ def body(target: Target, conversation: Conversation, turn: int) -> dict[str, Any
             [{"role": "system", "content": conversation.system}] if conversation.system else []
         )
         for t, answer in zip(conversation.turns[:turn], conversation.answers, strict=False):
-            messages += [{"role": "user", "content": t.user},
-                         {"role": "assistant", "content": answer}]  # fmt: skip
+            messages += [
+                {"role": "user", "content": t.user},
+                {"role": "assistant", "content": answer},
+            ]
         out["messages"] = [*messages, {"role": "user", "content": current.user}]
     else:
         history = "".join(

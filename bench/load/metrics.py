@@ -95,9 +95,11 @@ class SLO:
 def distribution(name: str, seconds: Sequence[float]) -> dict[str, float]:
     """mean/median/std/pNN of `seconds`, in ms, keyed as vLLM does (`p99_ttft_ms`)."""
     values = np.asarray(seconds, dtype=np.float64) * 1000
-    out = {f"mean_{name}_ms": float(values.mean()) if values.size else 0.0,
-           f"median_{name}_ms": float(np.median(values)) if values.size else 0.0,
-           f"std_{name}_ms": float(values.std()) if values.size else 0.0}  # fmt: skip
+    out = {
+        f"mean_{name}_ms": float(values.mean()) if values.size else 0.0,
+        f"median_{name}_ms": float(np.median(values)) if values.size else 0.0,
+        f"std_{name}_ms": float(values.std()) if values.size else 0.0,
+    }
     for p in PERCENTILES:
         out[f"p{p}_{name}_ms"] = float(np.percentile(values, p)) if values.size else 0.0
     return out

@@ -44,13 +44,19 @@ def table(result: dict[str, Any]) -> str:
 def records_json(records: Sequence[RequestRecord]) -> list[dict[str, Any]]:
     return [
         {
-            "start": r.start, "ttft": r.ttft if r.chunk_times else None, "latency": r.latency,
-            "tpot": r.tpot, "itls": r.itls, "input_tokens": r.input_tokens,
-            "output_tokens": r.output_tokens, "usage_reported": r.usage_reported,
-            "turn": r.turn, "error": r.error,
+            "start": r.start,
+            "ttft": r.ttft if r.chunk_times else None,
+            "latency": r.latency,
+            "tpot": r.tpot,
+            "itls": r.itls,
+            "input_tokens": r.input_tokens,
+            "output_tokens": r.output_tokens,
+            "usage_reported": r.usage_reported,
+            "turn": r.turn,
+            "error": r.error,
         }
         for r in records
-    ]  # fmt: skip
+    ]
 
 
 def write_json(path: Path, result: dict[str, Any]) -> None:

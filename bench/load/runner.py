@@ -128,8 +128,9 @@ async def run(
             await asyncio.gather(*(slot_loop() for _ in range(load.max_concurrency or 1)))
         else:
             tasks = []
-            for conversation, at in zip(source, arrivals_forever(conversations, load),
-                                        strict=False):  # fmt: skip
+            for conversation, at in zip(
+                source, arrivals_forever(conversations, load), strict=False
+            ):
                 if load.duration is not None and at >= load.duration:
                     break
                 tasks.append(asyncio.create_task(converse(conversation, at)))

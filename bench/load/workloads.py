@@ -138,8 +138,11 @@ def _trace(config: WorkloadConfig, words: Words) -> list[Conversation]:
     prompts share prefixes as the traced ones did). Replayed at its own times."""
     if config.dataset_path is None:
         raise ValueError("the trace workload needs --dataset-path FILE.jsonl")
-    rows = [json.loads(line) for line in Path(config.dataset_path).read_text().splitlines() if
-            line.strip()]  # fmt: skip
+    rows = [
+        json.loads(line)
+        for line in Path(config.dataset_path).read_text().splitlines()
+        if line.strip()
+    ]
     start = min(row["timestamp"] for row in rows) if rows else 0
     blocks: dict[int, str] = {}
     out: list[Conversation] = []

@@ -65,25 +65,37 @@ class Engine:
         self.sampler = Sampler(mc.vocab_size, mc.eos_token_ids, self.grammars)
         self.runner = ModelRunner(model, config, self.sampler)
         self.blocks = BlockManager(
-            self.runner.num_blocks, config.block_size, namespace or self.runner.namespace(),
-            config.enable_prefix_caching, self.runner.group_pools(),
-        )  # fmt: skip
+            self.runner.num_blocks,
+            config.block_size,
+            namespace or self.runner.namespace(),
+            config.enable_prefix_caching,
+            self.runner.group_pools(),
+        )
         self.speculator: Speculator | None = None
         if config.speculative.enabled:
-            drafter = draft_proposer(config.speculative, draft, model, self.runner.num_blocks,
-                                     config.block_size)  # fmt: skip
+            drafter = draft_proposer(
+                config.speculative, draft, model, self.runner.num_blocks, config.block_size
+            )
             self.speculator = Speculator(config.speculative, mc.max_model_len, drafter)
         self.scheduler = Scheduler(config, self.blocks, self._admit, self.speculator, self._holds)
         self.kv_connector = kv_connector
         self.applier = Applier(
-            self.scheduler, self.blocks, self.grammars, self._save, self._speculation_done,
-            mc.eos_token_ids, mc.max_model_len,
-        )  # fmt: skip
+            self.scheduler,
+            self.blocks,
+            self.grammars,
+            self._save,
+            self._speculation_done,
+            mc.eos_token_ids,
+            mc.max_model_len,
+        )
         self.flight = InFlight(
-            self.applier, self.blocks, self.sampler, self.speculator,
+            self.applier,
+            self.blocks,
+            self.sampler,
+            self.speculator,
             overlap=async_scheduling(config.async_scheduling, model.device),
             on_cpu=model.device.type == "cpu",
-        )  # fmt: skip
+        )
         self.times = StepTimes()
         self._arrivals = itertools.count()
 
@@ -132,12 +144,18 @@ class Engine:
         for i in range(params.n):
             detokenizer = self._detokenizer(prompt, output, params)
             seq = Sequence(
-                request_id=request.request_id, index=i, prompt_len=len(prompt),
-                token_ids=[*prompt, *output], params=params, seed=choice_seed(seed, i),
-                arrival=next(self._arrivals), salt=request.salt, detokenizer=detokenizer,
+                request_id=request.request_id,
+                index=i,
+                prompt_len=len(prompt),
+                token_ids=[*prompt, *output],
+                params=params,
+                seed=choice_seed(seed, i),
+                arrival=next(self._arrivals),
+                salt=request.salt,
+                detokenizer=detokenizer,
                 block_hashes=list(hashes),
                 matcher=matcher if i == 0 or matcher is None else matcher.deep_copy(),
-            )  # fmt: skip
+            )
             seq.text = detokenizer.text
             sent = request.text_sent
             seq.emitted_chars = len(seq.text) if sent is None else min(sent, len(seq.text))
@@ -214,8 +232,8 @@ class Engine:
         scheduled = self.scheduler.schedule()
         if not scheduled.chunks:
             return self.flight.land()
-        chunks, (fed, fed_seqs) = scheduled.chunks, self.flight.fed
-        batch = self.runner.prepare(chunks, fed, fed_seqs)
+        chunks = scheduled.chunks
+        batch = self.runner.prepare(chunks, *self.flight.fed)  # the last step's tokens fed in
         t1 = time.perf_counter()
         logits, deltas, landing = self.flight.while_computing(lambda: self.runner.forward(batch))
         t2 = time.perf_counter()

@@ -96,13 +96,19 @@ def static_batch(size: int, max_blocks: int, block_size: int, device: torch.devi
 
     rows = torch.arange(size, dtype=torch.int64, device=device)
     return ForwardBatch(
-        token_ids=zeros(size), positions=zeros(size),
+        token_ids=zeros(size),
+        positions=zeros(size),
         slot_mapping=torch.full((size,), -1, dtype=torch.int64, device=device),
-        seqs=(), logits_rows=rows, block_size=block_size,
-        block_tables=zeros(size, max_blocks), seq_rows=rows,
+        seqs=(),
+        logits_rows=rows,
+        block_size=block_size,
+        block_tables=zeros(size, max_blocks),
+        seq_rows=rows,
         query_lens=torch.ones(size, dtype=torch.int64, device=device),
-        context_lens=zeros(size), max_query_len=1, max_context_len=max_blocks * block_size,
-    )  # fmt: skip
+        context_lens=zeros(size),
+        max_query_len=1,
+        max_context_len=max_blocks * block_size,
+    )
 
 
 def fill(static: ForwardBatch, batch: ForwardBatch) -> None:

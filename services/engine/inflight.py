@@ -189,9 +189,12 @@ class InFlight:
             self.placed.append(self._place(c, kept, lps, sampled.timing))
 
     def _place(
-        self, chunk: ScheduledChunk, kept: list[int], logprobs: list[TokenLogprobs | None],
+        self,
+        chunk: ScheduledChunk,
+        kept: list[int],
+        logprobs: list[TokenLogprobs | None],
         timing: StepTiming,
-    ) -> _Placed:  # fmt: skip
+    ) -> _Placed:
         """Put the kept tokens in the sequence, up to one that ends it (a stop token, its
         length, a hand-off), with their KV counted; roll back the KV of the proposals
         refused."""

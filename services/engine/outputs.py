@@ -102,9 +102,13 @@ class Choice:
     @classmethod
     def of(cls, seq: Sequence) -> Choice:
         return cls(
-            seq.index, seq.output_ids, seq.text, seq.finish_reason, list(seq.logprobs),
+            seq.index,
+            seq.output_ids,
+            seq.text,
+            seq.finish_reason,
+            list(seq.logprobs),
             seq.times_preempted,
-        )  # fmt: skip
+        )
 
 
 @dataclass(frozen=True)

@@ -37,9 +37,12 @@ def step_bytes(mc: ModelConfig, config: EngineConfig, itemsize: int) -> int:
 
 
 def kv_budget(
-    mc: ModelConfig, config: EngineConfig, itemsize: int, device: torch.device,
+    mc: ModelConfig,
+    config: EngineConfig,
+    itemsize: int,
+    device: torch.device,
     mem_get_info: MemInfo | None = None,
-) -> int:  # fmt: skip
+) -> int:
     """Bytes for the KV pool (`--num-blocks` unset)."""
     if config.kv_cache_gb is not None:
         return int(config.kv_cache_gb * GIB)

@@ -226,10 +226,13 @@ class DraftModel:
             if not rows:
                 break
             chunks = [
-                SeqChunk(states[i].token_ids[states[i].num_computed_tokens :],
-                         states[i].num_computed_tokens, states[i].block_ids)
+                SeqChunk(
+                    states[i].token_ids[states[i].num_computed_tokens :],
+                    states[i].num_computed_tokens,
+                    states[i].block_ids,
+                )
                 for i in rows
-            ]  # fmt: skip
+            ]
             batch = ForwardBatch.build(chunks, self.blocks.block_size, self.model.device)
             logits = self.model.forward(batch, self.kv)[:, : self.vocab_size]  # [rows, V]
             for r, i in enumerate(rows):

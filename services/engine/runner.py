@@ -100,9 +100,12 @@ class ModelRunner:
         return tokens, self.sampler.logprob_rows(logits, [s.params for s in seqs])
 
     def _feed(
-        self, batch: ForwardBatch, chunks: list[ScheduledChunk], fed: torch.Tensor,
+        self,
+        batch: ForwardBatch,
+        chunks: list[ScheduledChunk],
+        fed: torch.Tensor,
         fed_seqs: list[Sequence],
-    ) -> None:  # fmt: skip
+    ) -> None:
         row_of = {id(seq): r for r, seq in enumerate(fed_seqs)}
         at, rows, offset = [], [], 0
         for c in chunks:

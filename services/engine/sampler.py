@@ -272,8 +272,10 @@ def distributions(x: torch.Tensor, params: Seq[SamplingParams]) -> torch.Tensor:
 
 def _by_order(
     fn: Callable[[torch.Tensor, Seq[SamplingParams], torch.Tensor], torch.Tensor],
-    x: torch.Tensor, params: Seq[SamplingParams], u: torch.Tensor,
-) -> torch.Tensor:  # fmt: skip
+    x: torch.Tensor,
+    params: Seq[SamplingParams],
+    u: torch.Tensor,
+) -> torch.Tensor:
     """fn over the rows with top-p (whose draw runs over the vocabulary sorted by
     probability) and, apart, over the others (in vocabulary order): one inverse CDF over
     another order picks another token for the same uniform, so a seeded request's token

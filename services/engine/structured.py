@@ -3,7 +3,7 @@
 The grammar engine is llguidance (docs/benchmarks.md, "Structured output": no dependencies
 beyond itself, no compile step per schema, ~20 us per mask at batch 1 here). A request's
 grammar arrives as llguidance's grammar text, made at the router from the user's JSON schema,
-regex, choices or Lark grammar (router/structured.py); the engine keeps one matcher per
+regex, choices or Lark grammar (router/completions/structured.py); the engine keeps one matcher per
 sequence, advanced over every token the sequence has: a sequence that arrives with output
 already generated (the prefill -> decode handoff, a migration after a decode worker died)
 starts from a matcher advanced over that output, and a preempted sequence keeps its matcher
@@ -116,11 +116,14 @@ def apply_mask(
         x[rows, :vocab] = x[rows, :vocab].masked_fill(unpack(bits, vocab) == 0, -float("inf"))
         return
     library.apply_token_mask(
-        ctypes.c_void_p(x.data_ptr()), ctypes.c_int64(x.stride(0)),
-        ctypes.c_void_p(rows.data_ptr()), ctypes.c_int64(len(rows)),
-        ctypes.c_void_p(bits.contiguous().data_ptr()), ctypes.c_int64(bits.shape[1]),
+        ctypes.c_void_p(x.data_ptr()),
+        ctypes.c_int64(x.stride(0)),
+        ctypes.c_void_p(rows.data_ptr()),
+        ctypes.c_int64(len(rows)),
+        ctypes.c_void_p(bits.contiguous().data_ptr()),
+        ctypes.c_int64(bits.shape[1]),
         ctypes.c_int64(vocab),
-    )  # fmt: skip
+    )
 
 
 def unpack(bits: torch.Tensor, vocab: int) -> torch.Tensor:

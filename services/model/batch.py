@@ -164,6 +164,7 @@ def _group_tables(
                     raise ValueError(f"the part of position {p} in cache group {g} is let go")
                 slots[g].append(block * block_size + p % block_size)
             tables.append(torch.tensor(table, dtype=torch.int64, device=device))
-        out.append(SeqSpan(span.row, span.query_len, span.context_len, span.block_table,
-                           tuple(tables)))  # fmt: skip
+        out.append(
+            SeqSpan(span.row, span.query_len, span.context_len, span.block_table, tuple(tables))
+        )
     return tuple(out), tuple(torch.tensor(g, dtype=torch.int64, device=device) for g in slots)

@@ -83,8 +83,14 @@ class CacheSpec:
     def by_layer(cls, heads: int, head_dim: int, windows: tuple[int | None, ...]) -> CacheSpec:
         """Per-head K and V of every layer, a layer read for good (window None) or within its
         sliding window: a group for the full layers, one for each window size."""
-        groups = [CacheGroup("full", tuple(i for i, w in enumerate(windows) if w is None),
-                             (0, head_dim), (0, head_dim))]  # fmt: skip
+        groups = [
+            CacheGroup(
+                "full",
+                tuple(i for i, w in enumerate(windows) if w is None),
+                (0, head_dim),
+                (0, head_dim),
+            )
+        ]
         for w in sorted({w for w in windows if w is not None}):
             layers = tuple(i for i, x in enumerate(windows) if x == w)
             # a pass reads, before its first new token, the window - 1 tokens the first sees

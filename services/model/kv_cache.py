@@ -51,9 +51,16 @@ class GroupCache:
     blocks, heads, block_size, V elements] in the dtype's layout, `layers` the group's."""
 
     def __init__(
-        self, group: CacheGroup, spec: CacheSpec, num_blocks: int, group_blocks: int,
-        block_size: int, dtype: torch.dtype, device: torch.device | str, index: int | None,
-    ) -> None:  # fmt: skip
+        self,
+        group: CacheGroup,
+        spec: CacheSpec,
+        num_blocks: int,
+        group_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        index: int | None,
+    ) -> None:
         self.group = group
         n, heads = len(group.layers), spec.heads
         self.k = _allocate((n, group_blocks, heads, group.k_width, block_size), dtype, device)
@@ -173,10 +180,15 @@ def layout(model_id: str, kv_dtype: str, block_size: int, config: ModelConfig) -
     """The layout of this model's blocks as the store and the seam know them."""
     s = config.cache_spec
     return KVLayout(
-        model_id, kv_dtype, block_size, s.layers, s.heads, s.k_dim,
+        model_id,
+        kv_dtype,
+        block_size,
+        s.layers,
+        s.heads,
+        s.k_dim,
         None if s.v_dim == s.k_dim else s.v_dim,  # named only where V differs (MLA's: none)
         row_layout=s.row_layout,
-    )  # fmt: skip
+    )
 
 
 def _allocate(
@@ -317,9 +329,12 @@ def _held(
 
 
 def _copy_plain(
-    k_plain: torch.Tensor, v_plain: torch.Tensor, index: torch.Tensor, k: torch.Tensor,
+    k_plain: torch.Tensor,
+    v_plain: torch.Tensor,
+    index: torch.Tensor,
+    k: torch.Tensor,
     v: torch.Tensor,
-) -> None:  # fmt: skip
+) -> None:
     """Blocks K [L, n, H, D, bs], V [L, n, H, bs, D] into plain views at `index` (dimension
     pairs of K, token pairs of V: the plain views' split, sizes spelled out: MLA's V has no
     elements)."""

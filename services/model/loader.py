@@ -84,9 +84,13 @@ def load_model(
     tokenizer = Tokenizer.from_dir(path)
     weights = hf_dir.read_weights(path, config)
     model: CausalLM = family(
-        config, weights, resolve_dtype(dtype, dev), dev, kernels=kernels,
+        config,
+        weights,
+        resolve_dtype(dtype, dev),
+        dev,
+        kernels=kernels,
         deterministic=deterministic,
-    )  # fmt: skip
+    )
     if quantization == "int8":
         calibration = tokenizer.encode(quantize.calibration_text(), add_special_tokens=False)
         quantize.quantize_int8(model, weights, calibration)
@@ -95,9 +99,13 @@ def load_model(
 
 
 def load_mtp(
-    path: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device, kernels: str,
+    path: Path,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    kernels: str,
     deterministic: bool = DEFAULTS.model.deterministic,
-) -> MtpLayer:  # fmt: skip
+) -> MtpLayer:
     """The checkpoint's first multi-token-prediction layer, its products as the model's
     (`kernels`, `deterministic`); ModelLoadError where it has none."""
     hf_dir.check_mtp(path, config)

@@ -62,4 +62,4 @@ __all__ = [
     "replace",
     "show",
     "value",
-]  # fmt: skip
+]

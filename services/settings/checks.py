@@ -42,9 +42,11 @@ def check(settings: Settings) -> Settings:
         try:
             check_mtp(path, read_config(path))
         except ModelLoadError as e:
-            raise SettingsError(f"speculative: mtp: {path} has no MTP layer "
-                                f"(num_nextn_predict_layers) of a DeepSeek-V3 or V4: "
-                                f"{e.problem}") from None  # fmt: skip
+            raise SettingsError(
+                f"speculative: mtp: {path} has no MTP layer "
+                f"(num_nextn_predict_layers) of a DeepSeek-V3 or V4: "
+                f"{e.problem}"
+            ) from None
     return settings
 
 
@@ -73,8 +75,9 @@ def _experts(s: Settings, path: Path) -> None:
             f"slots do not divide over {es.expert_parallel} ranks"
         )
     try:
-        eplb.choose_policy(es.eplb_policy, es.eplb_nodes, max(moe.n_group, 1),
-                           es.expert_parallel, slots)  # fmt: skip
+        eplb.choose_policy(
+            es.eplb_policy, es.eplb_nodes, max(moe.n_group, 1), es.expert_parallel, slots
+        )
     except ValueError as e:
         raise SettingsError(f"eplb_policy: {e}") from e
 

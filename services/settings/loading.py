@@ -134,8 +134,12 @@ def add_arguments(
 ) -> None:
     """A flag per setting of `role` (all settings with None; just `only` when given); unset
     flags leave no value."""
-    parser.add_argument("--config", type=Path, default=argparse.SUPPRESS,
-                        help="TOML settings file (also PDSERVE_CONFIG)")  # fmt: skip
+    parser.add_argument(
+        "--config",
+        type=Path,
+        default=argparse.SUPPRESS,
+        help="TOML settings file (also PDSERVE_CONFIG)",
+    )
     chosen = set(only) if only is not None else None
     for name in names(role):
         if chosen is not None and name not in chosen:
@@ -151,8 +155,12 @@ def add_arguments(
             parser.add_argument(flag_name(name), action="append", metavar="VALUE", **common)
         else:
             choices = leaf.field.metadata.get("choices")
-            parser.add_argument(flag_name(name), choices=choices, metavar=None if choices
-                                else name.upper(), **common)  # fmt: skip
+            parser.add_argument(
+                flag_name(name),
+                choices=choices,
+                metavar=None if choices else name.upper(),
+                **common,
+            )
 
 
 def load(

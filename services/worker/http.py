@@ -124,18 +124,23 @@ class WorkerCollector:
             "pdserve_kv_store_corrupt": ("Values refused by the codec", stats.corrupt),
             "pdserve_kv_store_unavailable": ("Store calls that failed", stats.unavailable),
             "pdserve_recomputed_tokens": (
-                "Prompt tokens computed because the store missed", w.counters.recomputed_tokens,
+                "Prompt tokens computed because the store missed",
+                w.counters.recomputed_tokens,
             ),
-        }  # fmt: skip
+        }
         spec = w.engine.speculator
         if spec is not None:  # mean accepted per verification = accepted / steps
             counters |= {
-                "pdserve_spec_proposed_tokens": ("Tokens proposed for verification",
-                                                 spec.stats.proposed),
+                "pdserve_spec_proposed_tokens": (
+                    "Tokens proposed for verification",
+                    spec.stats.proposed,
+                ),
                 "pdserve_spec_accepted_tokens": ("Proposed tokens accepted", spec.stats.accepted),
-                "pdserve_spec_verify_steps": ("Sequence-steps that verified proposed tokens",
-                                              spec.stats.steps),
-            }  # fmt: skip
+                "pdserve_spec_verify_steps": (
+                    "Sequence-steps that verified proposed tokens",
+                    spec.stats.steps,
+                ),
+            }
         for metric, (text, value) in counters.items():
             counter = CounterMetricFamily(metric, text, labels=["role"])
             counter.add_metric(role, float(value))
@@ -143,9 +148,10 @@ class WorkerCollector:
         experts = w.engine.model.expert_counts()
         if experts:  # MoE models: the load each expert takes, what a balancer works from
             routed = CounterMetricFamily(
-                "pdserve_moe_expert_tokens", "Tokens routed to each expert, by MoE layer",
+                "pdserve_moe_expert_tokens",
+                "Tokens routed to each expert, by MoE layer",
                 labels=["role", "layer", "expert"],
-            )  # fmt: skip
+            )
             for layer, counts in experts.items():
                 for expert, count in enumerate(counts):
                     routed.add_metric([w.role, str(layer), str(expert)], float(count))
@@ -157,17 +163,20 @@ class WorkerCollector:
 def _balance_metrics(role: str, group: dict[str, Any]) -> Iterator[Metric]:
     """Expert parallelism's balance: rows per rank, the imbalance, the rebalances."""
     rows = CounterMetricFamily(
-        "pdserve_moe_rank_tokens", "Routed rows each expert rank computed, by MoE layer",
+        "pdserve_moe_rank_tokens",
+        "Routed rows each expert rank computed, by MoE layer",
         labels=["role", "layer", "rank"],
-    )  # fmt: skip
+    )
     for layer, per_rank in group["rank_tokens"].items():
         for rank, count in enumerate(per_rank):
             rows.add_metric([role, layer, str(rank)], float(count))
     yield rows
     imbalance = GaugeMetricFamily(
-        "pdserve_moe_imbalance", "Busiest rank's rows over the mean, summed over MoE layers "
-        "and passes since the last rebalance (1.0: balanced)", labels=["role"],
-    )  # fmt: skip
+        "pdserve_moe_imbalance",
+        "Busiest rank's rows over the mean, summed over MoE layers "
+        "and passes since the last rebalance (1.0: balanced)",
+        labels=["role"],
+    )
     imbalance.add_metric([role], group["imbalance"])
     yield imbalance
     rebalances = CounterMetricFamily(

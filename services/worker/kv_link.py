@@ -58,12 +58,16 @@ class KVLink:
         key = read_key(settings.kv_key_file) if settings.kv_key_file else None
         self.codec = BlockCodec(layout, storage, key)
         if key is None:
-            log.warning("no kv_key_file: stored blocks are checksummed, not authenticated "
-                        "(whoever can write to the store can plant KV)")  # fmt: skip
+            log.warning(
+                "no kv_key_file: stored blocks are checksummed, not authenticated "
+                "(whoever can write to the store can plant KV)"
+            )
         self.store: KVStore = open_store(
-            settings.kv_store, self.namespace, timeout=settings.store_timeout,
+            settings.kv_store,
+            self.namespace,
+            timeout=settings.store_timeout,
             max_bytes=settings.max_bytes,
-        )  # fmt: skip
+        )
         self.blocks = BlockStore(self.store, self.codec)
         self.cached_hashes = cached_hashes
         self.store_failures = 0  # requests that went on without the store
@@ -74,8 +78,9 @@ class KVLink:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._down_until = 0.0  # time.monotonic() before which no read is tried
         # what to read and what to compute, from the measured link and prompt rate
-        self.choice = Choice(settings.kv_fetch, attention_k, layout.block_size, FETCH_BATCH,
-                             FETCH_PAUSE)  # fmt: skip
+        self.choice = Choice(
+            settings.kv_fetch, attention_k, layout.block_size, FETCH_BATCH, FETCH_PAUSE
+        )
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         """The event loop that writes exported blocks."""
@@ -89,8 +94,10 @@ class KVLink:
             await self.store.get_many([bytes(16)])
             self.choice.observe_read(0, 0, time.perf_counter() - start)  # a round trip
         except StoreUnavailable as e:
-            log.warning("kv store unreachable: computing prompts until it answers",
-                        extra={"fields": {"why": str(e)}})  # fmt: skip
+            log.warning(
+                "kv store unreachable: computing prompts until it answers",
+                extra={"fields": {"why": str(e)}},
+            )
             self._down_until = time.monotonic() + STORE_RETRY
             return False
         return True
@@ -154,9 +161,10 @@ class KVLink:
             if split and compute_head is not None:
                 began = time.perf_counter()
                 tail, _ = await asyncio.gather(  # the head computed even if the read fails
-                    self.read_run(full[head:wanted], gentle), compute_head(head),
+                    self.read_run(full[head:wanted], gentle),
+                    compute_head(head),
                     return_exceptions=True,
-                )  # fmt: skip
+                )
                 if isinstance(tail, BaseException):
                     raise tail
                 if plan.split_s and len(tail) == wanted - head:  # whole: a fair sample
@@ -170,18 +178,29 @@ class KVLink:
         except StoreUnavailable as e:
             self.store_failures += 1
             self._down_until = time.monotonic() + STORE_RETRY
-            log.warning("store unavailable, computing instead",
-                        extra={"fields": {"request_id": request_id, "why": str(e)}})  # fmt: skip
+            log.warning(
+                "store unavailable, computing instead",
+                extra={"fields": {"request_id": request_id, "why": str(e)}},
+            )
             return None
         has_tail = len(values) > count
-        log.info("fetched", extra={"fields": {
-            "request_id": request_id, "blocks": len(values) - skipped, "cached": skipped,
-            "of": len(full) + (partial is not None), "ms": 1000 * (time.perf_counter() - start),
-            "choice": "prefetched" if prefetched is not None else plan.why,
-            "expected_fetch_ms": _ms(plan.fetch_s),
-            "expected_compute_ms": _ms(plan.compute_s), "head": plan.head,
-            "expected_split_ms": _ms(plan.split_s),
-        }})  # fmt: skip
+        log.info(
+            "fetched",
+            extra={
+                "fields": {
+                    "request_id": request_id,
+                    "blocks": len(values) - skipped,
+                    "cached": skipped,
+                    "of": len(full) + (partial is not None),
+                    "ms": 1000 * (time.perf_counter() - start),
+                    "choice": "prefetched" if prefetched is not None else plan.why,
+                    "expected_fetch_ms": _ms(plan.fetch_s),
+                    "expected_compute_ms": _ms(plan.compute_s),
+                    "head": plan.head,
+                    "expected_split_ms": _ms(plan.split_s),
+                }
+            },
+        )
         if not values:
             return None
         source = StoredBlocks(self.codec, values)

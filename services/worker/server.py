@@ -67,10 +67,12 @@ class Worker:
         self.experts: ExpertGroup | None = None  # the experts' other processes, when spread
         es = settings.experts
         if es.expert_parallel > 1:
-            spec = Spec(ms.model, ms.dtype, ms.device, ms.kernels, es.expert_parallel,
-                        es.redundant_experts)  # fmt: skip
-            self.experts = start_ranks(loaded.model, spec, es.eplb_policy, es.eplb_nodes,
-                                       es.eplb_interval)  # fmt: skip
+            spec = Spec(
+                ms.model, ms.dtype, ms.device, ms.kernels, es.expert_parallel, es.redundant_experts
+            )
+            self.experts = start_ranks(
+                loaded.model, spec, es.eplb_policy, es.eplb_nodes, es.eplb_interval
+            )
         self.model_name = loaded.config.name
         cache_dtype = loaded.model.dtype
         storage = StorageDtype.parse(
@@ -97,9 +99,12 @@ class Worker:
                 loaded.path, mc, model.dtype, model.device, model.kernels, ms.deterministic
             )
         self.link = KVLink(
-            self.layout, storage, store, cached_hashes=lambda: self.driver.cached_hashes,
+            self.layout,
+            storage,
+            store,
+            cached_hashes=lambda: self.driver.cached_hashes,
             attention_k=attention_k(mc),
-        )  # fmt: skip
+        )
         # block names in the engine = keys in the store; the link moves the requests' KV
         self.engine = Engine(
             loaded.model, loaded.tokenizer, settings.engine, draft, self.namespace, self.link
@@ -134,9 +139,12 @@ class Worker:
 
     async def Health(self, request: pb.HealthRequest, context: Any) -> pb.HealthReply:
         return pb.HealthReply(
-            role=self.role, model=self.model_name, ready=self.ready, namespace=self.namespace,
+            role=self.role,
+            model=self.model_name,
+            ready=self.ready,
+            namespace=self.namespace,
             block_size=self.layout.block_size,
-        )  # fmt: skip
+        )
 
     async def Load(self, request: pb.LoadRequest, context: Any) -> pb.LoadReply:
         load, stats = self.driver.load, self.store.stats()
@@ -194,8 +202,10 @@ class Worker:
         if os.environ.get("PDSERVE_TEST_HOOKS") == "1":  # tests: SIGUSR1 kills the engine thread
             self._loop.add_signal_handler(signal.SIGUSR1, self.driver.kill)
         watchdog = asyncio.create_task(self._watch(stop))
-        log.warning("serving", extra={"fields": {"role": self.role, "address": address,
-                                                  "namespace": self.namespace}})  # fmt: skip
+        log.warning(
+            "serving",
+            extra={"fields": {"role": self.role, "address": address, "namespace": self.namespace}},
+        )
         await stop.wait()
         watchdog.cancel()
         # On the way out for good: a second signal (a supervisor repeating its SIGTERM) must
@@ -253,5 +263,10 @@ def trace_steps(span: Span, delta: SequenceDelta, first: bool) -> None:
     if first and delta.scheduled_ns:
         span.event("scheduled", delta.scheduled_ns)
     s = delta.step
-    span.event("step", s.start_ns, forward_ms=(s.forward_end_ns - s.start_ns) / 1e6,
-               seqs=s.num_seqs, tokens=s.num_tokens)  # fmt: skip
+    span.event(
+        "step",
+        s.start_ns,
+        forward_ms=(s.forward_end_ns - s.start_ns) / 1e6,
+        seqs=s.num_seqs,
+        tokens=s.num_tokens,
+    )

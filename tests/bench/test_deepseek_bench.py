@@ -5,11 +5,22 @@ from __future__ import annotations
 from bench import deepseek
 
 TINY = dict(
-    deepseek.SHAPE, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
-    num_experts_per_tok=2, q_lora_rank=48, kv_lora_rank=32, qk_rope_head_dim=8,
-    qk_nope_head_dim=16, v_head_dim=16, max_position_embeddings=256,
-)  # fmt: skip
+    deepseek.SHAPE,
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    q_lora_rank=48,
+    kv_lora_rank=32,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+    max_position_embeddings=256,
+)
 
 
 def test_deepseek_benchmark_smoke(tmp_path, capsys, monkeypatch):

@@ -10,6 +10,11 @@ def test_kvstore_benchmark_smoke(redis_server, tmp_path, capsys):
             "--local-dir", str(tmp_path)]  # fmt: skip
     assert kvstore.main(args) == 0
     out = capsys.readouterr().out
-    for row in ("| RedisStore put_many |", "| RedisStore get_many |", "| local:// get_many |",
-                "| bfloat16 | 368,728 |", "| fp8_e4m3 | 184,648 |"):  # fmt: skip
+    for row in (
+        "| RedisStore put_many |",
+        "| RedisStore get_many |",
+        "| local:// get_many |",
+        "| bfloat16 | 368,728 |",
+        "| fp8_e4m3 | 184,648 |",
+    ):
         assert row in out

@@ -63,8 +63,10 @@ def test_random_workload_against_pdserve_up(stack, tmp_path, capsys):
 def hit_ratio_of(stack: str, args: list[str]) -> float:
     """The router's prefix-cache hit ratio over one run (from /metrics before and after)."""
     base = stack.removesuffix("/v1")
-    keys = [("pdserve_prefix_cache_hit_tokens_total", ()),
-            ("pdserve_prefix_cache_queried_tokens_total", ())]  # fmt: skip
+    keys = [
+        ("pdserve_prefix_cache_hit_tokens_total", ()),
+        ("pdserve_prefix_cache_queried_tokens_total", ()),
+    ]
     before = [metrics(base).get(k, 0.0) for k in keys]
     assert bench(["--base-url", base, "--no-progress", *args]) == 0
     after = [metrics(base)[k] for k in keys]
@@ -75,8 +77,9 @@ def test_multi_turn_finds_more_cached_prefix_than_random(stack):
     common = ["--endpoint", "chat", "--input-len", "40", "--output-len", "16", "--ignore-eos",
               "--max-concurrency", "4", "--seed", "5"]  # fmt: skip
     random_ = hit_ratio_of(stack, ["--workload", "random", "--num-prompts", "16", *common])
-    multi = hit_ratio_of(stack, ["--workload", "multi-turn", "--num-prompts", "4", "--turns",
-                                 "4", *common])  # fmt: skip
+    multi = hit_ratio_of(
+        stack, ["--workload", "multi-turn", "--num-prompts", "4", "--turns", "4", *common]
+    )
     print(f"prefix-cache hit ratio: multi-turn {multi:.3f}, random {random_:.3f}")
     assert multi > random_ + 0.2
 
@@ -129,9 +132,13 @@ def test_failures_are_counted_with_reasons_and_the_run_goes_on(embedded):
         conversations = build(WorkloadConfig("random", 30, 8, 5, seed=2), embedded.tokenizer)
         target = Target(base, "completions", "fake")
         records, _ = asyncio.run(
-            run(target, conversations, embedded.tokenizer, LoadConfig(max_concurrency=1,
-                                                                       progress=False))
-        )  # fmt: skip
+            run(
+                target,
+                conversations,
+                embedded.tokenizer,
+                LoadConfig(max_concurrency=1, progress=False),
+            )
+        )
     finally:
         server.should_exit = True
     reasons = [r.error for r in records]
@@ -149,8 +156,10 @@ def test_rate_sweep_and_compare(stack, tmp_path, capsys):
     sweep, plots = tmp_path / "sweep.json", tmp_path / "plots"
     args = ["--base-url", base, "--num-prompts", "6", "--input-len", "16", "--output-len", "4",
             "--ignore-eos", "--no-progress", "--goodput", "e2el:60000"]  # fmt: skip
-    assert bench([*args, "--sweep-rate", "2,inf", "--result-file", str(sweep), "--plot",
-                  str(plots)]) == 0  # fmt: skip
+    assert (
+        bench([*args, "--sweep-rate", "2,inf", "--result-file", str(sweep), "--plot", str(plots)])
+        == 0
+    )
     runs = json.loads(sweep.read_text())["runs"]
     assert [r["request_rate"] for r in runs] == [2.0, "inf"]
     assert [r["completed"] for r in runs] == [6, 6]
@@ -160,8 +169,16 @@ def test_rate_sweep_and_compare(stack, tmp_path, capsys):
     capsys.readouterr()
     assert bench(["compare", str(single), str(sweep)]) == 0
     table = capsys.readouterr().out.splitlines()
-    assert table[0].split() == ["metric", "single", "sweep@2.0", "(x", "single)", "sweep@inf",
-                                "(x", "single)"]  # fmt: skip
+    assert table[0].split() == [
+        "metric",
+        "single",
+        "sweep@2.0",
+        "(x",
+        "single)",
+        "sweep@inf",
+        "(x",
+        "single)",
+    ]
     completed = next(line for line in table if line.startswith("completed")).split()
     assert completed == ["completed", "6", "6", "(1.00x)", "6", "(1.00x)"]
 

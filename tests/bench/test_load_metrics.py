@@ -16,8 +16,9 @@ from bench.load.workloads import Conversation, Turn, WorkloadConfig, build
 
 
 def records() -> list[RequestRecord]:
-    a = RequestRecord(start=0.0, input_tokens=10, chunk_times=[0.5, 0.6, 0.8, 1.0], end=1.0,
-                      output_tokens=4)  # fmt: skip
+    a = RequestRecord(
+        start=0.0, input_tokens=10, chunk_times=[0.5, 0.6, 0.8, 1.0], end=1.0, output_tokens=4
+    )
     b = RequestRecord(start=1.0, input_tokens=20, chunk_times=[1.2, 1.5], end=1.6, output_tokens=2)
     failed = RequestRecord(start=0.2, input_tokens=5, end=0.3, error="HTTP 500: boom")
     return [a, b, failed]
@@ -108,9 +109,11 @@ def test_workloads_have_exact_token_counts(embedded):
 def test_trace_and_sharegpt_files(embedded, tmp_path):
     tok = embedded.tokenizer
     trace = tmp_path / "trace.jsonl"
-    rows = [{"timestamp": 1000, "input_length": 40, "output_length": 5, "hash_ids": [7, 8]},
-            {"timestamp": 1500, "input_length": 30, "output_length": 6, "hash_ids": [7]},
-            {"timestamp": 4000, "input_length": 10, "output_length": 2}]  # fmt: skip
+    rows = [
+        {"timestamp": 1000, "input_length": 40, "output_length": 5, "hash_ids": [7, 8]},
+        {"timestamp": 1500, "input_length": 30, "output_length": 6, "hash_ids": [7]},
+        {"timestamp": 4000, "input_length": 10, "output_length": 2},
+    ]
     trace.write_text("\n".join(json.dumps(r) for r in rows))
     config = WorkloadConfig("trace", 0, dataset_path=trace, trace_block_size=16)
     replay = build(config, tok)

@@ -28,10 +28,12 @@ def test_one_request_is_one_trace_across_the_processes(tmp_path):
     (trace_id,) = {s["trace_id"] for s in spans if s["name"].startswith("POST")}
     mine = {(s["service"], s["name"]): s for s in spans if s["trace_id"] == trace_id}
     assert sorted(mine) == [
-        ("pdserve-decode", "Decode"), ("pdserve-prefill", "Prefill"),
-        ("pdserve-router", "Decode"), ("pdserve-router", "POST /v1/completions"),
+        ("pdserve-decode", "Decode"),
+        ("pdserve-prefill", "Prefill"),
+        ("pdserve-router", "Decode"),
+        ("pdserve-router", "POST /v1/completions"),
         ("pdserve-router", "Prefill"),
-    ]  # fmt: skip
+    ]
     root = mine[("pdserve-router", "POST /v1/completions")]
     for role in ("Prefill", "Decode"):
         call = mine[("pdserve-router", role)]
@@ -55,9 +57,11 @@ def test_waits_for_the_workers_spans_that_land_after_the_routers():
     def span(service: str, name: str, span_id: str, parent_id: str = "") -> dict:
         return {"service": service, "name": name, "span_id": span_id, "parent_id": parent_id}
 
-    router = [span("pdserve-router", "POST /v1/completions", "r"),
-              span("pdserve-router", "Prefill", "rp", "r"),
-              span("pdserve-router", "Decode", "rd", "r")]  # fmt: skip
+    router = [
+        span("pdserve-router", "POST /v1/completions", "r"),
+        span("pdserve-router", "Prefill", "rp", "r"),
+        span("pdserve-router", "Decode", "rd", "r"),
+    ]
     prefill = span("pdserve-prefill", "Prefill", "p", "rp")
     decode = span("pdserve-decode", "Decode", "d", "rd")
     assert not timeline.complete([*router[1:], prefill, decode])  # no root yet

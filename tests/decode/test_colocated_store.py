@@ -42,8 +42,9 @@ def decode(address: str, rid: str, ids: list[int]) -> tuple[list[int], pb.LoadRe
             before = await stub.Load(pb.LoadRequest())
             tokens: list[int] = []
             params = to_proto_params(GREEDY)
-            request = pb.DecodeRequest(request_id=rid, prompt_token_ids=ids, seed=1,
-                                       params=params, local_prefill=True)  # fmt: skip
+            request = pb.DecodeRequest(
+                request_id=rid, prompt_token_ids=ids, seed=1, params=params, local_prefill=True
+            )
             async for chunk in stub.Decode(request):
                 tokens += chunk.token_ids
             return tokens, before, await stub.Load(pb.LoadRequest())
@@ -97,8 +98,9 @@ def test_a_restarted_worker_answers_a_repeated_prompt_from_the_store(
     """In each dtype `--dtype auto` picks here: the blocks read back give the tokens the
     engine computes alone."""
     store = f"local://{tmp_path / 'kv'}"
-    worker = WorkerProcess("decode", str(embedded_dir), store, tmp_path, "--num-blocks", "200",
-                           dtype=dtype).start()  # fmt: skip
+    worker = WorkerProcess(
+        "decode", str(embedded_dir), store, tmp_path, "--num-blocks", "200", dtype=dtype
+    ).start()
     try:
         ids = prompt(300, seed=43)
         first, _, _ = decode(worker.address, "before", ids)

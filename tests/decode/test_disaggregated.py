@@ -52,10 +52,12 @@ def test_16_concurrent_requests_match_the_single_process_engine(workers, embedde
 
     async def run():
         prefill, decode, channels = stubs(workers)
-        results = await asyncio.gather(*[
-            disaggregated(prefill, decode, rid, ids, to_proto_params(p), seed)
-            for rid, ids, p, seed in cases
-        ])  # fmt: skip
+        results = await asyncio.gather(
+            *[
+                disaggregated(prefill, decode, rid, ids, to_proto_params(p), seed)
+                for rid, ids, p, seed in cases
+            ]
+        )
         for ch in channels:
             await ch.close()
         return results
@@ -76,12 +78,18 @@ def test_aborting_a_stream_frees_its_blocks_on_both_workers(workers):
         prefill, decode, channels = stubs(workers)
         ids = prompt(300, seed=77)
         params = to_proto_params(SamplingParams(max_tokens=400, temperature=0, ignore_eos=True))
-        reply = await prefill.Prefill(pb.PrefillRequest(request_id="abort-me", prompt_token_ids=ids,
-                                                        params=params, seed=1))  # fmt: skip
-        call = decode.Decode(pb.DecodeRequest(
-            request_id="abort-me", prompt_token_ids=ids, output_token_ids=[reply.first_token],
-            params=params, seed=1,
-        ))  # fmt: skip
+        reply = await prefill.Prefill(
+            pb.PrefillRequest(request_id="abort-me", prompt_token_ids=ids, params=params, seed=1)
+        )
+        call = decode.Decode(
+            pb.DecodeRequest(
+                request_id="abort-me",
+                prompt_token_ids=ids,
+                output_token_ids=[reply.first_token],
+                params=params,
+                seed=1,
+            )
+        )
         received = 0
         async for chunk in call:
             received += len(chunk.token_ids)
@@ -129,10 +137,15 @@ def test_a_block_lost_or_corrupted_in_the_store_is_recomputed(
         else:
             redis_server.redis_cli("set", victim, "not a block")
         tokens = [reply.first_token]
-        async for chunk in decode.Decode(pb.DecodeRequest(
-            request_id=f"lost-{damage}", prompt_token_ids=ids, output_token_ids=tokens[:1],
-            params=params, seed=3,
-        )):  # fmt: skip
+        async for chunk in decode.Decode(
+            pb.DecodeRequest(
+                request_id=f"lost-{damage}",
+                prompt_token_ids=ids,
+                output_token_ids=tokens[:1],
+                params=params,
+                seed=3,
+            )
+        ):
             tokens += chunk.token_ids
         after = await decode.Load(pb.LoadRequest())
         for ch in channels:
@@ -156,10 +169,15 @@ def test_local_prefill_computes_everything_on_the_decode_worker(workers, embedde
         _, decode, channels = stubs(workers)
         before = await decode.Load(pb.LoadRequest())
         tokens = []
-        async for chunk in decode.Decode(pb.DecodeRequest(
-            request_id="local", prompt_token_ids=ids, params=to_proto_params(sampling), seed=5,
-            local_prefill=True,
-        )):  # fmt: skip
+        async for chunk in decode.Decode(
+            pb.DecodeRequest(
+                request_id="local",
+                prompt_token_ids=ids,
+                params=to_proto_params(sampling),
+                seed=5,
+                local_prefill=True,
+            )
+        ):
             tokens += chunk.token_ids
         after = await decode.Load(pb.LoadRequest())
         for ch in channels:

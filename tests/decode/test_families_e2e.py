@@ -67,15 +67,22 @@ def test_answers_equal_transformers_cold_and_from_the_store(checkpoint, served, 
     for prompt in prompts():
         with torch.inference_mode():
             expected = reference.generate(
-                torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0,
-            )[0, len(prompt) :].tolist()  # fmt: skip
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=24,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )[0, len(prompt) :].tolist()
         text = tokenizer.decode(expected)
         for _ in ("cold", "warm"):
             r = client.completions.create(
-                model=NAME, prompt=prompt, max_tokens=24, temperature=0,
+                model=NAME,
+                prompt=prompt,
+                max_tokens=24,
+                temperature=0,
                 extra_body={"ignore_eos": True},
-            )  # fmt: skip
+            )
             assert r.choices[0].text == text
             assert r.usage is not None and r.usage.completion_tokens == 24
         # the decode worker wrote back every full block of prompt and answer, whole (V4: with
@@ -113,6 +120,8 @@ def test_each_worker_counts_the_tokens_routed_to_each_expert(checkpoint, served)
         text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
         for layer, counts in layers.items():
             for expert, count in enumerate(counts):
-                line = (f'pdserve_moe_expert_tokens_total{{expert="{expert}",layer="{layer}",'
-                        f'role="{experts["role"]}"}} {float(count)}')  # fmt: skip
+                line = (
+                    f'pdserve_moe_expert_tokens_total{{expert="{expert}",layer="{layer}",'
+                    f'role="{experts["role"]}"}} {float(count)}'
+                )
                 assert line in text

@@ -31,8 +31,10 @@ def test_mtp_drafts_through_the_whole_path(tmp_path, embedded_dir, save):
     save(path, embedded_dir, copy=True)
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(100, 40000, (n,), generator=g).tolist() for n in (40, 12, 25)]
-    params = [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),
-              SamplingParams(max_tokens=20, temperature=0.8, seed=3, ignore_eos=True)]  # fmt: skip
+    params = [
+        SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=20, temperature=0.8, seed=3, ignore_eos=True),
+    ]
     loaded = load_model(str(path), dtype="float32", device="cpu")
     engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(num_blocks=128))
     expected = [[o.choices[0].token_ids for o in engine.generate(prompts, p)] for p in params]
@@ -47,9 +49,14 @@ def test_mtp_drafts_through_the_whole_path(tmp_path, embedded_dir, save):
             got = []
             for prompt in prompts:
                 reply = client.completions.create(
-                    model=NAME, prompt=prompt, max_tokens=20, temperature=p.temperature,
-                    seed=p.seed, logprobs=0, extra_body={"ignore_eos": True},
-                )  # fmt: skip
+                    model=NAME,
+                    prompt=prompt,
+                    max_tokens=20,
+                    temperature=p.temperature,
+                    seed=p.seed,
+                    logprobs=0,
+                    extra_body={"ignore_eos": True},
+                )
                 got.append(reply.choices[0].logprobs.tokens)
             assert got == [[loaded.tokenizer.decode([t]) for t in w] for w in want]
         scraped = httpx.get(f"http://127.0.0.1:{metrics + 1}/metrics").text  # decode worker
@@ -62,16 +69,29 @@ def test_mtp_drafts_through_the_whole_path(tmp_path, embedded_dir, save):
     assert counts["pdserve_spec_accepted_tokens"] >= 0.6 * counts["pdserve_spec_proposed_tokens"]
 
 
-@pytest.mark.parametrize(("family", "why"), [
-    ("qwen3_moe", "needs a DeepSeek-V3 or V4 checkpoint"),
-    ("deepseek_v4", r"no MTP layer: mtp\.0\.e_proj\.weight is missing"),  # declared, not stored
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("family", "why"),
+    [
+        ("qwen3_moe", "needs a DeepSeek-V3 or V4 checkpoint"),
+        ("deepseek_v4", r"no MTP layer: mtp\.0\.e_proj\.weight is missing"),  # declared, not stored
+    ],
+)
 def test_mtp_without_an_mtp_layer_is_refused_before_the_model_loads(tiny_dir, family, why):
     result = subprocess.run(
-        [PDSERVE, "decode", "--model", str(tiny_dir(family)), "--speculative", "mtp",
-         "--kv-store", "memory://"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [
+            PDSERVE,
+            "decode",
+            "--model",
+            str(tiny_dir(family)),
+            "--speculative",
+            "mtp",
+            "--kv-store",
+            "memory://",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode != 0
     assert "has no MTP layer (num_nextn_predict_layers)" in result.stderr
     assert re.search(why, result.stderr), result.stderr

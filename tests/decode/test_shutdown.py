@@ -26,9 +26,12 @@ def test_sigterm_drains_then_exits(embedded_dir, tmp_path):
         async with grpc.aio.insecure_channel(worker.address) as channel:
             stub = pbg.DecodeWorkerStub(channel)
             request = pb.DecodeRequest(
-                request_id="inflight", prompt_token_ids=[1, 2, 3], params=params, seed=1,
+                request_id="inflight",
+                prompt_token_ids=[1, 2, 3],
+                params=params,
+                seed=1,
                 local_prefill=True,
-            )  # fmt: skip
+            )
             call = stub.Decode(request)
             tokens: list[int] = []
             while True:

@@ -50,8 +50,9 @@ def test_32_greedy_prompts_equal_the_engine_without_speculation(speculating, eng
     expected = [o.choices[0] for o in engine.generate(chats + token_prompts, params)]
 
     def chat(q: str) -> tuple[str, int]:
-        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": q}],
-                                           max_tokens=24, temperature=0)  # fmt: skip
+        r = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": q}], max_tokens=24, temperature=0
+        )
         assert r.usage is not None
         return r.choices[0].message.content or "", r.usage.completion_tokens
 
@@ -77,9 +78,15 @@ def test_seeded_streams_with_n_equal_the_engine(speculating, engine):
     params = SamplingParams(max_tokens=40, temperature=0.8, top_p=0.9, seed=77, n=2)
     expected = [c.text for c in engine.generate([prompt], params)[0].choices]
     stream = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": question}], max_tokens=40,
-        temperature=0.8, top_p=0.9, seed=77, n=2, stream=True,
-    )  # fmt: skip
+        model=MODEL,
+        messages=[{"role": "user", "content": question}],
+        max_tokens=40,
+        temperature=0.8,
+        top_p=0.9,
+        seed=77,
+        n=2,
+        stream=True,
+    )
     texts = ["", ""]
     for chunk in stream:
         for c in chunk.choices:
@@ -104,9 +111,11 @@ def test_a_decode_worker_speculating_with_a_draft_model(embedded_dir, tmp_path, 
         async with grpc.aio.insecure_channel(worker.address) as channel:
             stub = pbg.DecodeWorkerStub(channel)
             request = pb.DecodeRequest(
-                request_id="d", prompt_token_ids=prompt, params=to_proto_params(params),
+                request_id="d",
+                prompt_token_ids=prompt,
+                params=to_proto_params(params),
                 local_prefill=True,
-            )  # fmt: skip
+            )
             return [t async for chunk in stub.Decode(request) for t in chunk.token_ids]
 
     try:
@@ -125,7 +134,9 @@ def test_a_decode_worker_speculating_with_a_draft_model(embedded_dir, tmp_path, 
 def test_a_bad_speculative_setting_is_refused_before_the_model_loads(value, tmp_path):
     result = subprocess.run(
         [PDSERVE, "decode", "--speculative", value, "--kv-store", "memory://"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode != 0
     assert f"speculative: {value!r} is not none, ngram, suffix, draft:MODEL or mtp" in result.stderr

@@ -101,8 +101,9 @@ class LocalCompose:
     def healthy(self, name: str) -> bool:
         test = self.services[name]["healthcheck"]["test"]
         assert test[0] == "CMD"
-        result = subprocess.run(self.argv(name, test[1:]), env=self.environment(name),
-                                capture_output=True, timeout=30)  # fmt: skip
+        result = subprocess.run(
+            self.argv(name, test[1:]), env=self.environment(name), capture_output=True, timeout=30
+        )
         return result.returncode == 0
 
     def up(self, timeout: float = 300) -> None:
@@ -113,9 +114,12 @@ class LocalCompose:
                 self.wait_healthy(dependency, timeout)
             log = open(self.workdir / f"{name}.log", "wb")  # noqa: SIM115 (the child keeps it)
             self.processes[name] = subprocess.Popen(
-                self.argv(name, spec["command"]), env=self.environment(name), stdout=log,
-                stderr=subprocess.STDOUT, cwd=self.workdir,
-            )  # fmt: skip
+                self.argv(name, spec["command"]),
+                env=self.environment(name),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=self.workdir,
+            )
         for name in self.services:
             self.wait_healthy(name, timeout)
 
@@ -142,8 +146,12 @@ def scraped_by_prometheus_and_the_autoscalers(stack: LocalCompose) -> None:
     """Prometheus' targets are services and ports of the compose file; each worker's side door
     serves the metric the Kubernetes autoscalers scale on."""
     config = yaml.safe_load((COMPOSE.parent / "prometheus" / "prometheus.yml").read_text())
-    targets = [t for job in config["scrape_configs"] for group in job["static_configs"]
-               for t in group["targets"]]  # fmt: skip
+    targets = [
+        t
+        for job in config["scrape_configs"]
+        for group in job["static_configs"]
+        for t in group["targets"]
+    ]
     assert {(t.split(":")[0], int(t.split(":")[1])) for t in targets} == set(stack.ports) - {
         ("redis", 6379),
         *((n, p) for n, p in stack.ports if p in (50051, 50052)),
@@ -160,8 +168,14 @@ def scraped_by_prometheus_and_the_autoscalers(stack: LocalCompose) -> None:
 
 def test_compose_services_serve_a_streamed_chat_as_local_processes(tmp_path):
     stack = LocalCompose(tmp_path)
-    assert set(stack.services) == {"redis", "router", "prefill-1", "prefill-2", "decode-1",
-                                   "decode-2"}  # fmt: skip
+    assert set(stack.services) == {
+        "redis",
+        "router",
+        "prefill-1",
+        "prefill-2",
+        "decode-1",
+        "decode-2",
+    }
     redis_args = stack.services["redis"]["command"]
     assert redis_args[redis_args.index("--maxmemory-policy") + 1] == "allkeys-lru"
     assert redis_args[redis_args.index("--save") + 1] == ""
@@ -174,8 +188,10 @@ def test_compose_services_serve_a_streamed_chat_as_local_processes(tmp_path):
         stream = client.chat.completions.create(
             model="SmolLM2-135M-Instruct",
             messages=[{"role": "user", "content": "What is the capital of France?"}],
-            max_tokens=20, temperature=0, stream=True,
-        )  # fmt: skip
+            max_tokens=20,
+            temperature=0,
+            stream=True,
+        )
         chunks = list(stream)
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert text == greedy_chat_in_process("What is the capital of France?", 20)
@@ -201,8 +217,11 @@ def test_the_gpu_file_gives_each_worker_a_device_of_its_own():
     base = yaml.safe_load(interpolate(COMPOSE.read_text(), {}))["services"]
     gpu_file = (COMPOSE.parent / "docker-compose.gpu.yml").read_text()
     gpu = yaml.safe_load(interpolate(gpu_file, {}))
-    workers = [n for n, s in base.items() if s.get("command", [None])[0:2] in
-               (["pdserve", "prefill"], ["pdserve", "decode"])]  # fmt: skip
+    workers = [
+        n
+        for n, s in base.items()
+        if s.get("command", [None])[0:2] in (["pdserve", "prefill"], ["pdserve", "decode"])
+    ]
     assert sorted(workers) == ["decode-1", "decode-2", "prefill-1", "prefill-2"]
     ids = []
     for name in workers:

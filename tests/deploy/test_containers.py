@@ -47,8 +47,7 @@ class Stack:
     url: str
 
     def compose(self, *args: str, timeout: float = 1800) -> str:
-        return self.engine.docker("compose", "-f", COMPOSE, "-p", PROJECT, *args,
-                                  timeout=timeout)  # fmt: skip
+        return self.engine.docker("compose", "-f", COMPOSE, "-p", PROJECT, *args, timeout=timeout)
 
     def client(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key="x", max_retries=0)
@@ -58,9 +57,11 @@ class Stack:
 
     def engine_running(self, service: str) -> float:
         """The worker's own gauge of running sequences, read inside its container."""
-        code = ("import urllib.request as u; t = u.urlopen('http://127.0.0.1:9100/metrics')"
-                ".read().decode(); print([l for l in t.splitlines() if l.startswith("
-                "'pdserve_engine_running')][0].split()[-1])")  # fmt: skip
+        code = (
+            "import urllib.request as u; t = u.urlopen('http://127.0.0.1:9100/metrics')"
+            ".read().decode(); print([l for l in t.splitlines() if l.startswith("
+            "'pdserve_engine_running')][0].split()[-1])"
+        )
         return float(self.engine.docker("exec", self.container(service), "python", "-c", code))
 
 
@@ -132,8 +133,9 @@ def test_chat_equals_pdserve_up_as_processes(stack):
 
 def test_decode_container_killed_mid_stream(stack):
     client = stack.client()
-    args = dict(model=MODEL, prompt=STORY, max_tokens=160, temperature=0,
-                extra_body={"ignore_eos": True})  # fmt: skip
+    args = dict(
+        model=MODEL, prompt=STORY, max_tokens=160, temperature=0, extra_body={"ignore_eos": True}
+    )
     expected = client.completions.create(**args).choices[0].text
     text, killed, finishes = "", None, []
     for i, chunk in enumerate(client.completions.create(**args, stream=True)):
@@ -158,9 +160,11 @@ def test_a_crashed_worker_comes_back_by_the_restart_policy(stack):
     exits, the policy restarts it, it turns healthy and serves."""
     name = stack.container("decode-2")
     before = int(stack.engine.docker("inspect", "-f", "{{.RestartCount}}", name))
-    kill = ("import os, signal\nfor p in os.listdir('/proc'):\n if p.isdigit() and int(p) > 1"
-            " and int(p) != os.getpid() and open(f'/proc/{p}/comm').read().strip() == 'pdserve':"
-            "\n  os.kill(int(p), signal.SIGKILL)")  # fmt: skip
+    kill = (
+        "import os, signal\nfor p in os.listdir('/proc'):\n if p.isdigit() and int(p) > 1"
+        " and int(p) != os.getpid() and open(f'/proc/{p}/comm').read().strip() == 'pdserve':"
+        "\n  os.kill(int(p), signal.SIGKILL)"
+    )
     stack.engine.docker("exec", name, "python", "-c", kill, check=False)
     deadline = time.monotonic() + 60
     while int(stack.engine.docker("inspect", "-f", "{{.RestartCount}}", name)) == before:
@@ -194,8 +198,9 @@ def test_down_leaves_nothing(stack):
     stack.compose("down", "-v", "--remove-orphans")
     label = f"label=com.docker.compose.project={PROJECT}"
     for kind in ("container", "network", "volume"):
-        left = stack.engine.docker(kind, "ls", *(["-a"] if kind == "container" else []),
-                                   "-q", "--filter", label)  # fmt: skip
+        left = stack.engine.docker(
+            kind, "ls", *(["-a"] if kind == "container" else []), "-q", "--filter", label
+        )
         assert left.strip() == "", f"{kind}s left behind: {left}"
 
 

@@ -33,11 +33,15 @@ def test_kubernetes_manifests_validate(path):
 def test_manifests_hold_the_pieces_a_deployment_needs():
     kinds = {(d["kind"], d["metadata"]["name"]) for p in MANIFESTS for d in documents(p)}
     assert {
-        ("Deployment", "pdserve-router"), ("Deployment", "pdserve-prefill"),
-        ("Deployment", "pdserve-decode"), ("Service", "pdserve"), ("StatefulSet", "redis"),
-        ("HorizontalPodAutoscaler", "pdserve-prefill"), ("ConfigMap", "pdserve"),
+        ("Deployment", "pdserve-router"),
+        ("Deployment", "pdserve-prefill"),
+        ("Deployment", "pdserve-decode"),
+        ("Service", "pdserve"),
+        ("StatefulSet", "redis"),
+        ("HorizontalPodAutoscaler", "pdserve-prefill"),
+        ("ConfigMap", "pdserve"),
         ("HorizontalPodAutoscaler", "pdserve-decode"),
-    } <= kinds  # fmt: skip
+    } <= kinds
     config = next(d for p in MANIFESTS for d in documents(p) if d["kind"] == "ConfigMap")
     for d in (d for p in MANIFESTS for d in documents(p) if d["kind"] == "Deployment"):
         container = d["spec"]["template"]["spec"]["containers"][0]

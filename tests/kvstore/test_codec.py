@@ -73,13 +73,17 @@ def _one_value(dtype=StorageDtype.BFLOAT16):
 @pytest.mark.parametrize(
     ("reader", "reason"),
     [
-        (BlockCodec(KVLayout("model-b", "bfloat16", 16, 4, 3, 64), StorageDtype.BFLOAT16),
-         "namespace does not match"),
+        (
+            BlockCodec(KVLayout("model-b", "bfloat16", 16, 4, 3, 64), StorageDtype.BFLOAT16),
+            "namespace does not match",
+        ),
         (BlockCodec(LAYOUT, StorageDtype.FLOAT16), "dtype 2, expected 1"),
-        (BlockCodec(KVLayout("model-a", "bfloat16", 16, 4, 3, 32), StorageDtype.BFLOAT16),
-         "head dim 64, expected 32"),
+        (
+            BlockCodec(KVLayout("model-a", "bfloat16", 16, 4, 3, 32), StorageDtype.BFLOAT16),
+            "head dim 64, expected 32",
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_value_for_another_layout_is_refused(reader, reason):
     _, value = _one_value()
     with pytest.raises(CodecError, match=reason):
@@ -220,16 +224,21 @@ def test_a_tampered_header_field_is_refused_by_the_mac():
     with pytest.raises(CodecError, match=r"^MAC does not match"):
         keyed.check(tampered, HASHES[0])
     unkeyed, plain = _one_value()
-    assert unkeyed.check(FORMAT.pack(*fields[:3], 0, *fields[4:]) + plain[FORMAT.size :],
-                         HASHES[0]) == 7  # fmt: skip
+    assert (
+        unkeyed.check(FORMAT.pack(*fields[:3], 0, *fields[4:]) + plain[FORMAT.size :], HASHES[0])
+        == 7
+    )
 
 
 def test_every_flipped_bit_of_a_keyed_value_is_refused_with_a_reason():
     keyed, value = _keyed_value()
     reasons = set()
     payload_end = len(value) - MAC_BYTES
-    for byte in [*range(FORMAT.size), *range(FORMAT.size, payload_end, 4099),
-                 *range(payload_end, len(value))]:  # fmt: skip
+    for byte in [
+        *range(FORMAT.size),
+        *range(FORMAT.size, payload_end, 4099),
+        *range(payload_end, len(value)),
+    ]:
         for bit in (0, 7):
             flipped = bytearray(value)
             flipped[byte] ^= 1 << bit
@@ -242,8 +251,13 @@ def test_every_flipped_bit_of_a_keyed_value_is_refused_with_a_reason():
             reasons.add(e.value.reason.split(":")[0].split(",")[0])
             if byte >= FORMAT.size:
                 assert e.value.reason.startswith("MAC does not match"), byte
-    assert {"MAC does not match", "checksum does not match", "bad magic",
-            "namespace does not match", "block hash does not match"} <= reasons  # fmt: skip
+    assert {
+        "MAC does not match",
+        "checksum does not match",
+        "bad magic",
+        "namespace does not match",
+        "block hash does not match",
+    } <= reasons
 
 
 def test_a_short_key_is_refused_and_never_shown():
@@ -283,11 +297,20 @@ def test_stored_blocks_staged_for_a_device_write_the_bytes_written_block_by_bloc
     """A GPU pool takes imported blocks through one host buffer and one copy (write_staged);
     run here on CPU pools: the same bytes as decoding each block in place, both layouts."""
     config = ModelConfig(
-        architecture="LlamaForCausalLM", vocab_size=100, hidden_size=192, intermediate_size=160,
-        num_layers=4, num_heads=3, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5,
-        rope_theta=10000.0, max_position_embeddings=4096, tie_word_embeddings=True,
+        architecture="LlamaForCausalLM",
+        vocab_size=100,
+        hidden_size=192,
+        intermediate_size=160,
+        num_layers=4,
+        num_heads=3,
+        num_kv_heads=3,
+        head_dim=64,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
         attention_bias=False,
-    )  # fmt: skip
+    )
     codec = BlockCodec(LAYOUT, StorageDtype.BFLOAT16)
     k, v = blocks(torch.bfloat16)
     source = StoredBlocks(codec, [bytes(x) for x in codec.encode_many(k, v, HASHES, [16] * N)])

@@ -64,8 +64,9 @@ def test_every_forged_block_is_refused_deleted_and_counted():
     async def scenario():
         store = open_store("memory://", layout.namespace())
         blocks = BlockStore(store, codec)
-        await store.put_many([(h, forge(x, i % 2 == 0)) for i, (h, x) in enumerate(
-            zip(hashes, values, strict=True))])  # fmt: skip
+        await store.put_many(
+            [(h, forge(x, i % 2 == 0)) for i, (h, x) in enumerate(zip(hashes, values, strict=True))]
+        )
         for h in hashes:
             assert await blocks.get_checked([h]) == []
         assert store.stats().corrupt == n

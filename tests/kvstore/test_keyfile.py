@@ -57,8 +57,12 @@ def test_make_key_writes_64_hex_digits_0600_once(tmp_path):
 
 
 def test_a_worker_with_an_unusable_key_file_stops_with_the_reason(tmp_path):
-    out = subprocess.run([PDSERVE, "decode", "--kv-key-file", str(tmp_path / "absent")],
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    out = subprocess.run(
+        [PDSERVE, "decode", "--kv-key-file", str(tmp_path / "absent")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2
     assert out.stderr.strip() == (
         f"pdserve: error: kv_key_file {tmp_path}/absent: No such file or directory"

@@ -101,8 +101,12 @@ def test_a_worker_refuses_an_unsafe_directory_before_loading_the_model(tmp_path)
     shared = tmp_path / "shared"
     shared.mkdir()
     shared.chmod(0o777)
-    out = subprocess.run([PDSERVE, "prefill", "--kv-store", f"local://{shared}"],
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    out = subprocess.run(
+        [PDSERVE, "prefill", "--kv-store", f"local://{shared}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2
     assert out.stderr.strip() == (
         f"pdserve: error: {shared} is writable by every user (mode 777): anyone could plant "

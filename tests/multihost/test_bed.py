@@ -24,9 +24,11 @@ def leftovers(tag: str) -> list[str]:
 def reaches(bed: Bed, source: str | None, target: str) -> bool:
     """Whether `source` (None: the root namespace) hears back from `target` (a refused
     connection is an answer)."""
-    code = (f"import socket; s = socket.socket(); s.settimeout(1)\n"
-            f"try: s.connect(('{bed.address(target)}', 9))\n"
-            f"except ConnectionRefusedError: pass")  # fmt: skip
+    code = (
+        f"import socket; s = socket.socket(); s.settimeout(1)\n"
+        f"try: s.connect(('{bed.address(target)}', 9))\n"
+        f"except ConnectionRefusedError: pass"
+    )
     prefix = bed.exec(source) if source else []
     done = subprocess.run([*prefix, sys.executable, "-c", code], capture_output=True)
     return done.returncode == 0

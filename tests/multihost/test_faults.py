@@ -57,8 +57,9 @@ def test_decode_host_link_cut_mid_stream_migrates(bed_stack, engine, embedded):
     with every token the engine gives, none twice."""
     stack = bed_stack
     since = log_size(stack.router)
-    args = dict(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0,
-                extra_body={"ignore_eos": True})  # fmt: skip
+    args = dict(
+        model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0, extra_body={"ignore_eos": True}
+    )
     cut: list[str] = []
 
     def pull_the_cable() -> None:
@@ -73,8 +74,7 @@ def test_decode_host_link_cut_mid_stream_migrates(bed_stack, engine, embedded):
         for host in cut:
             stack.bed.restore(host)
     ids = embedded.tokenizer.encode(PROMPT)
-    expected = reference(engine, ids, SamplingParams(max_tokens=40, temperature=0,
-                                                     ignore_eos=True))  # fmt: skip
+    expected = reference(engine, ids, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
     assert (text, finishes) == (expected[0], ["length"])
     (moved,) = router_lines(stack, since, "decode worker lost mid-stream: migrating")
     lost = next(w for w in stack.decode if w.host == cut[0])
@@ -94,8 +94,9 @@ def test_redis_host_unreachable_workers_compute(bed_stack, engine, embedded):
     stack.bed.cut("redis")
     try:
         start = time.monotonic()
-        r = client_of(stack).completions.create(model=MODEL, prompt=prompt, max_tokens=16,
-                                                temperature=0, timeout=60)  # fmt: skip
+        r = client_of(stack).completions.create(
+            model=MODEL, prompt=prompt, max_tokens=16, temperature=0, timeout=60
+        )
         took = time.monotonic() - start
     finally:
         stack.bed.restore("redis")
@@ -114,19 +115,26 @@ def test_prefill_host_trickle_is_retried_elsewhere(bed_stack, engine, embedded):
     --prefill-timeout, and the other prefill host computes it; the answer is the engine's."""
     stack = bed_stack
     words = " ".join(f"item{i} is on shelf {i % 7}." for i in range(180))
-    first = client_of(stack).completions.create(model=MODEL, prompt=words, max_tokens=1,
-                                                temperature=0)  # fmt: skip
+    first = client_of(stack).completions.create(
+        model=MODEL, prompt=words, max_tokens=1, temperature=0
+    )
     assert first.usage.prompt_tokens > 1000  # its Prefill's ~4 kB take > 15 s at 1 kbit/s
-    holder = next(w for w in stack.prefill if any(
-        e.get("msg") == "prefilled" and e["request_id"].startswith(first.id)
-        for e in log_events(w)))  # fmt: skip
+    holder = next(
+        w
+        for w in stack.prefill
+        if any(
+            e.get("msg") == "prefilled" and e["request_id"].startswith(first.id)
+            for e in log_events(w)
+        )
+    )
     since = log_size(stack.router)
     prompt = words + " Which shelf is item5 on?"
     stack.bed.shape(holder.host, Link(rate_bit=1000))
     try:
         start = time.monotonic()
-        r = client_of(stack).completions.create(model=MODEL, prompt=prompt, max_tokens=8,
-                                                temperature=0, timeout=60)  # fmt: skip
+        r = client_of(stack).completions.create(
+            model=MODEL, prompt=prompt, max_tokens=8, temperature=0, timeout=60
+        )
         took = time.monotonic() - start
     finally:
         stack.bed.shape(holder.host, LINK)
@@ -156,8 +164,11 @@ def test_every_decode_host_cut_waits_for_one_then_503(bed_stack, engine, embedde
             stack.bed.cut(host)
         wait_until(lambda: httpx.get(f"{url}/health").status_code == 503, timeout=30)
         answers: list[httpx.Response] = []
-        asked = threading.Thread(target=lambda: answers.append(
-            httpx.post(f"{url}/v1/completions", json=body, timeout=60)))  # fmt: skip
+        asked = threading.Thread(
+            target=lambda: answers.append(
+                httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+            )
+        )
         asked.start()
         wait_until(lambda: metrics(url).get(gauge) == 1, timeout=10)
         stack.bed.restore(decode_hosts[0])

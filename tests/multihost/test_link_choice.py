@@ -39,8 +39,9 @@ def decode(address: str, rid: str, ids: list[int]) -> tuple[list[int], int]:
             stub = pbg.DecodeWorkerStub(channel)
             hits = (await stub.Load(pb.LoadRequest())).store_hits
             params = to_proto_params(GREEDY)
-            request = pb.DecodeRequest(request_id=rid, prompt_token_ids=ids, seed=0,
-                                       params=params, local_prefill=True)  # fmt: skip
+            request = pb.DecodeRequest(
+                request_id=rid, prompt_token_ids=ids, seed=0, params=params, local_prefill=True
+            )
             tokens = [t async for chunk in stub.Decode(request) for t in chunk.token_ids]
             return tokens, (await stub.Load(pb.LoadRequest())).store_hits - hits
 
@@ -65,8 +66,9 @@ def write(stack, worker, rid: str, ids: list[int]) -> int:
 
 
 def fetched(worker, since: int, rid: str) -> dict[str, str]:
-    (line,) = [e for e in log_events(worker, since)
-               if e.get("msg") == "fetched" and e["request_id"] == rid]  # fmt: skip
+    (line,) = [
+        e for e in log_events(worker, since) if e.get("msg") == "fetched" and e["request_id"] == rid
+    ]
     return line
 
 

@@ -24,8 +24,10 @@ def prompt(n: int, seed: int) -> list[int]:
 def run_with_stubs(workers, body):
     async def go():
         prefill, decode = workers
-        async with grpc.aio.insecure_channel(prefill.address) as pch, \
-                grpc.aio.insecure_channel(decode.address) as dch:  # fmt: skip
+        async with (
+            grpc.aio.insecure_channel(prefill.address) as pch,
+            grpc.aio.insecure_channel(decode.address) as dch,
+        ):
             return await body(pbg.PrefillWorkerStub(pch), pbg.DecodeWorkerStub(dch))
 
     return asyncio.run(go())
@@ -37,10 +39,12 @@ def test_a_shared_1000_token_prefix_is_not_computed_again(workers):
     first, second = shared + prompt(40, seed=5006), shared + prompt(25, seed=5007)
 
     async def body(prefill, decode):
-        a = await prefill.Prefill(pb.PrefillRequest(request_id="p1", prompt_token_ids=first,
-                                                    params=PARAMS, seed=1))  # fmt: skip
-        b = await prefill.Prefill(pb.PrefillRequest(request_id="p2", prompt_token_ids=second,
-                                                    params=PARAMS, seed=1))  # fmt: skip
+        a = await prefill.Prefill(
+            pb.PrefillRequest(request_id="p1", prompt_token_ids=first, params=PARAMS, seed=1)
+        )
+        b = await prefill.Prefill(
+            pb.PrefillRequest(request_id="p2", prompt_token_ids=second, params=PARAMS, seed=1)
+        )
         return a, b
 
     a, b = run_with_stubs(workers, body)
@@ -77,8 +81,9 @@ def _decode(**fields):
 async def _decode_with_block_hashes(prefill, decode):
     """A caller handing a decode worker block hashes (field 4, once DecodeRequest.block_hashes,
     now reserved): refused; a worker reads KV only under hashes it computes itself."""
-    raw = pb.DecodeRequest(request_id="h", prompt_token_ids=list(range(100, 140)),
-                           output_token_ids=[5], params=PARAMS)  # fmt: skip
+    raw = pb.DecodeRequest(
+        request_id="h", prompt_token_ids=list(range(100, 140)), output_token_ids=[5], params=PARAMS
+    )
     message = pb.DecodeRequest()
     message.ParseFromString(raw.SerializeToString() + b"\x22\x20" + b"\x00" * 32)  # 4: 32 bytes
     async for _ in decode.Decode(message):
@@ -95,35 +100,76 @@ def _with_unknown_field(prefill, decode):
 @pytest.mark.parametrize(
     ("call", "code", "message"),
     [
-        (_prefill(request_id="e", prompt_token_ids=[]), "INVALID_ARGUMENT",
-         "prompt: must not be empty"),
-        (_prefill(request_id="v", prompt_token_ids=[1, 60000]), "INVALID_ARGUMENT",
-         "prompt: token id 60000 is outside the vocabulary"),
-        (_prefill(request_id="w", prompt_token_ids=[1] * 10, params=to_proto_params(
-            SamplingParams(max_tokens=8190))), "INVALID_ARGUMENT",
-         "max_tokens: prompt (10 tokens) plus max_tokens (8190) exceeds the context window"),
-        (_prefill(request_id="t", prompt_token_ids=[1, 2], params=to_proto_params(
-            SamplingParams(top_p=1.5))), "INVALID_ARGUMENT", "top_p: must be in (0, 1]"),
-        (_prefill(request_id="k", prompt_token_ids=[1, 2], params=to_proto_params(
-            SamplingParams(top_k=49153))), "INVALID_ARGUMENT",
-         "top_k: must be -1 or 0 (off), or 1..49152"),
-        (_decode(request_id="kd", prompt_token_ids=[1, 2], params=to_proto_params(
-            SamplingParams(top_k=1 << 30)), local_prefill=True), "INVALID_ARGUMENT",
-         "top_k: must be -1 or 0 (off), or 1..49152"),
+        (
+            _prefill(request_id="e", prompt_token_ids=[]),
+            "INVALID_ARGUMENT",
+            "prompt: must not be empty",
+        ),
+        (
+            _prefill(request_id="v", prompt_token_ids=[1, 60000]),
+            "INVALID_ARGUMENT",
+            "prompt: token id 60000 is outside the vocabulary",
+        ),
+        (
+            _prefill(
+                request_id="w",
+                prompt_token_ids=[1] * 10,
+                params=to_proto_params(SamplingParams(max_tokens=8190)),
+            ),
+            "INVALID_ARGUMENT",
+            "max_tokens: prompt (10 tokens) plus max_tokens (8190) exceeds the context window",
+        ),
+        (
+            _prefill(
+                request_id="t",
+                prompt_token_ids=[1, 2],
+                params=to_proto_params(SamplingParams(top_p=1.5)),
+            ),
+            "INVALID_ARGUMENT",
+            "top_p: must be in (0, 1]",
+        ),
+        (
+            _prefill(
+                request_id="k",
+                prompt_token_ids=[1, 2],
+                params=to_proto_params(SamplingParams(top_k=49153)),
+            ),
+            "INVALID_ARGUMENT",
+            "top_k: must be -1 or 0 (off), or 1..49152",
+        ),
+        (
+            _decode(
+                request_id="kd",
+                prompt_token_ids=[1, 2],
+                params=to_proto_params(SamplingParams(top_k=1 << 30)),
+                local_prefill=True,
+            ),
+            "INVALID_ARGUMENT",
+            "top_k: must be -1 or 0 (off), or 1..49152",
+        ),
         (_with_unknown_field, "INVALID_ARGUMENT", "request: unknown field number 31"),
         (_decode_with_block_hashes, "INVALID_ARGUMENT", "request: unknown field number 4"),
     ],
-    ids=["empty", "vocabulary", "context", "top_p", "top_k", "top_k-decode", "unknown-field",
-         "block-hashes"],
-)  # fmt: skip
+    ids=[
+        "empty",
+        "vocabulary",
+        "context",
+        "top_p",
+        "top_k",
+        "top_k-decode",
+        "unknown-field",
+        "block-hashes",
+    ],
+)
 def test_bad_input_is_refused_and_the_workers_keep_serving(workers, call, code, message):
     err = _refused(workers, call)
     assert err.code().name == code
     assert message in err.details()
 
     async def body(prefill, decode):
-        return await disaggregated(prefill, decode, f"after-{code}-{message[:8]}", [1, 2, 3],
-                                   PARAMS, seed=1)  # fmt: skip
+        return await disaggregated(
+            prefill, decode, f"after-{code}-{message[:8]}", [1, 2, 3], PARAMS, seed=1
+        )
 
     tokens, _, _ = run_with_stubs(workers, body)
     assert len(tokens) == 8
@@ -133,12 +179,16 @@ def test_a_request_id_already_running_is_refused(workers):
     async def body(prefill, decode):
         ids = prompt(40, seed=9)
         params = to_proto_params(SamplingParams(max_tokens=300, temperature=0, ignore_eos=True))
-        reply = await prefill.Prefill(pb.PrefillRequest(request_id="dup", prompt_token_ids=ids,
-                                                        params=params, seed=1))  # fmt: skip
+        reply = await prefill.Prefill(
+            pb.PrefillRequest(request_id="dup", prompt_token_ids=ids, params=params, seed=1)
+        )
         request = pb.DecodeRequest(
-            request_id="dup", prompt_token_ids=ids, output_token_ids=[reply.first_token],
-            params=params, seed=1,
-        )  # fmt: skip
+            request_id="dup",
+            prompt_token_ids=ids,
+            output_token_ids=[reply.first_token],
+            params=params,
+            seed=1,
+        )
         first = decode.Decode(request)
         await first.read()  # running now
         with pytest.raises(grpc.aio.AioRpcError) as err:

@@ -10,11 +10,11 @@ import weakref
 
 import pytest
 
-from router.answer import Replies, stream_events
+from router.completions.answer import Replies, stream_events
+from router.completions.openai_format import Envelope
 from router.errors import APIError
-from router.generation import Job
-from router.openai_format import Envelope
 from router.state import RouterState
+from router.workers.generation import Job
 from services.engine.params import SamplingParams
 from services.rpc import worker_pb2 as pb
 from services.settings import RouterSettings, Settings
@@ -80,7 +80,7 @@ def test_a_request_larger_than_the_server_admits_is_400():
 def test_a_prompts_block_hashes_are_computed_once_per_request(monkeypatch):
     """Once per prompt when the request is read; routing, backlogs, the TTFT SLO's spill and
     shedding, and every choice then use the job's own."""
-    from router import generation
+    from router.workers import generation
 
     calls = []
     counted = generation.block_hashes

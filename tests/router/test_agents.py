@@ -29,12 +29,18 @@ def run_agent(router, api: str, streamed: bool, **agent_args):
 
     async def run():
         client = openai.AsyncOpenAI(base_url=f"{router.url}/v1", api_key="x", max_retries=0)
-        model = (agents.OpenAIResponsesModel if api == "responses"
-                 else agents.OpenAIChatCompletionsModel)(MODEL, client)  # fmt: skip
+        model = (
+            agents.OpenAIResponsesModel if api == "responses" else agents.OpenAIChatCompletionsModel
+        )(MODEL, client)
         settings = agents.ModelSettings(temperature=0, max_tokens=60, tool_choice="required")
-        agent = agents.Agent(name="weather", instructions="Answer with the weather tool.",
-                             tools=[get_weather], model=model, model_settings=settings,
-                             **agent_args)  # fmt: skip
+        agent = agents.Agent(
+            name="weather",
+            instructions="Answer with the weather tool.",
+            tools=[get_weather],
+            model=model,
+            model_settings=settings,
+            **agent_args,
+        )
         if not streamed:
             return await agents.Runner.run(agent, "What is the weather in Paris?", max_turns=4)
         result = agents.Runner.run_streamed(agent, "What is the weather in Paris?", max_turns=4)
@@ -69,8 +75,9 @@ def test_an_agents_output_type_parses(router):
         degrees: int = Field(ge=-50, le=50)
         sunny: bool
 
-    result, _ = run_agent(router, "responses", streamed=False, output_type=Forecast,
-                          tool_use_behavior="run_llm_again")  # fmt: skip
+    result, _ = run_agent(
+        router, "responses", streamed=False, output_type=Forecast, tool_use_behavior="run_llm_again"
+    )
     assert isinstance(result.final_output, Forecast)
 
 
@@ -85,8 +92,15 @@ def test_langchain_tool_loop(router, use_responses_api):
         """Multiply two integers."""
         return a * b
 
-    llm = ChatOpenAI(base_url=f"{router.url}/v1", api_key="x", model=MODEL, temperature=0,
-                     max_tokens=40, max_retries=0, use_responses_api=use_responses_api)  # fmt: skip
+    llm = ChatOpenAI(
+        base_url=f"{router.url}/v1",
+        api_key="x",
+        model=MODEL,
+        temperature=0,
+        max_tokens=40,
+        max_retries=0,
+        use_responses_api=use_responses_api,
+    )
     messages = [HumanMessage("What is 6 times 7?")]
     asked = llm.bind_tools([multiply], tool_choice="multiply").invoke(messages)
     (call,) = asked.tool_calls

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from router.backlog import HALF_LIFE, Backlog
+from router.workers.backlog import HALF_LIFE, Backlog
 
 
 def test_the_rate_is_tokens_computed_over_seconds_busy():

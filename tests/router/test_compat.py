@@ -48,8 +48,9 @@ def test_best_of_and_stream_options_misuse_is_400(router, extra, param):
 
 
 def test_logprobs_zero_gives_the_chosen_token(client):
-    r = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=5, logprobs=0,
-                                  temperature=0)  # fmt: skip
+    r = client.completions.create(
+        model=MODEL, prompt="The sky is", max_tokens=5, logprobs=0, temperature=0
+    )
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == 5
     assert lp.top_logprobs == [{t: v} for t, v in zip(lp.tokens, lp.token_logprobs, strict=True)]
@@ -57,10 +58,14 @@ def test_logprobs_zero_gives_the_chosen_token(client):
 
 def test_continuous_usage_stats(client):
     stream = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Count to five."}], max_tokens=10,
-        temperature=0, stream=True, extra_body={"ignore_eos": True},
+        model=MODEL,
+        messages=[{"role": "user", "content": "Count to five."}],
+        max_tokens=10,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
         stream_options={"include_usage": True, "continuous_usage_stats": True},
-    )  # fmt: skip
+    )
     counts = [c.usage.completion_tokens for c in stream if c.usage is not None]
     assert counts == sorted(counts) and counts[-1] == 10 and len(counts) > 2
     assert all(k > 0 for k in counts)

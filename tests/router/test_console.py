@@ -1,4 +1,4 @@
-"""The console's data (router/console.py, router/recent.py): a request's phases from the
+"""The console's data (router/console/: page.py, recent.py): a request's phases from the
 router's spans, to the millisecond; the store's rates from the workers' counters; the stack
 view of the session's router over its real pool, with a chat's phases and the blocks it read
 from the store; and who may see what: the page for everyone, the stack view with the admin
@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from router.recent import POINTS, Recent, StoreRates
+from router.console.recent import POINTS, Recent, StoreRates
 from services.launcher import RouterProcess
 from services.rpc import worker_pb2 as pb
 from services.tracing import CLIENT, Tracer
@@ -24,8 +24,9 @@ def traced(recent: Recent, prefill: bool) -> None:
     """One request's spans, ended as the router ends them, at made-up times (ms from 1000 s)."""
     tracer = Tracer("pdserve-router", None, recent)
     t0 = 1000 * 1000 * MS
-    root = tracer.start("POST /v1/chat/completions", None, request_id="chatcmpl-1",
-                        prompt_tokens=40)  # fmt: skip
+    root = tracer.start(
+        "POST /v1/chat/completions", None, request_id="chatcmpl-1", prompt_tokens=40
+    )
     root.start_ns = t0
     if prefill:
         call = root.child("Prefill", CLIENT, worker="127.0.0.1:1")
@@ -43,8 +44,7 @@ def test_a_disaggregated_requests_phases_come_from_its_spans():
     recent = Recent(clock=lambda: 1000.2)
     traced(recent, prefill=True)
     (record,) = recent.requests
-    assert record["phases_ms"] == {"queue": 5.0, "prefill": 45.0, "transfer": 30.0,
-                                   "decode": 21.0}  # fmt: skip
+    assert record["phases_ms"] == {"queue": 5.0, "prefill": 45.0, "transfer": 30.0, "decode": 21.0}
     assert (record["tokens"], record["prompt_tokens"], record["total_ms"]) == (5, 40, 102.0)
     assert (record["ttft_ms"], record["itl_ms"]) == (50.0, 12.75)  # (101 - 50) / 4
     assert (record["prefill_worker"], record["decode_worker"]) == ("127.0.0.1:1", "127.0.0.1:2")
@@ -56,8 +56,7 @@ def test_a_prompt_computed_on_the_decode_worker_is_its_prefill():
     recent = Recent()
     traced(recent, prefill=False)
     (record,) = recent.requests
-    assert record["phases_ms"] == {"queue": 3.0, "prefill": 37.0, "transfer": 0.0,
-                                   "decode": 12.0}  # fmt: skip
+    assert record["phases_ms"] == {"queue": 3.0, "prefill": 37.0, "transfer": 0.0, "decode": 12.0}
     assert (record["tokens"], record["ttft_ms"], record["itl_ms"]) == (2, 40.0, 12.0)
     assert record["prefill_worker"] is None
 
@@ -84,8 +83,9 @@ class _Worker:
         self.load = pb.LoadReply()
 
     def counts(self, hits: int, misses: int, read: int, written: int) -> None:
-        self.load = pb.LoadReply(store_hits=hits, store_misses=misses, store_bytes_read=read,
-                                 store_bytes_written=written)  # fmt: skip
+        self.load = pb.LoadReply(
+            store_hits=hits, store_misses=misses, store_bytes_read=read, store_bytes_written=written
+        )
 
 
 def test_store_rates_are_over_the_last_seconds_and_survive_a_restart():
@@ -105,13 +105,19 @@ def test_store_rates_are_over_the_last_seconds_and_survive_a_restart():
     decode.counts(8, 1, 800, 0)
     second = rates.sample(102.0, [prefill, decode])  # type: ignore[list-item]
     assert (second["bytes_in_per_s"], second["bytes_out_per_s"], second["hits_per_s"]) == (
-        1000, 200, 2.0)  # fmt: skip
+        1000,
+        200,
+        2.0,
+    )
     decode.counts(2, 0, 200, 0)  # restarted: counts from 0 again
     third = rates.sample(108.0, [prefill, decode])  # type: ignore[list-item]
     assert (third["hits"], third["bytes_out"]) == (10, 1000)
     # over the last 5 s or more: from the sample at 102 s
     assert (third["hits_per_s"], third["bytes_out_per_s"], third["bytes_in_per_s"]) == (
-        round(2 / 6, 2), round(200 / 6), 0)  # fmt: skip
+        round(2 / 6, 2),
+        round(200 / 6),
+        0,
+    )
 
 
 def stack(url: str, key: str | None = None) -> httpx.Response:
@@ -120,18 +126,20 @@ def stack(url: str, key: str | None = None) -> httpx.Response:
 
 
 def test_the_stack_view_shows_the_pool_a_chat_and_the_blocks_it_read(pool, router, client):
-    view = wait_until(lambda: (v := stack(router.url).json()) and
-                      all(w["healthy"] for w in v["workers"]) and v, 30)  # fmt: skip
-    assert sorted(w["role"] for w in view["workers"]) == ["decode", "decode", "prefill",
-                                                          "prefill"]  # fmt: skip
+    view = wait_until(
+        lambda: (v := stack(router.url).json()) and all(w["healthy"] for w in v["workers"]) and v,
+        30,
+    )
+    assert sorted(w["role"] for w in view["workers"]) == ["decode", "decode", "prefill", "prefill"]
     assert {w["blocks_total"] for w in view["workers"]} == {400}
     assert view["model"] == "SmolLM2-135M-Instruct" and view["colocated"] is False
     workers = [*pool[0], *pool[1]]
     before, counted = settled(router.url), counts(workers)
     words = "Tell me a story about a lighthouse keeper who finds a map in a bottle. " * 4
     messages = [{"role": "user", "content": words + str(time.time())}]  # a prompt not cached
-    answer = client.chat.completions.create(model="SmolLM2-135M-Instruct", max_tokens=8,
-                                            temperature=0, messages=messages)  # fmt: skip
+    answer = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", max_tokens=8, temperature=0, messages=messages
+    )
 
     def listed() -> dict | None:
         found = [r for r in stack(router.url).json()["requests"] if r["id"] == answer.id]
@@ -150,9 +158,15 @@ def test_the_stack_view_shows_the_pool_a_chat_and_the_blocks_it_read(pool, route
     done = counts(workers)
     moved = {k: done[k] - counted[k] for k in done}
     assert moved["store_bytes_written"] > 0 and moved["store_writes"] > 0
-    after = wait_until(lambda: (s := stack(router.url).json()["store"]) and
-                       s["bytes_in"] - before["bytes_in"] == moved["store_bytes_written"] and
-                       s["hits"] - before["hits"] == moved["store_hits"] and s, 10)  # fmt: skip
+    after = wait_until(
+        lambda: (
+            (s := stack(router.url).json()["store"])
+            and s["bytes_in"] - before["bytes_in"] == moved["store_bytes_written"]
+            and s["hits"] - before["hits"] == moved["store_hits"]
+            and s
+        ),
+        10,
+    )
     assert after["bytes_out"] - before["bytes_out"] == moved["store_bytes_read"]
     assert after["misses"] - before["misses"] == moved["store_misses"]
     assert after["bytes_in_per_s"] > 0

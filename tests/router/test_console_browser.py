@@ -1,4 +1,4 @@
-"""The console at `/` (router/console.py) in Debian's chromium, headless, driven by selenium,
+"""The console at `/` (router/console/page.py) in Debian's chromium, headless, driven by selenium,
 against `pdserve up` with a prefill and a decode worker: the page loads without console
 errors; a chat message streams the answer the API gives for the same request, with its TTFT
 and tokens/s; Stop cancels a stream; the stack view lists the workers, shows the request with
@@ -32,8 +32,11 @@ QUESTION = "What is the capital of France?"
 
 missing = [p for p in (CHROMIUM, DRIVER) if not os.path.exists(p)]
 if missing:
-    pytest.skip(f"no {' or '.join(missing)}: apt-get install chromium chromium-driver to run "
-                "the console's browser tests", allow_module_level=True)  # fmt: skip
+    pytest.skip(
+        f"no {' or '.join(missing)}: apt-get install chromium chromium-driver to run "
+        "the console's browser tests",
+        allow_module_level=True,
+    )
 webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed")
 from selenium.webdriver.chrome.service import Service  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
@@ -42,10 +45,19 @@ from selenium.webdriver.common.by import By  # noqa: E402
 def browser(tmp: Path, width: int = 1280, height: int = 800) -> Any:
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic",
-                 "--no-first-run", "--disable-background-networking", "--disable-sync",
-                 "--disable-component-update", "--disable-dev-shm-usage",
-                 f"--user-data-dir={tmp}", f"--window-size={width},{height}"):  # fmt: skip
+    for flag in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-sync",
+        "--disable-component-update",
+        "--disable-dev-shm-usage",
+        f"--user-data-dir={tmp}",
+        f"--window-size={width},{height}",
+    ):
         options.add_argument(flag)
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     os.environ.setdefault("SE_AVOID_STATS", "true")  # selenium: nothing sent anywhere
@@ -56,8 +68,10 @@ def browser(tmp: Path, width: int = 1280, height: int = 800) -> Any:
 
 def viewport(driver: Any, width: int, height: int, phone: bool = False) -> None:
     """The page's own size (a headless window's size counts its frame)."""
-    driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride", {
-        "width": width, "height": height, "deviceScaleFactor": 1, "mobile": phone})  # fmt: skip
+    driver.execute_cdp_cmd(
+        "Emulation.setDeviceMetricsOverride",
+        {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": phone},
+    )
 
 
 def until(check: Callable[[], Any], timeout: float, what: str) -> Any:
@@ -110,8 +124,15 @@ def worker_health(driver: Any, role: str) -> list[str]:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory) -> Iterator[tuple[Up, str]]:
     tmp = tmp_path_factory.mktemp("console")
-    up = Up("--port", str(free_port()), "--kv-store", f"local://{tmp}/kv", "--num-blocks",
-            "256", "--no-colocated")  # fmt: skip
+    up = Up(
+        "--port",
+        str(free_port()),
+        "--kv-store",
+        f"local://{tmp}/kv",
+        "--num-blocks",
+        "256",
+        "--no-colocated",
+    )
     try:
         base = up.ready().removesuffix("/v1")
         yield up, base
@@ -123,9 +144,12 @@ def test_the_console_chats_shows_the_stack_and_a_worker_coming_back(stack, tmp_p
     up, base = stack
     client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
     api = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": QUESTION}], temperature=0,
-        max_tokens=24, seed=7,
-    )  # fmt: skip
+        model=MODEL,
+        messages=[{"role": "user", "content": QUESTION}],
+        temperature=0,
+        max_tokens=24,
+        seed=7,
+    )
     expected = api.choices[0].message.content
     driver = browser(tmp_path / "profile")
     try:
@@ -137,8 +161,9 @@ def test_the_console_chats_shows_the_stack_and_a_worker_coming_back(stack, tmp_p
         assert "1 prefill, 1 decode" in driver.find_element(By.ID, "topology").text
 
         ask(driver, QUESTION, 0, 24, 7)  # streamed by the page: the API's answer
-        done = until(lambda: answers(driver)[0].get_attribute("data-done") == "true", 120,
-                     "the answer")  # fmt: skip
+        done = until(
+            lambda: answers(driver)[0].get_attribute("data-done") == "true", 120, "the answer"
+        )
         assert done
         answer = answers(driver)[0]
         assert answer.find_element(By.CLASS_NAME, "content").text == expected.strip()
@@ -146,12 +171,21 @@ def test_the_console_chats_shows_the_stack_and_a_worker_coming_back(stack, tmp_p
         assert re.fullmatch(r"TTFT \d+ ms · \d+ tokens · \d+\.\d tok/s", stats), stats
 
         # the request in the stack view, with the phases the router recorded
-        rows = until(lambda: (r := driver.find_elements(By.CSS_SELECTOR, "#requests .request"))
-                     and len(r) == 2 and r, 10, "the page's request in the list")  # fmt: skip
+        rows = until(
+            lambda: (
+                (r := driver.find_elements(By.CSS_SELECTOR, "#requests .request"))
+                and len(r) == 2
+                and r
+            ),
+            10,
+            "the page's request in the list",
+        )
         assert rows[1].get_attribute("data-id") == api.id  # the API's, before
         row = rows[0]
-        phases = {s.get_attribute("data-phase"): s.get_attribute("title")
-                  for s in row.find_elements(By.CSS_SELECTOR, ".bar span")}  # fmt: skip
+        phases = {
+            s.get_attribute("data-phase"): s.get_attribute("title")
+            for s in row.find_elements(By.CSS_SELECTOR, ".bar span")
+        }
         assert list(phases) == ["queue", "prefill", "transfer", "decode"]
         spent = {p: float(t.split()[1]) for p, t in phases.items()}
         assert spent["prefill"] > 0 and spent["transfer"] > 0 and spent["decode"] > 0
@@ -163,15 +197,21 @@ def test_the_console_chats_shows_the_stack_and_a_worker_coming_back(stack, tmp_p
 
         # Stop: the stream is cancelled where it is
         ask(driver, "Write a long story about a dragon.", 0.8, 400, 3)
-        until(lambda: answers(driver)[1].find_element(By.CLASS_NAME, "content").text, 60,
-              "the story's first words")  # fmt: skip
+        until(
+            lambda: answers(driver)[1].find_element(By.CLASS_NAME, "content").text,
+            60,
+            "the story's first words",
+        )
         driver.find_element(By.ID, "stop").click()
         until(lambda: answers(driver)[1].get_attribute("data-done") == "true", 10, "the stop")
         told = answers(driver)[1].find_element(By.CLASS_NAME, "stats").text
         assert told.endswith("stopped") and int(told.split(" tokens")[0].split()[-1]) < 400
         decode = ".worker[data-role=decode]"
-        until(lambda: "running 0" in driver.find_element(By.CSS_SELECTOR, decode).text, 10,
-              "the decode worker idle: its work cancelled")  # fmt: skip
+        until(
+            lambda: "running 0" in driver.find_element(By.CSS_SELECTOR, decode).text,
+            10,
+            "the decode worker idle: its work cancelled",
+        )
 
         # a decode worker killed: unhealthy in the view, then back
         pid = int(up.wait_for(r"pdserve: decode-0 started \(pid (\d+)\)", 1).group(1))
@@ -200,14 +240,23 @@ def test_with_keys_the_page_asks_for_them_and_uses_them(tmp_path):
     try:
         driver = browser(tmp_path / "profile")
         driver.get(router.url + "/")
-        form = until(lambda: driver.find_element(By.ID, "keys").is_displayed() and
-                     driver.find_element(By.ID, "keys"), 10, "the keys form")  # fmt: skip
+        form = until(
+            lambda: (
+                driver.find_element(By.ID, "keys").is_displayed()
+                and driver.find_element(By.ID, "keys")
+            ),
+            10,
+            "the keys form",
+        )
         assert "admin key" in driver.find_element(By.ID, "keys-why").text
         driver.find_element(By.ID, "api-key").send_keys("user-key")
         driver.find_element(By.ID, "admin-key").send_keys("admin-key")
         form.find_element(By.ID, "keys-save").click()
-        until(lambda: driver.find_element(By.ID, "status").text == "0 of 0 workers healthy", 10,
-              "the stack view with the admin key")  # fmt: skip
+        until(
+            lambda: driver.find_element(By.ID, "status").text == "0 of 0 workers healthy",
+            10,
+            "the stack view with the admin key",
+        )
         assert driver.find_element(By.ID, "model").text == MODEL
         assert not driver.find_element(By.ID, "keys").is_displayed()
         ask(driver, QUESTION, 0, 8, 1)  # the API key is taken: no worker, so a 503 told

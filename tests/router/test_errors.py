@@ -81,11 +81,14 @@ def test_lone_surrogates_are_400_wherever_they_are(router):
     cases = [
         ("/v1/completions", b'{"prompt": "hi \\ud800 there", "max_tokens": 2}', "prompt"),
         ("/v1/completions", b'{"prompt": ["ok", "\\udfff"], "max_tokens": 2}', "prompt.1"),
-        ("/v1/chat/completions",
-         b'{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages.0.content"),
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": "\\ud800"}]}',
+            "messages.0.content",
+        ),
         ("/tokenize", b'{"prompt": "\\ud800"}', "prompt"),
         ("/v1/completions", b'{"prompt": "x", "stop": ["\\udbff"], "max_tokens": 2}', "stop.0"),
-    ]  # fmt: skip
+    ]
     for path, raw, param in cases:
         error = error_of(httpx.post(f"{router.url}{path}", content=raw, headers=headers), 400)
         assert error["param"] == param and "surrogate" in error["message"]
@@ -164,8 +167,9 @@ def test_no_workers_waits_retry_wait_then_503_and_admin_api_adds_them(pool, tmp_
     """With no worker of a role available, a request waits up to --retry-wait for one
     (counted in a gauge), answered once one comes (here: added), else 503 + Retry-After."""
     prefill, decode = pool
-    router = RouterProcess(tmp_path, [], [], "--admin-key", "root",
-                           "--retry-wait", "3").start(healthy=False)  # fmt: skip
+    router = RouterProcess(tmp_path, [], [], "--admin-key", "root", "--retry-wait", "3").start(
+        healthy=False
+    )
     try:
         assert error_of(httpx.get(f"{router.url}/health"), 503)
         start = time.monotonic()
@@ -180,8 +184,11 @@ def test_no_workers_waits_retry_wait_then_503_and_admin_api_adds_them(pool, tmp_
         added = httpx.post(admin, json=change, headers=root).json()
         assert added == {**change, "healthy": True}
         waiting: list[httpx.Response] = []
-        asked = threading.Thread(target=lambda: waiting.append(
-            httpx.post(f"{router.url}/v1/completions", json=GOOD, timeout=30)))  # fmt: skip
+        asked = threading.Thread(
+            target=lambda: waiting.append(
+                httpx.post(f"{router.url}/v1/completions", json=GOOD, timeout=30)
+            )
+        )
         asked.start()  # no decode worker yet: it waits
         gauge = ("pdserve_requests_waiting_for_worker", ())
         wait_until(lambda: metrics(router.url).get(gauge) == 1, timeout=5)

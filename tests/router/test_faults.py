@@ -42,9 +42,14 @@ def faulty(embedded_dir, tmp_path_factory):
         args = ("--num-blocks", "300", "--store-timeout", "0.5")
         prefill, decode = start_workers(str(embedded_dir), redis.url, logs, 2, 2, *args)
         router = RouterProcess(
-            logs, addresses(prefill), addresses(decode), "--policy", "round_robin",
-            "--health-interval", "0.5",
-        )  # fmt: skip
+            logs,
+            addresses(prefill),
+            addresses(decode),
+            "--policy",
+            "round_robin",
+            "--health-interval",
+            "0.5",
+        )
         try:
             yield redis, prefill, decode, router.start()
         finally:
@@ -67,18 +72,28 @@ def test_structured_stream_survives_its_decode_worker_killed(faulty):
         "type": "object",
         "properties": {
             "title": {"type": "string", "maxLength": 30},
-            "chapters": {"type": "array", "minItems": 6, "maxItems": 6,
-                         "items": {"type": "string", "minLength": 10, "maxLength": 40}},
+            "chapters": {
+                "type": "array",
+                "minItems": 6,
+                "maxItems": 6,
+                "items": {"type": "string", "minLength": 10, "maxLength": 40},
+            },
         },
         "required": ["title", "chapters"],
         "additionalProperties": False,
-    }  # fmt: skip
+    }
     stream = client_of(router).chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": PROMPT + " Outline it as JSON."}],
-        max_tokens=400, temperature=0.8, seed=11, stream=True,
-        response_format={"type": "json_schema",
-                         "json_schema": {"name": "outline", "schema": schema}},
-    )  # fmt: skip
+        model=MODEL,
+        messages=[{"role": "user", "content": PROMPT + " Outline it as JSON."}],
+        max_tokens=400,
+        temperature=0.8,
+        seed=11,
+        stream=True,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "outline", "schema": schema},
+        },
+    )
     read = read_killing_its_decode_worker(stream, decode, lambda c: c.delta.content or "")
     text = read.text
     assert read.finishes == ["stop"], text
@@ -120,10 +135,14 @@ def test_decode_worker_killed_mid_stream(faulty, engine, embedded):
     params = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
     expected = reference(engine, ids, params)[0]
     stream = client_of(router).completions.create(
-        model=MODEL, prompt=PROMPT, max_tokens=120, temperature=0, stream=True,
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=120,
+        temperature=0,
+        stream=True,
         extra_body={"ignore_eos": True},
         stream_options={"include_usage": True},
-    )  # fmt: skip
+    )
     read = read_killing_its_decode_worker(stream, decode, lambda c: c.text)
     assert read.finishes == ["length"]
     assert read.text == expected  # no gap, no duplicate

@@ -1,4 +1,4 @@
-"""Forced tool calls read from the output alone (router/forced_calls.py): a named function's
+"""Forced tool calls read from the output alone (completions/forced_calls.py): a named function's
 arguments and "required"'s call objects, whole, cut anywhere (the arguments so far), and
 streamed split at every position (the deltas reassemble into the whole reading)."""
 
@@ -8,7 +8,7 @@ import itertools
 
 import pytest
 
-from router.forced_calls import Forced, ForcedCalls
+from router.completions.forced_calls import Forced, ForcedCalls
 
 NAMED = Forced("get_weather", parallel=False)
 REQUIRED = Forced(None, parallel=True)
@@ -30,9 +30,10 @@ def read(forced: Forced, pieces: list[str]) -> list[dict]:
                 calls.append({"id": d["id"], "name": d["function"]["name"], "arguments": ""})
             else:
                 calls[d["index"]]["arguments"] += d["function"]["arguments"]
-    assert calls == [{"id": c["id"], "name": c["function"]["name"],
-                      "arguments": c["function"]["arguments"]}
-                     for c in reader.tool_calls()]  # fmt: skip
+    assert calls == [
+        {"id": c["id"], "name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+        for c in reader.tool_calls()
+    ]
     return calls
 
 
@@ -49,8 +50,9 @@ def test_whole_outputs():
     ]
 
 
-@pytest.mark.parametrize("forced, text", [(NAMED, '{"city": "Paris", "unit": "celsius"}'),
-                                          (REQUIRED, TWO)])  # fmt: skip
+@pytest.mark.parametrize(
+    "forced, text", [(NAMED, '{"city": "Paris", "unit": "celsius"}'), (REQUIRED, TWO)]
+)
 def test_streamed_at_every_split_equals_whole(forced, text):
     whole = read(forced, [text])
     for i in range(len(text) + 1):

@@ -13,7 +13,7 @@ import grpc
 
 from kvstore.block_hash import BLOCK_SIZE
 from router.metrics import Metrics
-from router.workers import Registry
+from router.workers.registry import Registry
 from services.launcher import free_port
 from services.rpc import worker_pb2 as pb
 from services.rpc import worker_pb2_grpc as pbg

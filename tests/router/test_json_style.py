@@ -1,4 +1,4 @@
-"""How JSON is generated (router/structured.py): strict schemas (no property or tuple item a
+"""How JSON is generated (completions/structured.py): strict schemas (no property or tuple item a
 schema does not name, unless it allows them), whitespace the model's to choose in bounded
 runs, and both changed per request through `structured_outputs` (vLLM's
 disable_any_whitespace and disable_additional_properties), checked on grammars the router
@@ -9,9 +9,9 @@ from __future__ import annotations
 import llguidance
 import pytest
 
-from router.protocol import ChatCompletionRequest
-from router.structured import WHITESPACE_RUN, grammar_of, strict_schema
-from router.tools import plan
+from router.completions.protocol import ChatCompletionRequest
+from router.completions.structured import WHITESPACE_RUN, grammar_of, strict_schema
+from router.completions.tools import plan
 from services.engine.structured import Grammars
 from services.tokenizer.tokenizer import Tokenizer
 
@@ -32,20 +32,29 @@ def test_strict_schema_closes_what_names_its_parts():
         "$defs": {"d": {"properties": {"e": {}}}},
     }
     closed = {"additionalProperties": False}
-    assert strict_schema(loose) == {
-        "type": "object",
-        "properties": {
-            "a": {"type": "object", "properties": {"b": {"type": "integer"}}} | closed,
-            "free": {"type": "object"},
-            "open": {"type": "object", "properties": {}, "additionalProperties": True},
-            "pair": {"type": "array", "prefixItems": [{"type": "string"}, {"$ref": "#/$defs/d"}],
-                     "items": False},
-            "list": {"type": "array", "items": {"anyOf": [{"properties": {"c": {}}} | closed,
-                                                          {}]}},
-            "both": {"allOf": [{"properties": {"f": {"properties": {"g": {}}} | closed}}]},
-        },
-        "$defs": {"d": {"properties": {"e": {}}} | closed},
-    } | closed  # fmt: skip
+    assert (
+        strict_schema(loose)
+        == {
+            "type": "object",
+            "properties": {
+                "a": {"type": "object", "properties": {"b": {"type": "integer"}}} | closed,
+                "free": {"type": "object"},
+                "open": {"type": "object", "properties": {}, "additionalProperties": True},
+                "pair": {
+                    "type": "array",
+                    "prefixItems": [{"type": "string"}, {"$ref": "#/$defs/d"}],
+                    "items": False,
+                },
+                "list": {
+                    "type": "array",
+                    "items": {"anyOf": [{"properties": {"c": {}}} | closed, {}]},
+                },
+                "both": {"allOf": [{"properties": {"f": {"properties": {"g": {}}} | closed}}]},
+            },
+            "$defs": {"d": {"properties": {"e": {}}} | closed},
+        }
+        | closed
+    )
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +79,10 @@ def request(**fields) -> ChatCompletionRequest:
 
 
 def test_json_is_strict_and_spaced_as_the_model_likes_by_default(accepts):
-    for body in ({"guided_json": CITY}, {"response_format": {
-            "type": "json_schema", "json_schema": {"name": "c", "schema": CITY}}}):  # fmt: skip
+    for body in (
+        {"guided_json": CITY},
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": CITY}}},
+    ):
         g = grammar_of(request(**body))
         assert accepts(g, '{"city": "Paris"}') and accepts(g, '{"city":"Paris"}')
         assert accepts(g, '{\n  "city": "Paris"\n}')

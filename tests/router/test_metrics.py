@@ -24,9 +24,12 @@ def test_metrics_count_what_was_sent(pool, tmp_path):
             completion_tokens += r.usage.completion_tokens
         for i in range(2):
             stream = client.chat.completions.create(
-                model=MODEL, messages=[{"role": "user", "content": f"Say {i}"}], max_tokens=5,
-                stream=True, stream_options={"include_usage": True},
-            )  # fmt: skip
+                model=MODEL,
+                messages=[{"role": "user", "content": f"Say {i}"}],
+                max_tokens=5,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
             (usage,) = [c.usage for c in stream if c.usage is not None]
             prompt_tokens += usage.prompt_tokens
             completion_tokens += usage.completion_tokens

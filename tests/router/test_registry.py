@@ -10,8 +10,8 @@ from collections.abc import Callable
 
 import pytest
 
-from router.policy import Policy
-from router.workers import Registry, WorkerState
+from router.workers.policy import Policy
+from router.workers.registry import Registry, WorkerState
 from services.rpc import worker_pb2 as pb
 from services.settings import RouterSettings
 
@@ -141,7 +141,7 @@ def test_dns_names_track_what_they_resolve_to(monkeypatch):
 
 def test_a_request_returns_to_a_worker_it_gave_up_on_once_that_worker_is_back():
     from router.errors import APIError
-    from router.generation import Pipeline, Tried
+    from router.workers.generation import Pipeline, Tried
 
     registry = Registry(RouterSettings(), breaker_failures=3, breaker_cooldown=0.2)
     a = registry.workers[("prefill", "a")] = worker("prefill", "a")

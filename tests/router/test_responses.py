@@ -35,12 +35,15 @@ def other_key(client: openai.OpenAI) -> openai.OpenAI:
 
 
 def test_an_answer_is_the_chat_answer_to_the_same_conversation(client):
-    r = client.responses.create(model=MODEL, input=ASK, instructions="Be brief.", temperature=0,
-                                max_output_tokens=24)  # fmt: skip
+    r = client.responses.create(
+        model=MODEL, input=ASK, instructions="Be brief.", temperature=0, max_output_tokens=24
+    )
     chat = client.chat.completions.create(
-        model=MODEL, temperature=0, max_tokens=24,
+        model=MODEL,
+        temperature=0,
+        max_tokens=24,
         messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": ASK}],
-    )  # fmt: skip
+    )
     (message,) = r.output
     assert message.type == "message" and message.role == "assistant"
     assert r.output_text == chat.choices[0].message.content and r.output_text
@@ -49,8 +52,10 @@ def test_an_answer_is_the_chat_answer_to_the_same_conversation(client):
     assert r.id.startswith("resp_") and r.model == MODEL
     assert r.usage is not None
     assert (r.usage.input_tokens, r.usage.output_tokens, r.usage.total_tokens) == (
-        chat.usage.prompt_tokens, chat.usage.completion_tokens, chat.usage.total_tokens,
-    )  # fmt: skip
+        chat.usage.prompt_tokens,
+        chat.usage.completion_tokens,
+        chat.usage.total_tokens,
+    )
 
 
 def test_a_stream_comes_in_order_and_rebuilds_the_whole_answer(client):
@@ -61,27 +66,39 @@ def test_a_stream_comes_in_order_and_rebuilds_the_whole_answer(client):
     kinds = [e.type for e in events]
     deltas = kinds.count("response.output_text.delta")
     assert deltas >= 2 and kinds == [
-        "response.created", "response.in_progress", "response.output_item.added",
-        "response.content_part.added", *["response.output_text.delta"] * deltas,
-        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        *["response.output_text.delta"] * deltas,
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
         "response.completed",
-    ]  # fmt: skip
+    ]
     assert events[0].response.status == "in_progress" and events[0].response.output == []
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     final = events[-1].response
     assert text == final.output_text == whole.output_text
     assert final.status == whole.status and final.usage and whole.usage
     assert (final.usage.input_tokens, final.usage.output_tokens) == (
-        whole.usage.input_tokens, whole.usage.output_tokens,
-    )  # fmt: skip
+        whole.usage.input_tokens,
+        whole.usage.output_tokens,
+    )
     assert events[-2].item.content[0].text == text
     with client.responses.stream(**args) as stream:  # the SDK's helper takes the same stream
         assert stream.get_final_response().output_text == whole.output_text
 
 
 def test_a_forced_call_then_its_output_continued_by_previous_response_id(client):
-    first = client.responses.create(model=MODEL, input=ASK, tools=[WEATHER], temperature=0,
-                                    tool_choice="required", max_output_tokens=60)  # fmt: skip
+    first = client.responses.create(
+        model=MODEL,
+        input=ASK,
+        tools=[WEATHER],
+        temperature=0,
+        tool_choice="required",
+        max_output_tokens=60,
+    )
     (call,) = first.output
     assert first.status == "completed" and call.type == "function_call"
     assert call.name == "get_weather" and call.call_id.startswith("call_")
@@ -89,25 +106,50 @@ def test_a_forced_call_then_its_output_continued_by_previous_response_id(client)
     jsonschema.validate(arguments, WEATHER["parameters"])
     assert set(arguments) == {"city"}  # strict: no property the schema does not name
     result = {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 C"}
-    follow = client.responses.create(model=MODEL, previous_response_id=first.id,
-                                     input=[result], tools=[WEATHER], temperature=0,
-                                     max_output_tokens=30)  # fmt: skip
+    follow = client.responses.create(
+        model=MODEL,
+        previous_response_id=first.id,
+        input=[result],
+        tools=[WEATHER],
+        temperature=0,
+        max_output_tokens=30,
+    )
     assert follow.previous_response_id == first.id and follow.output_text
     # the same conversation sent whole to chat completions gets the same answer
     function = {k: v for k, v in WEATHER.items() if k != "type"}
-    chat = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=30, messages=[
-        {"role": "user", "content": ASK},
-        {"role": "assistant", "content": None, "tool_calls": [{"id": call.call_id,
-         "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]},
-        {"role": "tool", "tool_call_id": call.call_id, "content": "Sunny, 21 C"},
-    ], tools=[{"type": "function", "function": function}])  # fmt: skip
+    chat = client.chat.completions.create(
+        model=MODEL,
+        temperature=0,
+        max_tokens=30,
+        messages=[
+            {"role": "user", "content": ASK},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": call.call_id,
+                        "type": "function",
+                        "function": {"name": call.name, "arguments": call.arguments},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": call.call_id, "content": "Sunny, 21 C"},
+        ],
+        tools=[{"type": "function", "function": function}],
+    )
     assert follow.output_text == chat.choices[0].message.content
     assert follow.usage is not None and follow.usage.input_tokens == chat.usage.prompt_tokens
 
 
 def test_a_streamed_call_cut_by_max_output_tokens_is_still_a_call(client):
-    args = dict(model=MODEL, input=ASK, tools=[WEATHER], temperature=0,
-                tool_choice={"type": "function", "name": "get_weather"})  # fmt: skip
+    args = dict(
+        model=MODEL,
+        input=ASK,
+        tools=[WEATHER],
+        temperature=0,
+        tool_choice={"type": "function", "name": "get_weather"},
+    )
     full = client.responses.create(**args, max_output_tokens=60).output[0].arguments
     events = list(client.responses.create(**args, max_output_tokens=4, stream=True))
     pieces = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
@@ -150,8 +192,13 @@ class Trip(BaseModel):
 
 
 def test_text_format_parses_into_nested_pydantic_models(client):
-    r = client.responses.parse(model=MODEL, input="Plan a trip to two cities in France.",
-                               text_format=Trip, temperature=0, max_output_tokens=150)  # fmt: skip
+    r = client.responses.parse(
+        model=MODEL,
+        input="Plan a trip to two cities in France.",
+        text_format=Trip,
+        temperature=0,
+        max_output_tokens=150,
+    )
     assert r.status == "completed" and isinstance(r.output_parsed, Trip)
     assert r.text.format.type == "json_schema"
 
@@ -160,21 +207,30 @@ def test_text_format_parses_into_nested_pydantic_models(client):
     ("body", "param"),
     [
         ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools.0.type"),
-        ({"input": "hi", "tools": [{"type": "function", "name": "f",
-                                    "parameters": {"type": "objec"}}]}, "tools.0.parameters"),
-        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
-         "input.0.content.0.type"),
+        (
+            {
+                "input": "hi",
+                "tools": [{"type": "function", "name": "f", "parameters": {"type": "objec"}}],
+            },
+            "tools.0.parameters",
+        ),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            "input.0.content.0.type",
+        ),
         ({"input": "hi", "max_output_tokens": "5"}, "max_output_tokens"),
         ({"input": "hi", "tool_choice": "required"}, "tool_choice"),
         ({"input": []}, "input"),
-        ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}},
-         "text.format.schema"),
+        (
+            {"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}},
+            "text.format.schema",
+        ),
         ({"input": "hi", "background": True}, "background"),
     ],
-)  # fmt: skip
+)
 def test_bad_bodies_are_400_naming_the_field(router, body, param):
     r = httpx.post(f"{router.url}/v1/responses", json={"model": MODEL, **body}, timeout=30)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param and r.json()["error"]["type"] == (
         "invalid_request_error"
-    )  # fmt: skip
+    )

@@ -9,13 +9,13 @@ from typing import Any
 
 import pytest
 
+from router.completions.forced_calls import Forced
+from router.completions.protocol import ChatMessage
 from router.errors import APIError
-from router.forced_calls import Forced
-from router.protocol import ChatMessage
-from router.response_store import ResponseStore, Stored, tenant
-from router.responses_convert import chat_request, input_messages, output_messages
-from router.responses_output import Output
-from router.responses_protocol import ResponsesRequest
+from router.responses.convert import chat_request, input_messages, output_messages
+from router.responses.output import Output
+from router.responses.protocol import ResponsesRequest
+from router.responses.store import ResponseStore, Stored, tenant
 
 # -- the store ------------------------------------------------------------------------
 
@@ -113,8 +113,10 @@ def test_a_call_with_no_message_before_it_gets_its_own():
 @pytest.mark.parametrize(
     ("item", "param"),
     [
-        ({"role": "user", "content": [{"type": "input_image", "image_url": "x"}]},
-         "input.0.content.0.type"),
+        (
+            {"role": "user", "content": [{"type": "input_image", "image_url": "x"}]},
+            "input.0.content.0.type",
+        ),
         ({"role": "user", "content": [{"type": "sticker"}]}, "input.0.content.0.type"),
         ({"type": "message", "content": "no role"}, "input.0.role"),
         ({"type": "function_call", "name": "f"}, "input.0"),
@@ -122,7 +124,7 @@ def test_a_call_with_no_message_before_it_gets_its_own():
         ({"type": "item_reference", "id": "msg_1"}, "input.0.type"),
         ({"type": "web_search_call"}, "input.0.type"),
     ],
-)  # fmt: skip
+)
 def test_an_item_that_cannot_be_a_message_is_refused_by_its_place(item, param):
     with pytest.raises(APIError) as refused:
         input_messages(items(item))
@@ -238,12 +240,12 @@ def test_a_stream_failing_midway_ends_with_response_failed():
     import asyncio
     from types import SimpleNamespace
 
+    from router.completions.openai_format import ChoiceState
+    from router.completions.tools import ToolPlan
     from router.errors import unavailable
-    from router.generation import Delta
-    from router.openai_format import ChoiceState
-    from router.response_store import ResponseStore
-    from router.responses import Answer
-    from router.tools import ToolPlan
+    from router.responses.api import Answer
+    from router.responses.store import ResponseStore
+    from router.workers.generation import Delta
     from services.tracing import NO_SPAN
 
     async def run(jobs, admission, span):
@@ -266,13 +268,18 @@ def test_a_stream_failing_midway_ends_with_response_failed():
 
     events = asyncio.run(collect())
     assert [e["type"] for e in events] == [
-        "response.created", "response.in_progress", "response.output_item.added",
-        "response.content_part.added", "response.output_text.delta", "response.failed",
-    ]  # fmt: skip
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+        "response.failed",
+    ]
     failed = events[-1]["response"]
     assert failed["status"] == "failed" and failed["error"] == {
-        "code": "service_unavailable", "message": "no decode worker can serve the request"
-    }  # fmt: skip
+        "code": "service_unavailable",
+        "message": "no decode worker can serve the request",
+    }
     assert state.responses.get(tenant(None), "resp_1") is None  # a failed response is not kept
 
 
@@ -288,7 +295,7 @@ def test_a_stream_failing_midway_ends_with_response_failed():
 )
 def test_chat_errors_name_the_responses_field(chat, responses):
     from router.errors import bad_request
-    from router.responses_convert import flat_param
+    from router.responses.convert import flat_param
 
     error = flat_param(bad_request(f"{chat}: wrong", chat))
     assert (error.param, error.message) == (responses, f"{responses}: wrong")

@@ -93,8 +93,9 @@ def test_200_streams_cancelled_after_their_first_chunk_leave_nothing_behind(
         assert asyncio.run(storm(round_)) == 200
         idle = wait_idle([*prefill, *decode], timeout=300)  # only bounds a hang
         start = time.monotonic()
-        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
-                                      timeout=120)  # fmt: skip
+        r = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=8, temperature=0, timeout=120
+        )
         answered = time.monotonic() - start
         assert r.choices[0].text == expected
         # of the storm's streams that reached a decode worker none ran on to its 200th token:
@@ -102,8 +103,10 @@ def test_200_streams_cancelled_after_their_first_chunk_leave_nothing_behind(
         begun = logged(decode, since, "decode")
         finished = [rid for _, rid in logged(decode, since, "decoded")]
         assert len(begun) > 1 and len(finished) == 1 and finished[0].startswith(r.id), finished
-        print(f"round {round_}: workers idle {idle:.2f}s after the storm ({len(begun) - 1} "
-              f"decodes begun, none finished), answered in {answered:.2f}s")  # fmt: skip
+        print(
+            f"round {round_}: workers idle {idle:.2f}s after the storm ({len(begun) - 1} "
+            f"decodes begun, none finished), answered in {answered:.2f}s"
+        )
         gauges = metrics(fresh_router.url)
         assert gauges[("pdserve_requests_running", ())] == 0
         assert gauges[("pdserve_requests_waiting", ())] == 0
@@ -208,8 +211,10 @@ def test_a_client_leaving_mid_prefill_stops_its_prefill(pool, fresh_router, stre
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "stream": stream}
     worker, seconds = leave_mid_prefill(fresh_router, body, prefill)
     held, of = blocks_held(worker, prompt)
-    print(f"prefill gone {seconds * 1000:.0f} ms after the client left, {held} of {of} blocks "
-          f"computed (stream={stream})")  # fmt: skip
+    print(
+        f"prefill gone {seconds * 1000:.0f} ms after the client left, {held} of {of} blocks "
+        f"computed (stream={stream})"
+    )
     assert held < of  # stopped part way: a prefill run to its end leaves every block behind
     wait_idle([*prefill, *decode], timeout=60)
 

@@ -58,8 +58,9 @@ def test_kv_aware_routing_hits_the_prefix_cache_more_than_round_robin(pool, tmp_
     assert 0.3 < round_robin < 0.5 < kv_aware < 0.75, (kv_aware, round_robin)
 
 
-def test_conditional_disaggregation_sends_short_prompts_straight_to_decode(pool, tmp_path, engine,
-                                                                           embedded):  # fmt: skip
+def test_conditional_disaggregation_sends_short_prompts_straight_to_decode(
+    pool, tmp_path, engine, embedded
+):
     prefill, decode = pool
     router = RouterProcess(
         tmp_path, addresses(prefill), addresses(decode), "--disagg-threshold", "64"

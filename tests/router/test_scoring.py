@@ -80,10 +80,14 @@ def test_vllm_prompt_logprobs(router, reference, embedded):
         assert set(top[i][:3]) <= set(ranked) | {ids[i + 1]}
     chat = httpx.post(
         f"{router.url}/v1/chat/completions",
-        json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
-              "prompt_logprobs": 0},
+        json={
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 2,
+            "prompt_logprobs": 0,
+        },
         timeout=60,
-    )  # fmt: skip
+    )
     assert chat.status_code == 200, chat.text
     scores = chat.json()["prompt_logprobs"]
     assert scores[0] is None and all(len(e) == 1 for e in scores[1:])

@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 from pydantic import BaseModel, Field
 
-from router.tools import CallSplitter, split_whole
+from router.completions.tools import CallSplitter, split_whole
 from tests.support.cluster import MODEL, load
 
 WEATHER = {
@@ -59,9 +59,15 @@ def check_calls(calls) -> None:
 def test_required_always_calls_with_valid_arguments(client, parallel):
     for seed in range(4):
         r = client.chat.completions.create(
-            model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
-            parallel_tool_calls=parallel, temperature=0.8, seed=seed, max_tokens=200,
-        )  # fmt: skip
+            model=MODEL,
+            messages=ASK,
+            tools=[WEATHER, TIME],
+            tool_choice="required",
+            parallel_tool_calls=parallel,
+            temperature=0.8,
+            seed=seed,
+            max_tokens=200,
+        )
         choice = r.choices[0]
         assert choice.finish_reason == "tool_calls" and choice.message.content is None
         check_calls(choice.message.tool_calls)
@@ -70,9 +76,14 @@ def test_required_always_calls_with_valid_arguments(client, parallel):
 
 def test_a_named_function_is_the_one_called(client):
     r = client.chat.completions.create(
-        model=MODEL, messages=ASK, tools=[WEATHER, TIME], temperature=0.8, seed=3,
-        tool_choice={"type": "function", "function": {"name": "get_time"}}, max_tokens=100,
-    )  # fmt: skip
+        model=MODEL,
+        messages=ASK,
+        tools=[WEATHER, TIME],
+        temperature=0.8,
+        seed=3,
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+        max_tokens=100,
+    )
     calls = r.choices[0].message.tool_calls
     check_calls(calls)
     assert {c.function.name for c in calls} == {"get_time"}
@@ -80,9 +91,14 @@ def test_a_named_function_is_the_one_called(client):
 
 def test_streamed_calls_reassemble_into_the_whole_answers(client):
     args = dict(
-        model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
-        temperature=0.8, seed=5, max_tokens=200,
-    )  # fmt: skip
+        model=MODEL,
+        messages=ASK,
+        tools=[WEATHER, TIME],
+        tool_choice="required",
+        temperature=0.8,
+        seed=5,
+        max_tokens=200,
+    )
     whole = client.chat.completions.create(**args).choices[0]
     calls: dict[int, dict] = {}
     finishes = []
@@ -116,13 +132,20 @@ def streamed_calls(stream) -> tuple[list[tuple[str, str]], list[str]]:
     return [(c["name"], c["arguments"]) for _, c in sorted(calls.items())], finishes
 
 
-@pytest.mark.parametrize("choice", [{"type": "function", "function": {"name": "get_weather"}},
-                                    "required"])  # fmt: skip
+@pytest.mark.parametrize(
+    "choice", [{"type": "function", "function": {"name": "get_weather"}}, "required"]
+)
 def test_a_forced_call_cut_by_max_tokens_is_still_a_call(client, choice):
     """No tag costs a token (the grammar lets only the calls be written): cut anywhere, the
     answer is the calls so far, `finish_reason` "length", no content; streamed the same."""
-    args = dict(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice=choice,
-                temperature=0, parallel_tool_calls=False)  # fmt: skip
+    args = dict(
+        model=MODEL,
+        messages=ASK,
+        tools=[WEATHER, TIME],
+        tool_choice=choice,
+        temperature=0,
+        parallel_tool_calls=False,
+    )
     full = client.chat.completions.create(**args, max_tokens=200).choices[0]
     assert full.finish_reason == "tool_calls" and full.message.content is None
     check_calls(full.message.tool_calls)
@@ -144,9 +167,15 @@ def test_a_forced_call_with_a_response_format_is_calls(client):
     """The format shapes a text answer; a forced answer is calls (OpenAI takes both, and the
     Agents SDK sends both for an agent with an output type)."""
     r = client.chat.completions.create(
-        model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required", temperature=0,
-        response_format={"type": "json_object"}, parallel_tool_calls=False, max_tokens=100,
-    ).choices[0]  # fmt: skip
+        model=MODEL,
+        messages=ASK,
+        tools=[WEATHER],
+        tool_choice="required",
+        temperature=0,
+        response_format={"type": "json_object"},
+        parallel_tool_calls=False,
+        max_tokens=100,
+    ).choices[0]
     assert r.finish_reason == "tool_calls" and r.message.content is None
     check_calls(r.message.tool_calls)
 
@@ -160,9 +189,14 @@ def test_arguments_hold_the_named_properties_alone(client):
     named = {"type": "function", "function": {"name": "get_weather"}}
     for seed in range(3):
         r = client.chat.completions.create(
-            model=MODEL, messages=ASK, tools=[loose], tool_choice=named, temperature=0.8,
-            seed=seed, max_tokens=60,
-        ).choices[0]  # fmt: skip
+            model=MODEL,
+            messages=ASK,
+            tools=[loose],
+            tool_choice=named,
+            temperature=0.8,
+            seed=seed,
+            max_tokens=60,
+        ).choices[0]
         assert r.finish_reason == "tool_calls"
         assert set(json.loads(r.message.tool_calls[0].function.arguments)) == {"city"}
 
@@ -258,8 +292,15 @@ class Weather(BaseModel):
 def test_langchain_tools_and_structured_output(router):
     from langchain_openai import ChatOpenAI
 
-    llm = ChatOpenAI(base_url=f"{router.url}/v1", api_key="x", model=MODEL, temperature=0.7,
-                     max_tokens=150, seed=1, max_retries=0)  # fmt: skip
+    llm = ChatOpenAI(
+        base_url=f"{router.url}/v1",
+        api_key="x",
+        model=MODEL,
+        temperature=0.7,
+        max_tokens=150,
+        seed=1,
+        max_retries=0,
+    )
     weather = WEATHER["function"]
     message = llm.bind_tools([weather], tool_choice="any").invoke(ASK[0]["content"])
     assert message.tool_calls and message.tool_calls[0]["name"] == "get_weather"

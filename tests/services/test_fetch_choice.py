@@ -79,11 +79,20 @@ def test_modes_always_and_never_ignore_the_rates():
 
 def test_attention_k_of_a_llama_shape():
     config = ModelConfig(
-        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
-        num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=1e4,
-        max_position_embeddings=8192, architecture="LlamaForCausalLM", tie_word_embeddings=True,
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        rms_norm_eps=1e-5,
+        rope_theta=1e4,
+        max_position_embeddings=8192,
+        architecture="LlamaForCausalLM",
+        tie_word_embeddings=True,
         attention_bias=False,
-    )  # fmt: skip
+    )
     weights = 30 * (576 * (2 * 576 + 2 * 192) + 3 * 576 * 1536) + 49152 * 576
     assert attention_k(config) == pytest.approx(weights / (2 * 30 * 576))
 

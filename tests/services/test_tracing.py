@@ -34,11 +34,16 @@ def test_spans_continue_the_callers_trace_and_read_back_exactly(tmp_path):
     assert otlp["scopeSpans"][0]["spans"][0]["kind"] == SERVER
     decode, post = read(str(path))
     assert post == {
-        "name": "POST /v1/completions", "service": "pdserve-router", "trace_id": TRACE,
-        "span_id": root.span_id, "parent_id": PARENT, "start": 1_000, "end": 4_000,
+        "name": "POST /v1/completions",
+        "service": "pdserve-router",
+        "trace_id": TRACE,
+        "span_id": root.span_id,
+        "parent_id": PARENT,
+        "start": 1_000,
+        "end": 4_000,
         "attributes": {"prompt_tokens": 12, "stream": True, "share": 0.5},
         "events": [{"time": 3_100, "name": "written", "tokens": 3}],
-    }  # fmt: skip
+    }
     assert decode["trace_id"] == TRACE and decode["parent_id"] == root.span_id
     assert decode["events"] == [{"time": 2_500, "name": "chunk", "tokens": 3}]
     assert decode["attributes"] == {"worker": "127.0.0.1:5"}
@@ -70,7 +75,8 @@ def test_a_trace_file_that_cannot_be_written_is_refused_at_start(tmp_path):
     from services.launcher import PDSERVE
 
     path = tmp_path / "missing" / "trace.jsonl"
-    run = subprocess.run([PDSERVE, "router", "--trace-file", str(path)], capture_output=True,
-                         text=True, timeout=60)  # fmt: skip
+    run = subprocess.run(
+        [PDSERVE, "router", "--trace-file", str(path)], capture_output=True, text=True, timeout=60
+    )
     assert run.returncode == 2
     assert run.stderr.startswith(f"pdserve: error: trace_file: cannot append to {path}:")

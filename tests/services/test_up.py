@@ -32,8 +32,15 @@ def alive(pid: int) -> bool:
 
 def test_up_serves_a_chat_restarts_a_dead_child_and_stops_everything(tmp_path):
     port = free_port()
-    out = Up("--port", str(port), "--kv-store", f"local://{tmp_path}/kv", "--num-blocks", "256",
-             "--no-colocated")  # fmt: skip
+    out = Up(
+        "--port",
+        str(port),
+        "--kv-store",
+        f"local://{tmp_path}/kv",
+        "--num-blocks",
+        "256",
+        "--no-colocated",
+    )
     process = out.process
     try:
         url = out.ready()
@@ -49,8 +56,9 @@ def test_up_serves_a_chat_restarts_a_dead_child_and_stops_everything(tmp_path):
 
         client = openai.OpenAI(base_url=url, api_key="none", max_retries=0)
         messages = [{"role": "user", "content": "What is the capital of France?"}]
-        answer = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages,
-                                                max_tokens=20, temperature=0)  # fmt: skip
+        answer = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", messages=messages, max_tokens=20, temperature=0
+        )
         assert answer.choices[0].message.content == greedy_chat_in_process(
             messages[0]["content"], 20
         )
@@ -226,17 +234,30 @@ def test_colocated_stack_has_no_prefill_worker_and_serves_the_same_answer(tmp_pa
 
     answers = {}
     for mode in ("--colocated", "--no-colocated"):  # both said: the host's cores decide neither
-        out = Up("--port", str(free_port()), "--kv-store", f"local://{tmp_path}/kv{mode}",
-                 "--num-blocks", "256", mode)  # fmt: skip
+        out = Up(
+            "--port",
+            str(free_port()),
+            "--kv-store",
+            f"local://{tmp_path}/kv{mode}",
+            "--num-blocks",
+            "256",
+            mode,
+        )
         try:
             url = out.ready()
             ready = out.wait_for(r"pdserve: ready at .*", 5).group(0)
             assert ("colocated: decode x1" in ready) == (mode == "--colocated")
             client = openai.OpenAI(base_url=url, api_key="none", max_retries=0)
-            answers[mode] = client.completions.create(
-                model="SmolLM2-135M-Instruct", prompt="The capital of France is",
-                max_tokens=12, temperature=0,
-            ).choices[0].text  # fmt: skip
+            answers[mode] = (
+                client.completions.create(
+                    model="SmolLM2-135M-Instruct",
+                    prompt="The capital of France is",
+                    max_tokens=12,
+                    temperature=0,
+                )
+                .choices[0]
+                .text
+            )
         finally:
             assert out.stop() == 0
     assert answers["--colocated"] == answers["--no-colocated"]
@@ -275,8 +296,10 @@ def test_settings_a_role_would_refuse_stop_up_before_any_child_starts(tmp_path):
     ):
         done = subprocess.run(
             [PDSERVE, "up", "--port", str(free_port()), *args],
-            capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert done.returncode == 2, done.stdout + done.stderr
         assert error in done.stderr and "pdserve: error:" in done.stderr
         assert "started (pid" not in done.stdout
@@ -292,8 +315,10 @@ def test_a_child_refusing_its_settings_before_ready_stops_up_and_later_is_restar
     stack.children = [Child("decode-0", refusing, dict(os.environ))]
     stack.children[0].start()
     stack.children[0].process.wait()
-    with pytest.raises(SettingsError, match="decode-0 refused its settings: pdserve: error: "
-                       "num_blocks: must be at least 1"):  # fmt: skip
+    with pytest.raises(
+        SettingsError,
+        match="decode-0 refused its settings: pdserve: error: num_blocks: must be at least 1",
+    ):
         stack.supervise_once()
     child = stack.children[0]
     child.ever_ready = True  # it once served: a later exit, whatever its code, is restarted
@@ -307,13 +332,19 @@ def test_a_colocated_up_with_a_redis_store_leaves_the_prompts_blocks_there(tmp_p
     from tests.support.redis_servers import RedisServer
 
     server = RedisServer(tmp_path / "redis").start()
-    out = Up("--port", str(free_port()), "--kv-store", server.url, "--colocated",
-             "--num-blocks", "128")  # fmt: skip
+    out = Up(
+        "--port", str(free_port()), "--kv-store", server.url, "--colocated", "--num-blocks", "128"
+    )
     try:
         client = openai.OpenAI(base_url=out.ready(), api_key="none", max_retries=0)
         prompt = [100 + (7 * i) % 4000 for i in range(300)]
-        client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=8,
-                                  temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+        client.completions.create(
+            model="SmolLM2-135M-Instruct",
+            prompt=prompt,
+            max_tokens=8,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
         store = redis_py.Redis.from_url(server.url)
         full = (300 + 8) // 16  # the generation's full blocks, written back at its end
         wait_until(lambda: store.dbsize() >= full, timeout=10)

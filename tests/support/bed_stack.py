@@ -22,8 +22,17 @@ HOSTS = ["router", "redis", "p0", "p1", "d0", "d1"]
 class BedWorker(WorkerProcess):
     """A worker on a bed host, listening on the host's address."""
 
-    def __init__(self, bed: Bed, host: str, role: str, model: str, store: str, logs: Path,
-                 *args: str, dtype: str = "float32") -> None:  # fmt: skip
+    def __init__(
+        self,
+        bed: Bed,
+        host: str,
+        role: str,
+        model: str,
+        store: str,
+        logs: Path,
+        *args: str,
+        dtype: str = "float32",
+    ) -> None:
         super().__init__(role, model, store, logs, *args, dtype=dtype)
         self.host, self.ip = host, bed.address(host)
         self.log_path = logs / f"{role}-{host}.log"
@@ -35,8 +44,9 @@ class BedWorker(WorkerProcess):
 
 
 class BedRouter(RouterProcess):
-    def __init__(self, bed: Bed, logs: Path, prefill: list[str], decode: list[str],
-                 *args: str) -> None:  # fmt: skip
+    def __init__(
+        self, bed: Bed, logs: Path, prefill: list[str], decode: list[str], *args: str
+    ) -> None:
         super().__init__(logs, prefill, decode, *args)
         self.ip = bed.address("router")
         self.command = [*bed.exec("router"), *self.command, "--host", self.ip]
@@ -61,8 +71,9 @@ class BedRedis(Child):
         self.url = f"redis://{self.ip}:{REDIS_PORT}/0"
 
     def start(self) -> BedRedis:
-        self.process = subprocess.Popen(self.command, stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.DEVNULL)  # fmt: skip
+        self.process = subprocess.Popen(
+            self.command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
         wait_for_port(REDIS_PORT, address=self.ip)
         return self
 
@@ -88,8 +99,13 @@ class BedStack:
                 w.launch()
             for w in self.workers:
                 w.wait_ready(300)
-            self.router = BedRouter(self.bed, self.logs, [w.address for w in self.prefill],
-                                    [w.address for w in self.decode], *router_args)  # fmt: skip
+            self.router = BedRouter(
+                self.bed,
+                self.logs,
+                [w.address for w in self.prefill],
+                [w.address for w in self.decode],
+                *router_args,
+            )
             self.router.start(timeout=120)
         except BaseException:
             self.stop()

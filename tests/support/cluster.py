@@ -37,9 +37,14 @@ def greedy_stream(
     """A completion streamed at temperature 0, EOS ignored; `on_token` runs per token."""
     text, logprobs = "", []
     for chunk in client.completions.create(
-        model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, logprobs=1,
-        stream=True, extra_body={"ignore_eos": True},
-    ):  # fmt: skip
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0,
+        logprobs=1,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    ):
         for c in chunk.choices:
             text += c.text
             new = c.logprobs.token_logprobs if c.logprobs and c.logprobs.token_logprobs else []

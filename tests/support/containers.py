@@ -28,8 +28,9 @@ class Unavailable(Exception):
 def run(
     *args: str, env: dict[str, str] | None = None, timeout: float = 1800, check: bool = True
 ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(args, env=env, timeout=timeout, check=check, capture_output=True,
-                          text=True)  # fmt: skip
+    return subprocess.run(
+        args, env=env, timeout=timeout, check=check, capture_output=True, text=True
+    )
 
 
 @dataclass
@@ -43,15 +44,15 @@ class Engine:
     notes: list[str] = field(default_factory=list)
 
     def docker(self, *args: str, timeout: float = 1800, check: bool = True) -> str:
-        done = subprocess.run(["docker", *args], env=self.env, timeout=timeout,
-                              capture_output=True, text=True)  # fmt: skip
+        done = subprocess.run(
+            ["docker", *args], env=self.env, timeout=timeout, capture_output=True, text=True
+        )
         if check and done.returncode != 0:
             raise RuntimeError(f"docker {' '.join(args)}: {done.stderr[-3000:]}")
         return done.stdout
 
     def ok(self, *args: str, timeout: float = 120) -> bool:
-        done = subprocess.run(["docker", *args], env=self.env, timeout=timeout,
-                              capture_output=True)  # fmt: skip
+        done = subprocess.run(["docker", *args], env=self.env, timeout=timeout, capture_output=True)
         return done.returncode == 0
 
     def stop(self) -> None:
@@ -75,8 +76,15 @@ def daemon_answers(env: dict[str, str]) -> bool:
 
 def apt_install(*packages: str) -> None:
     run("apt-get", "update", "-qq", timeout=600)
-    run("apt-get", "install", "-y", "-qq", *packages,
-        env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"}, timeout=1200)  # fmt: skip
+    run(
+        "apt-get",
+        "install",
+        "-y",
+        "-qq",
+        *packages,
+        env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"},
+        timeout=1200,
+    )
 
 
 def start_engine(work: Path) -> Engine:
@@ -100,8 +108,9 @@ def start_engine(work: Path) -> Engine:
         raise Unavailable("dockerd is installed but no daemon answers, and only root starts one")
     engine.log = work / "dockerd.log"
     with open(engine.log, "wb") as log:
-        engine.started = subprocess.Popen(["dockerd"], stdout=log, stderr=log,
-                                          start_new_session=True)  # fmt: skip
+        engine.started = subprocess.Popen(
+            ["dockerd"], stdout=log, stderr=log, start_new_session=True
+        )
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
         if daemon_answers(env):
@@ -111,8 +120,10 @@ def start_engine(work: Path) -> Engine:
             break
         time.sleep(1)
     engine.stop()
-    raise Unavailable(f"dockerd did not start ({', '.join(tried) or 'found installed'}): "
-                      f"{engine.log.read_text()[-500:]}")  # fmt: skip
+    raise Unavailable(
+        f"dockerd did not start ({', '.join(tried) or 'found installed'}): "
+        f"{engine.log.read_text()[-500:]}"
+    )
 
 
 def ensure_compose(engine: Engine) -> None:
@@ -128,8 +139,13 @@ def ensure_compose(engine: Engine) -> None:
            "-o", "Dir::Etc::SourceParts=/dev/null", "-o", f"Dir::State::Lists={trixie}/lists",
            "-o", f"Dir::Cache={trixie}/cache"]  # fmt: skip
     run(*apt, "update", "-qq", timeout=600)
-    subprocess.run([*apt, "download", "docker-compose", "docker-buildx"], cwd=trixie / "debs",
-                   check=True, capture_output=True, timeout=600)  # fmt: skip
+    subprocess.run(
+        [*apt, "download", "docker-compose", "docker-buildx"],
+        cwd=trixie / "debs",
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
     for deb in (trixie / "debs").glob("*.deb"):
         run("dpkg-deb", "-x", str(deb), str(trixie / "x"))
     plugins = Path(engine.env["DOCKER_CONFIG"]) / "cli-plugins"
@@ -159,13 +175,26 @@ def ensure_base_images(engine: Engine) -> None:
         apt_install("debootstrap")
     with tempfile.TemporaryDirectory(dir=CACHE.parent if CACHE.parent.exists() else None) as tmp:
         rootfs = Path(tmp) / "rootfs"
-        run("debootstrap", "--variant=minbase", f"--include={BASE_PACKAGES}", "bookworm",
-            str(rootfs), debian_mirror(), timeout=1800)  # fmt: skip
+        run(
+            "debootstrap",
+            "--variant=minbase",
+            f"--include={BASE_PACKAGES}",
+            "bookworm",
+            str(rootfs),
+            debian_mirror(),
+            timeout=1800,
+        )
         (rootfs / "usr/local/bin/python").symlink_to("/usr/bin/python3")  # as the python image
         shutil.rmtree(rootfs / "var/lib/apt/lists", ignore_errors=True)
         tar = subprocess.Popen(["tar", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE)
-        subprocess.run(["docker", "import", "-", missing[0]], stdin=tar.stdout, env=engine.env,
-                       check=True, capture_output=True, timeout=600)  # fmt: skip
+        subprocess.run(
+            ["docker", "import", "-", missing[0]],
+            stdin=tar.stdout,
+            env=engine.env,
+            check=True,
+            capture_output=True,
+            timeout=600,
+        )
         tar.wait()
     for name in missing[1:]:
         engine.docker("tag", missing[0], name)

@@ -92,8 +92,10 @@ class TLSFiles:
                 "-out", str(d / "ca.crt"))  # fmt: skip
         ext = d / "server.ext"
         ext.write_text("subjectAltName=IP:127.0.0.1\n")
-        for name, subject, extra in (("server", "/CN=127.0.0.1", ["-extfile", str(ext)]),
-                                     ("client", "/CN=pdserve worker", [])):  # fmt: skip
+        for name, subject, extra in (
+            ("server", "/CN=127.0.0.1", ["-extfile", str(ext)]),
+            ("client", "/CN=pdserve worker", []),
+        ):
             openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", subject,
                     "-keyout", str(d / f"{name}.key"), "-out", str(d / f"{name}.csr"))  # fmt: skip
             openssl("x509", "-req", "-in", str(d / f"{name}.csr"), "-CA", str(d / "ca.crt"),
@@ -169,8 +171,10 @@ class RedisServer:
         if self.tls is None:
             return f"redis://{auth}127.0.0.1:{self.port}/0"
         t = self.tls
-        return (f"rediss://{auth}127.0.0.1:{self.listen_port}/0?ssl_ca_certs={t.ca}"
-                f"&ssl_certfile={t.client_cert}&ssl_keyfile={t.client_key}")  # fmt: skip
+        return (
+            f"rediss://{auth}127.0.0.1:{self.listen_port}/0?ssl_ca_certs={t.ca}"
+            f"&ssl_certfile={t.client_cert}&ssl_keyfile={t.client_key}"
+        )
 
     def start(self) -> RedisServer:
         """Start; RuntimeError with the server's log if it does not come up."""
@@ -241,10 +245,19 @@ class RedisClusterServers:
             node.start()
         addresses = [f"127.0.0.1:{n.port}" for n in self.nodes]
         created = subprocess.run(
-            [self.nodes[0].cli, "--cluster", "create", *addresses, "--cluster-replicas", "0",
-             "--cluster-yes"],
-            capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
+            [
+                self.nodes[0].cli,
+                "--cluster",
+                "create",
+                *addresses,
+                "--cluster-replicas",
+                "0",
+                "--cluster-yes",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         if created.returncode != 0:
             raise RuntimeError(
                 f"redis-cli --cluster create failed: {created.stdout}{created.stderr}"

@@ -21,9 +21,14 @@ BASE = dict(
 )
 # DeepSeek's latent attention, small: 4 heads of 16 + 8 rotary dims, a 32-wide latent
 MLA = dict(
-    BASE, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
-    v_head_dim=16, moe_intermediate_size=32,
-)  # fmt: skip
+    BASE,
+    num_key_value_heads=4,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    moe_intermediate_size=32,
+)
 # YaRN (a 128-token original context stretched 4x to 512), which changes the result
 YARN = {
     "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
@@ -35,63 +40,125 @@ YARN = {
 # both MoE kinds (hash, top-k), two residual streams, a window of 8 and a top-3 indexer with
 # 16 heads (few exact ties: see v4_attention._top_k)
 V4 = dict(
-    vocab_size=VOCAB, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=4,
-    num_attention_heads=4, num_key_value_heads=1, head_dim=32, q_lora_rank=32,
-    partial_rotary_factor=0.25, num_experts_per_tok=2, n_routed_experts=8,
-    layer_types=["sliding_attention", "compressed_sparse_attention",
-                 "heavily_compressed_attention", "compressed_sparse_attention"],
+    vocab_size=VOCAB,
+    hidden_size=64,
+    moe_intermediate_size=32,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    head_dim=32,
+    q_lora_rank=32,
+    partial_rotary_factor=0.25,
+    num_experts_per_tok=2,
+    n_routed_experts=8,
+    layer_types=[
+        "sliding_attention",
+        "compressed_sparse_attention",
+        "heavily_compressed_attention",
+        "compressed_sparse_attention",
+    ],
     compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
-    mlp_layer_types=["hash_moe", "moe", "hash_moe", "moe"], hc_mult=2, sliding_window=8,
-    o_groups=2, o_lora_rank=16, index_n_heads=16, index_head_dim=16, index_topk=3,
-    max_position_embeddings=1024, swiglu_limit=0.5,
-)  # fmt: skip
+    mlp_layer_types=["hash_moe", "moe", "hash_moe", "moe"],
+    hc_mult=2,
+    sliding_window=8,
+    o_groups=2,
+    o_lora_rank=16,
+    index_n_heads=16,
+    index_head_dim=16,
+    index_topk=3,
+    max_position_embeddings=1024,
+    swiglu_limit=0.5,
+)
 
 FAMILIES = {
     "deepseek_v3": lambda: transformers.DeepseekV3Config(
-        **MLA, q_lora_rank=48, n_routed_experts=8, n_group=4, topk_group=2,
-        num_experts_per_tok=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
+        **MLA,
+        q_lora_rank=48,
+        n_routed_experts=8,
+        n_group=4,
+        topk_group=2,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.5,
         rope_parameters=YARN,
     ),
     # V3 with the lightning indexer: 8 heads of 16 pick 8 of the earlier tokens per query
     "deepseek_v32": lambda: transformers.DeepseekV32Config(
-        **MLA, q_lora_rank=48, n_routed_experts=8, n_group=4, topk_group=2,
-        num_experts_per_tok=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
-        rope_parameters=YARN, index_n_heads=8, index_head_dim=16, index_topk=8,
+        **MLA,
+        q_lora_rank=48,
+        n_routed_experts=8,
+        n_group=4,
+        topk_group=2,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.5,
+        rope_parameters=YARN,
+        index_n_heads=8,
+        index_head_dim=16,
+        index_topk=8,
     ),
     # every layer dense, rotate-half rotary
     "deepseek_v3_dense": lambda: transformers.DeepseekV3Config(
-        **MLA, q_lora_rank=48, n_routed_experts=8, n_group=2, topk_group=1,
-        num_experts_per_tok=2, first_k_dense_replace=3, rope_interleave=False,
+        **MLA,
+        q_lora_rank=48,
+        n_routed_experts=8,
+        n_group=2,
+        topk_group=1,
+        num_experts_per_tok=2,
+        first_k_dense_replace=3,
+        rope_interleave=False,
     ),
     "deepseek_v2": lambda: transformers.DeepseekV2Config(
-        **MLA, q_lora_rank=None, n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=2,
-        first_k_dense_replace=1, topk_method="group_limited_greedy", n_group=4, topk_group=2,
+        **MLA,
+        q_lora_rank=None,
+        n_routed_experts=8,
+        num_experts_per_tok=3,
+        n_shared_experts=2,
+        first_k_dense_replace=1,
+        topk_method="group_limited_greedy",
+        n_group=4,
+        topk_group=2,
         routed_scaling_factor=1.5,
     ),
     "mixtral": lambda: transformers.MixtralConfig(
         **BASE, num_local_experts=4, num_experts_per_tok=2
     ),
     "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
-        **BASE, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-        shared_expert_intermediate_size=48, mlp_only_layers=[1],
+        **BASE,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        mlp_only_layers=[1],
     ),
     "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
-        **BASE, head_dim=32, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+        **BASE,
+        head_dim=32,
+        num_experts=8,
+        num_experts_per_tok=3,
+        moe_intermediate_size=32,
         norm_topk_prob=True,
     ),
     "qwen3": lambda: transformers.Qwen3Config(**BASE, head_dim=32, tie_word_embeddings=True),
     "deepseek_v4": lambda: transformers.DeepseekV4Config(**V4),
     # sliding (a window of 8) and full layers alternating, sinks, biased experts, YaRN
     "gpt_oss": lambda: transformers.GptOssConfig(
-        **BASE, head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=8,
+        **BASE,
+        head_dim=16,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        sliding_window=8,
     ),
     # local (window 8) and global layers, the logits' softcap
     "gemma3": lambda: transformers.Gemma3TextConfig(
-        **BASE, head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
+        **BASE,
+        head_dim=16,
+        sliding_window=8,
+        query_pre_attn_scalar=16,
         layer_types=["sliding_attention", "sliding_attention", "full_attention"],
         final_logit_softcapping=30.0,
     ),
-}  # fmt: skip
+}
 ARCHITECTURE = {"deepseek_v3_dense": "deepseek_v3", "gemma3": "gemma3_text"}
 
 
@@ -102,9 +169,12 @@ def save_tiny(name: str, path: Path, embedded_dir: Path) -> transformers.PreTrai
 
 
 def save_config(
-    config: transformers.PretrainedConfig, path: Path, embedded_dir: Path, seed: int = 0,
+    config: transformers.PretrainedConfig,
+    path: Path,
+    embedded_dir: Path,
+    seed: int = 0,
     unit_embeddings: bool = False,
-) -> transformers.PreTrainedModel:  # fmt: skip
+) -> transformers.PreTrainedModel:
     """save_tiny's checkpoint for a config (unit_embeddings: every embedding row of RMS 1)."""
     name = config.model_type
     torch.manual_seed(seed)
@@ -160,8 +230,9 @@ def save_tiny_v4_mtp(path: Path, embedded_dir: Path, copy: bool) -> None:
     from services.model.loading.hf_dir import safetensors_files
 
     one = transformers.DeepseekV4Config(**(V4 | SLIDING_MOE | {"num_hidden_layers": 1}))
-    save_config(one if copy else FAMILIES["deepseek_v4"](), path, embedded_dir,
-                unit_embeddings=copy)  # fmt: skip
+    save_config(
+        one if copy else FAMILIES["deepseek_v4"](), path, embedded_dir, unit_embeddings=copy
+    )
     source = path if copy else path / "mtp-source"
     if not copy:
         save_config(one, source, embedded_dir, seed=1)

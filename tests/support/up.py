@@ -17,8 +17,13 @@ from services.launcher import PDSERVE
 class Up:
     def __init__(self, *args: str) -> None:
         env = {**os.environ, "PDSERVE_LOG_LEVEL": "warning"}
-        self.process = subprocess.Popen([PDSERVE, "up", *args], stdout=subprocess.PIPE,
-                                        stderr=subprocess.STDOUT, text=True, env=env)  # fmt: skip
+        self.process = subprocess.Popen(
+            [PDSERVE, "up", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
         self.lines: list[str] = []
         self.changed = threading.Condition()
         threading.Thread(target=self._read, daemon=True).start()

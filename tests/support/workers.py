@@ -25,9 +25,13 @@ async def disaggregated(
     if reply.finish_reason:
         return tokens, text, reply
     request = pb.DecodeRequest(
-        request_id=request_id, prompt_token_ids=prompt, output_token_ids=[reply.first_token],
-        params=params, seed=seed, text_sent=len(reply.text),
-    )  # fmt: skip
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        output_token_ids=[reply.first_token],
+        params=params,
+        seed=seed,
+        text_sent=len(reply.text),
+    )
     async for chunk in decode.Decode(request):
         tokens += chunk.token_ids
         text += chunk.text

@@ -229,12 +229,15 @@ class ExpertGroup:
             rb.counts_at_plan[i] = moe.counts.clone()
             if not any(load):
                 continue
-            new = eplb.plan(load, self.placement[i], self.ranks, self.policy, self.nodes,
-                            self.groups)  # fmt: skip
+            new = eplb.plan(
+                load, self.placement[i], self.ranks, self.policy, self.nodes, self.groups
+            )
             if new != self.placement[i]:
                 rb.pending.append((i, new))
-        log.info("experts planned", extra={"fields": {
-            "layers_to_move": len(rb.pending), "imbalance": round(rb.before, 3)}})  # fmt: skip
+        log.info(
+            "experts planned",
+            extra={"fields": {"layers_to_move": len(rb.pending), "imbalance": round(rb.before, 3)}},
+        )
         if not rb.pending:
             with self._lock:
                 self.balance = Balance()
@@ -311,8 +314,14 @@ class ExpertGroup:
                 proc.wait()
 
 
-def serve(pg: Group, layers: dict[int, Moe], ops: LayerOps,
-          hidden: int, dtype: torch.dtype, device: torch.device) -> None:  # fmt: skip
+def serve(
+    pg: Group,
+    layers: dict[int, Moe],
+    ops: LayerOps,
+    hidden: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> None:
     """A rank's loop: answer rank 0's commands until STOP (RuntimeError if rank 0 is gone)."""
 
     def ints(*values: int, n: int = 0) -> torch.Tensor:

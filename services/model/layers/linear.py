@@ -122,9 +122,14 @@ class AmxLinear:
         if x.shape[0]:
             bias = None if self.bias is None else self.bias.data_ptr()
             self._product(
-                x.data_ptr(), self.packed.data_ptr(), bias, y.data_ptr(),
-                x.shape[0], self.out_features, self.in_features,
-            )  # fmt: skip
+                x.data_ptr(),
+                self.packed.data_ptr(),
+                bias,
+                y.data_ptr(),
+                x.shape[0],
+                self.out_features,
+                self.in_features,
+            )
         return y
 
 

@@ -126,8 +126,11 @@ def check_mtp(path: Path, config: ModelConfig) -> None:
     family = families.of(config)
     module = family.mtp_module()
     if module is None or mtp_layers(path) < 1:
-        raise ModelLoadError(path, "--speculative mtp needs a DeepSeek-V3 or V4 checkpoint "
-                             "with num_nextn_predict_layers >= 1")  # fmt: skip
+        raise ModelLoadError(
+            path,
+            "--speculative mtp needs a DeepSeek-V3 or V4 checkpoint "
+            "with num_nextn_predict_layers >= 1",
+        )
     marker = module.mtp_marker(config)
     for file in safetensors_files(path):
         with safe_open(str(file), framework="pt") as f:

@@ -86,9 +86,14 @@ class Int8Kernels:
         q = torch.empty(rows, dim, dtype=torch.int8)
         scale = torch.empty(rows, 1, dtype=torch.float32)
         self._quantize(
-            x.data_ptr(), smooth.data_ptr(), q.data_ptr(), scale.data_ptr(), rows, dim,
+            x.data_ptr(),
+            smooth.data_ptr(),
+            q.data_ptr(),
+            scale.data_ptr(),
+            rows,
+            dim,
             int(x.dtype == torch.bfloat16),
-        )  # fmt: skip
+        )
         return q, scale
 
     def dequantize(
@@ -97,9 +102,14 @@ class Int8Kernels:
         rows, cols = acc.shape
         y = torch.empty(rows, cols, dtype=dtype)
         self._dequantize(
-            acc.data_ptr(), xs.data_ptr(), ws.data_ptr(), y.data_ptr(), rows, cols,
+            acc.data_ptr(),
+            xs.data_ptr(),
+            ws.data_ptr(),
+            y.data_ptr(),
+            rows,
+            cols,
             int(dtype == torch.bfloat16),
-        )  # fmt: skip
+        )
         return y
 
 

@@ -78,13 +78,22 @@ def test_a_draft_models_proposals_verified_ahead_give_the_synchronous_results(dr
     target, draft = (load_model(str(d), dtype=dtype, device="cpu") for d in draft_dirs)
 
     def make(overlap: str) -> Engine:
-        config = EngineConfig(num_blocks=256, speculative=draft_suite.DRAFT,
-                              async_scheduling=overlap)  # fmt: skip
+        config = EngineConfig(
+            num_blocks=256, speculative=draft_suite.DRAFT, async_scheduling=overlap
+        )
         return Engine(target.model, target.tokenizer, config, draft=draft.model)
 
-    params = [SamplingParams(max_tokens=20, temperature=0.9, seed=3 + i, ignore_eos=True,
-                             logprobs=1, stop=["e"] if i % 3 == 0 else [])
-              for i in range(len(draft_suite.PROMPTS))]  # fmt: skip
+    params = [
+        SamplingParams(
+            max_tokens=20,
+            temperature=0.9,
+            seed=3 + i,
+            ignore_eos=True,
+            logprobs=1,
+            stop=["e"] if i % 3 == 0 else [],
+        )
+        for i in range(len(draft_suite.PROMPTS))
+    ]
     sync, _ = both(make, draft_suite.PROMPTS, params)
     assert sync.speculator is not None
     assert sync.speculator.stats.accepted < sync.speculator.stats.proposed  # some refused

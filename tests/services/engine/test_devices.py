@@ -44,9 +44,14 @@ def test_the_sampler_on_the_meta_device():
     vocab = 50
     sampler = Sampler(vocab, eos_token_ids=[2])
     penalised = SamplingParams(
-        temperature=1.0, presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2,
-        logit_bias={4: 2.0}, min_tokens=3, logprobs=2,
-    )  # fmt: skip
+        temperature=1.0,
+        presence_penalty=0.5,
+        frequency_penalty=0.3,
+        repetition_penalty=1.2,
+        logit_bias={4: 2.0},
+        min_tokens=3,
+        logprobs=2,
+    )
     seqs = [
         seq(SamplingParams(temperature=0)),
         seq(SamplingParams(temperature=0.7, top_p=0.9, top_k=5, min_p=0.05, seed=1)),

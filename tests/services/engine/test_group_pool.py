@@ -214,8 +214,9 @@ def test_prefill_to_decode_with_window_blocks_and_write_back(v4_dir):
     assert [g.num_blocks for g in prefill.runner.kv.mapped] == [5]
     full = block_hashes(ids, 16, prefill.blocks.namespace)
     partial = block_hashes(ids, 16, prefill.blocks.namespace, include_partial=True)[-1]
-    prefill.add_request(EngineRequest("r", ids, params, block_hashes=full),
-                        PrefillConnector(full, partial, None))  # fmt: skip
+    prefill.add_request(
+        EngineRequest("r", ids, params, block_hashes=full), PrefillConnector(full, partial, None)
+    )
     first = [t for d in _drain(prefill) for t in d.token_ids]
     assert first == expected[:1] and sorted(saved.blocks) == [0, 1, 2, 3, 4]
     (window,) = prefill.runner.kv.mapped  # a block's K: its shares, then its window part
@@ -227,8 +228,9 @@ def test_prefill_to_decode_with_window_blocks_and_write_back(v4_dir):
     back = InMemory()
     decode = engine(back)
     imported = ImportedKV(full, TensorKV(k, v), 16, partial_tokens=6)
-    decode.add_request(EngineRequest("r", ids, params, output_ids=first),
-                       DecodeConnector(full, imported, True))  # fmt: skip
+    decode.add_request(
+        EngineRequest("r", ids, params, output_ids=first), DecodeConnector(full, imported, True)
+    )
     tokens = [*first, *(t for d in _drain(decode) for t in d.token_ids)]
     assert tokens == expected
     answer = block_hashes([*ids, *tokens[:-1]], 16, decode.blocks.namespace)

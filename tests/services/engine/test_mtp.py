@@ -60,8 +60,9 @@ def drafting(path, dtype: str = "float32"):
 
 
 def run(loaded, mtp, spec=MTP):
-    engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(num_blocks=256, speculative=spec),
-                    draft=mtp)  # fmt: skip
+    engine = Engine(
+        loaded.model, loaded.tokenizer, EngineConfig(num_blocks=256, speculative=spec), draft=mtp
+    )
     out = engine.generate(prompts(), PARAMS)
     answers = [(c.token_ids, [lp.logprob for lp in c.logprobs]) for o in out for c in o.choices]
     return answers, engine
@@ -76,8 +77,9 @@ FAMILIES = pytest.mark.parametrize("family", ["v3", "v4"])
 def test_mtp_drafts_leave_greedy_and_seeded_answers_unchanged(checkpoints, family, kind, dtype):
     path = checkpoints[family, kind]
     loaded = load_model(str(path), dtype=dtype, device="cpu")
-    mtp = load_mtp(path, loaded.config, loaded.model.dtype, loaded.model.device,
-                   loaded.model.kernels)  # fmt: skip
+    mtp = load_mtp(
+        path, loaded.config, loaded.model.dtype, loaded.model.device, loaded.model.kernels
+    )
     plain, _ = run(loaded, None, SpeculativeConfig())
     drafted, engine = run(loaded, mtp)
     assert drafted == plain
@@ -95,10 +97,12 @@ def test_mtp_drafts_leave_greedy_and_seeded_answers_unchanged(checkpoints, famil
 def test_unseeded_sampled_requests_verify_by_rejection_sampling(checkpoints, family):
     path = checkpoints[family, "copy"]
     loaded = load_model(str(path), dtype="float32", device="cpu")
-    mtp = load_mtp(path, loaded.config, loaded.model.dtype, loaded.model.device,
-                   loaded.model.kernels)  # fmt: skip
-    engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(num_blocks=256, speculative=MTP),
-                    draft=mtp)  # fmt: skip
+    mtp = load_mtp(
+        path, loaded.config, loaded.model.dtype, loaded.model.device, loaded.model.kernels
+    )
+    engine = Engine(
+        loaded.model, loaded.tokenizer, EngineConfig(num_blocks=256, speculative=MTP), draft=mtp
+    )
     params = SamplingParams(max_tokens=24, temperature=0.7)  # no seed: drawn from the layer's q
     out = engine.generate(prompts(), params)
     assert [len(o.choices[0].token_ids) for o in out] == [24] * 4
@@ -160,13 +164,15 @@ def test_the_layers_logits_equal_transformers_mtp_model(checkpoints):
     with torch.no_grad():
         h = main(torch.tensor([tokens]), output_hidden_states=True).hidden_states[-1]
         positions = torch.arange(1, len(tokens))[None]
-        rows = reference.forward_layer(0, h[:, :-1], positions, None,
-                                       input_ids=torch.tensor([tokens[1:]]))  # fmt: skip
+        rows = reference.forward_layer(
+            0, h[:, :-1], positions, None, input_ids=torch.tensor([tokens[1:]])
+        )
         expected = reference._project_to_logits(rows)[0]
 
     loaded = load_model(str(path), dtype="float32", device="cpu")
-    mtp = load_mtp(path, loaded.config, loaded.model.dtype, loaded.model.device,
-                   loaded.model.kernels)  # fmt: skip
+    mtp = load_mtp(
+        path, loaded.config, loaded.model.dtype, loaded.model.device, loaded.model.kernels
+    )
     blocks = list(range(4))
     loaded.model.keep_hidden = True  # as the engine sets it for --speculative mtp
     batch = ForwardBatch.build([SeqChunk(tokens, 0, blocks, all_logits=True)], 16, "cpu")

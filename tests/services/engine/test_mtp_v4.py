@@ -46,8 +46,11 @@ def with_mtp_as_last_layer(path, into):
     mtp = load_file(str(into / "model-mtp.safetensors"))
     own = ("mtp.0.e_proj", "mtp.0.h_proj", "mtp.0.enorm", "mtp.0.hnorm", "mtp.0.norm.",
            "mtp.0.hc_head")  # fmt: skip
-    layer = {f"model.layers.{n}." + k.removeprefix("mtp.0."): t
-             for k, t in mtp.items() if not k.startswith(own)}  # fmt: skip
+    layer = {
+        f"model.layers.{n}." + k.removeprefix("mtp.0."): t
+        for k, t in mtp.items()
+        if not k.startswith(own)
+    }
     save_file(layer, str(into / "model-mtp.safetensors"))
     index = into / "model.safetensors.index.json"
     listed = json.loads(index.read_text())
@@ -87,12 +90,18 @@ def test_the_layers_logits_equal_transformers_v4_parts(tmp_path, embedded_dir):
         x = (e @ mtp["mtp.0.e_proj.weight"].T)[:, :, None] + h @ mtp["mtp.0.h_proj.weight"].T
         positions = torch.arange(len(tokens) - 1)[None]
         rotary = holder.model.rotary_emb
-        position_embeddings = {kind: rotary(e, position_ids=positions, layer_type=kind)
-                               for kind in ("main", "compress")}  # fmt: skip
+        position_embeddings = {
+            kind: rotary(e, position_ids=positions, layer_type=kind)
+            for kind in ("main", "compress")
+        }
         mask = create_sliding_window_causal_mask(c, e, None, None, positions)
-        out = holder.model.layers[n](x, position_embeddings=position_embeddings,
-                                     position_ids=positions, attention_mask=mask,
-                                     input_ids=ids)  # fmt: skip
+        out = holder.model.layers[n](
+            x,
+            position_embeddings=position_embeddings,
+            position_ids=positions,
+            attention_mask=mask,
+            input_ids=ids,
+        )
         head.hc_fn.copy_(mtp["mtp.0.hc_head_fn"])
         head.hc_base.copy_(mtp["mtp.0.hc_head_base"])
         head.hc_scale.copy_(mtp["mtp.0.hc_head_scale"])
@@ -124,10 +133,16 @@ def quantized_copy(path, into, fp8: bool):
         for i, (name, t) in enumerate(sorted(stored.items())):
             base = name.removesuffix(".weight")
             routed = ".experts." in name and name.endswith(".weight")
-            dense = name.endswith(".weight") and "compressor" not in name and (
-                ".attn.w" in name or "shared_experts" in name or name.endswith("e_proj.weight")
-                or name.endswith("h_proj.weight")
-            )  # fmt: skip
+            dense = (
+                name.endswith(".weight")
+                and "compressor" not in name
+                and (
+                    ".attn.w" in name
+                    or "shared_experts" in name
+                    or name.endswith("e_proj.weight")
+                    or name.endswith("h_proj.weight")
+                )
+            )
             if not routed and not dense:
                 out[name] = t
                 continue

@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from router.structured import compile_grammar
+from router.completions.structured import compile_grammar
 from services.engine.block_manager import BlockManager
 from services.engine.engine import Engine, EngineConfig
 from services.engine.outputs import RequestOutput
@@ -67,8 +67,10 @@ def grounded(model: LoadedModel, count: int) -> list[list[int]]:
 
 def random_prompts(count: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(100, 49000, (int(n),), generator=g).tolist()
-            for n in torch.randint(5, 60, (count,), generator=g)]  # fmt: skip
+    return [
+        torch.randint(100, 49000, (int(n),), generator=g).tolist()
+        for n in torch.randint(5, 60, (count,), generator=g)
+    ]
 
 
 def choices(outputs: list[RequestOutput]) -> list[list[tuple]]:
@@ -95,8 +97,9 @@ def test_greedy_64_prompts_are_token_identical_with_speculation(model):
 
 def test_seeded_sampling_is_the_same_alone_and_among_31_others(model):
     prompts = grounded(model, 16)
-    params = [SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=100 + i)
-              for i in range(16)]  # fmt: skip
+    params = [
+        SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=100 + i) for i in range(16)
+    ]
     expected = choices(engine(model, None).generate(prompts, params))
     eng = engine(model, NGRAM)
     for i in (0, 5, 10, 15):  # 4 of them alone

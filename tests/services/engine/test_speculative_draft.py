@@ -27,10 +27,17 @@ DRAFT = SpeculativeConfig("draft", num_tokens=3, max_batch=1024)
 
 def llama(layers: int) -> transformers.LlamaForCausalLM:
     config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        tie_word_embeddings=False, eos_token_id=2, architectures=["LlamaForCausalLM"],
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        eos_token_id=2,
+        architectures=["LlamaForCausalLM"],
+    )
     return transformers.LlamaForCausalLM(config).eval()
 
 
@@ -68,9 +75,11 @@ def models(tmp_path_factory, embedded_dir):
 
 def engine(target: LoadedModel, draft: LoadedModel | None, spec=DRAFT, blocks=256) -> Engine:
     return Engine(
-        target.model, target.tokenizer, EngineConfig(num_blocks=blocks, speculative=spec),
+        target.model,
+        target.tokenizer,
+        EngineConfig(num_blocks=blocks, speculative=spec),
         draft=draft.model if draft else None,
-    )  # fmt: skip
+    )
 
 
 PROMPTS = [[5 + (i * 7 + j * 3) % 50 for j in range(10 + i)] for i in range(8)]

@@ -12,7 +12,7 @@ import llguidance
 import pytest
 import torch
 
-from router.structured import compile_grammar
+from router.completions.structured import compile_grammar
 from services.engine.engine import Engine, EngineConfig
 from services.engine.params import SamplingParams, ValidationError
 from services.engine.request import EngineRequest
@@ -24,13 +24,12 @@ SCHEMA = {
     "type": "object",
     "properties": {
         "name": {"type": "string", "maxLength": 16},
-        "tags": {"type": "array", "items": {"enum": ["x", "y", "z"]}, "minItems": 1,
-                 "maxItems": 3},
+        "tags": {"type": "array", "items": {"enum": ["x", "y", "z"]}, "minItems": 1, "maxItems": 3},
         "n": {"type": "integer", "minimum": 0, "maximum": 99},
     },
     "required": ["name", "tags", "n"],
     "additionalProperties": False,
-}  # fmt: skip
+}
 
 
 @pytest.fixture(scope="module", params=COMPUTE_DTYPES)
@@ -43,8 +42,9 @@ def model(request, embedded, embedded_dir):
 
 
 def grammar(kind: str, spec: object, compact: bool = False) -> str:
-    text, error = compile_grammar(kind, spec if isinstance(spec, str) else json.dumps(spec),
-                                  compact)  # fmt: skip
+    text, error = compile_grammar(
+        kind, spec if isinstance(spec, str) else json.dumps(spec), compact
+    )
     assert not error, error
     return text
 
@@ -139,7 +139,8 @@ def test_bad_grammars_are_refused_with_nothing_queued(embedded):
     yes_no = grammar("choice", ["yes", "no"])
     off_grammar = embedded.tokenizer.encode("maybe", add_special_tokens=False)
     with pytest.raises(ValidationError) as e:
-        eng.add_request(EngineRequest("b", prompt, SamplingParams(grammar=yes_no),
-                                      output_ids=off_grammar))  # fmt: skip
+        eng.add_request(
+            EngineRequest("b", prompt, SamplingParams(grammar=yes_no), output_ids=off_grammar)
+        )
     assert e.value.field == "output_token_ids"
     assert not eng.has_unfinished and not eng.scheduler.waiting

@@ -33,10 +33,17 @@ def model_dir(tmp_path_factory, embedded_dir):
     (the embedded tokenizer's first 64 ids), its head scaled so distributions are peaked."""
     torch.manual_seed(1)
     config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=192, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=512,
-        tie_word_embeddings=False, eos_token_id=2, architectures=["LlamaForCausalLM"],
-    )  # fmt: skip
+        vocab_size=64,
+        hidden_size=192,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        eos_token_id=2,
+        architectures=["LlamaForCausalLM"],
+    )
     model = transformers.LlamaForCausalLM(config).eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(10)
@@ -64,8 +71,9 @@ def test_triton_kernels_give_the_default_kernels_tokens(model_dir, dtype):
         config = EngineConfig(num_blocks=40, max_num_batched_tokens=24, prefill_chunk_size=16)
         engine = Engine(loaded.model, loaded.tokenizer, config)
         greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=5)
-        seeded = SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=7, n=2,
-                                ignore_eos=True, logprobs=5)  # fmt: skip
+        seeded = SamplingParams(
+            max_tokens=8, temperature=0.8, top_p=0.9, seed=7, n=2, ignore_eos=True, logprobs=5
+        )
         outputs[kernels] = [
             choice
             for out in engine.generate([*PROMPTS, *PROMPTS[:2]], [greedy] * 5 + [seeded] * 2)
@@ -103,8 +111,9 @@ def test_a_cuda_graphs_padded_inputs_give_the_eager_steps_logits(model_dir):
     kv = model.new_kv_cache(12)
     prompts = [SeqChunk(PROMPTS[1], 0, [3, 7]), SeqChunk(PROMPTS[2], 0, [1, 9])]
     model.forward(ForwardBatch.build(prompts, 16), kv)
-    step = ForwardBatch.build([SeqChunk([9], len(PROMPTS[1]), [3, 7]),
-                               SeqChunk([4], len(PROMPTS[2]), [1, 9])], 16)  # fmt: skip
+    step = ForwardBatch.build(
+        [SeqChunk([9], len(PROMPTS[1]), [3, 7]), SeqChunk([4], len(PROMPTS[2]), [1, 9])], 16
+    )
     before = kv.k.clone(), kv.v.clone()
     eager = model.forward(step, kv)
     after = kv.k.clone(), kv.v.clone()

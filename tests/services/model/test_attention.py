@@ -61,8 +61,9 @@ def test_bfloat16_blocks_hold_pairs_and_move_in_the_plain_layout():
     slots = torch.tensor([table[p // BLOCK] * BLOCK + p % BLOCK for p in range(40)])
     for cache in caches.values():
         for layer in range(2):
-            kv_cache.write(*cache.layer(layer), slots, k[layer].to(cache.k.dtype),
-                           v[layer].to(cache.v.dtype))  # fmt: skip
+            kv_cache.write(
+                *cache.layer(layer), slots, k[layer].to(cache.k.dtype), v[layer].to(cache.v.dtype)
+            )
     paired = caches[torch.bfloat16]
     raw_k, raw_v = paired.k[1, 0, 2].flatten(), paired.v[1, 0, 2].flatten()  # token 16 + t
     for t, d in [(0, 0), (5, 7), (15, 11)]:
@@ -150,8 +151,9 @@ def test_kernel_result_does_not_depend_on_the_batch():
         one = ForwardBatch.build(
             [SeqChunk([0], span.context_len - 1, span.block_table.tolist())], BLOCK
         )
-        alone = attn.forward(q[i : i + 1], k[i : i + 1], v[i : i + 1], kc.clone(), vc.clone(),
-                             attn.plan(one))  # fmt: skip
+        alone = attn.forward(
+            q[i : i + 1], k[i : i + 1], v[i : i + 1], kc.clone(), vc.clone(), attn.plan(one)
+        )
         assert torch.equal(alone[0], together[i])
 
 

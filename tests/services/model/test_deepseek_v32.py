@@ -70,9 +70,12 @@ def test_the_indexer_chooses_what_each_query_reads(checkpoint, tmp_path):
         for p, tokens in zip(prompts, ours, strict=True):
             with torch.inference_mode():
                 expected = theirs.generate(
-                    torch.tensor([p]), max_new_tokens=16, do_sample=False, eos_token_id=None,
+                    torch.tensor([p]),
+                    max_new_tokens=16,
+                    do_sample=False,
+                    eos_token_id=None,
                     pad_token_id=0,
-                )[0, len(p) :].tolist()  # fmt: skip
+                )[0, len(p) :].tolist()
             assert tokens == expected
         answers.append(ours)
     assert answers[0] != answers[1]

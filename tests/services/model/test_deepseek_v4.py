@@ -133,9 +133,12 @@ def assert_greedy_equal(path, reference, prompts: list[list[int]]) -> None:
     for p, out in zip(prompts, engine.generate(prompts, params), strict=True):
         with torch.inference_mode():
             expected = reference.generate(
-                torch.tensor([p]), max_new_tokens=24, do_sample=False, eos_token_id=None,
+                torch.tensor([p]),
+                max_new_tokens=24,
+                do_sample=False,
+                eos_token_id=None,
                 pad_token_id=0,
-            )[0, len(p) :].tolist()  # fmt: skip
+            )[0, len(p) :].tolist()
         assert out.choices[0].token_ids == expected
 
 
@@ -148,8 +151,7 @@ def test_deepseek_v4_flash_rows():
         "n_routed_experts": 256, "num_experts_per_tok": 6, "compress_ratios": [0, 4, 128, 4],
     })  # fmt: skip
     widths = [(r.kv, r.raw, r.share, r.span) for r in row_layout(v4_of(flash), flash.head_dim)]
-    assert widths == [(512, 0, 0, 0), (512, 2560, 160, 4), (512, 1024, 32, 16),
-                      (512, 2560, 160, 4)]  # fmt: skip
+    assert widths == [(512, 0, 0, 0), (512, 2560, 160, 4), (512, 1024, 32, 16), (512, 2560, 160, 4)]
     assert flash.cache_shape == (1, 512 + 3232 + 1568 + 3232, 0) and flash.cache_layers == 1
 
 
@@ -176,10 +178,22 @@ def test_fp8_and_fp4_checkpoints_load_as_their_dequantized_weights(checkpoint, t
         plain[name] = v4_quant.dequantize({name: q, base + ".scale": s}, name, (16, 16))
         assert not torch.equal(plain[name], t)  # quantizing changed it: the test can fail
     config = json.loads((path / "config.json").read_text())
-    dirs = {"quantized": (quantized, config | {"quantization_config": {
-        "quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
-        "weight_block_size": [16, 16], "expert_dtype": "fp4"}}),
-        "plain": (plain, config)}  # fmt: skip
+    dirs = {
+        "quantized": (
+            quantized,
+            config
+            | {
+                "quantization_config": {
+                    "quant_method": "fp8",
+                    "fmt": "e4m3",
+                    "scale_fmt": "ue8m0",
+                    "weight_block_size": [16, 16],
+                    "expert_dtype": "fp4",
+                }
+            },
+        ),
+        "plain": (plain, config),
+    }
     logits = []
     for kind, (tensors, cfg) in dirs.items():
         out = tmp_path / kind

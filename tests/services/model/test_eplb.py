@@ -72,12 +72,18 @@ def test_imbalance_counts_each_copy_as_half_the_load():
     ("family", "values", "message"),
     [
         ("qwen3", {"expert_parallel": 2}, "is not a mixture-of-experts model"),
-        ("qwen3_moe", {"expert_parallel": 2, "redundant_experts": 1},
-         "8 experts \\+ 1 redundant slots do not divide over 2 ranks"),
-        ("deepseek_v3", {"expert_parallel": 2, "eplb_policy": "hierarchical"},
-         "the hierarchical policy needs --eplb-nodes > 1"),
+        (
+            "qwen3_moe",
+            {"expert_parallel": 2, "redundant_experts": 1},
+            "8 experts \\+ 1 redundant slots do not divide over 2 ranks",
+        ),
+        (
+            "deepseek_v3",
+            {"expert_parallel": 2, "eplb_policy": "hierarchical"},
+            "the hierarchical policy needs --eplb-nodes > 1",
+        ),
     ],
-)  # fmt: skip
+)
 def test_expert_settings_that_cannot_work_are_refused_before_anything_loads(
     tiny_dir, family, values, message
 ):

@@ -100,8 +100,7 @@ def test_rebalancing_a_skewed_load_evens_the_ranks_and_changes_no_token(tiny_dir
             group.balance = Balance()
 
     try:  # without rebalancing: rank 0 computes most rows
-        fixed = stream(Engine(loaded.model, loaded.tokenizer, config), prompts, params,
-                       from_pass_7)  # fmt: skip
+        fixed = stream(Engine(loaded.model, loaded.tokenizer, config), prompts, params, from_pass_7)
         unbalanced = group.balance.imbalance
     finally:
         group.stop()
@@ -114,16 +113,19 @@ def test_rebalancing_a_skewed_load_evens_the_ranks_and_changes_no_token(tiny_dir
             placements.append(dict(group.placement))
 
     try:
-        moved = stream(Engine(loaded.model, loaded.tokenizer, config), prompts, params,
-                       rebalance_after_pass_3)  # fmt: skip
+        moved = stream(
+            Engine(loaded.model, loaded.tokenizer, config), prompts, params, rebalance_after_pass_3
+        )
         snapshot = group.snapshot()
     finally:
         group.stop()
 
     assert fixed == one and moved == one  # every stream, delta for delta, logprobs too
     before, after = snapshot["imbalance_before_rebalance"], snapshot["imbalance"]
-    print(f"imbalance, max over mean rows per rank: passes 1-3 {before:.3f}; passes 7 on: "
-          f"{unbalanced:.3f} unbalanced, {after:.3f} rebalanced")  # fmt: skip
+    print(
+        f"imbalance, max over mean rows per rank: passes 1-3 {before:.3f}; passes 7 on: "
+        f"{unbalanced:.3f} unbalanced, {after:.3f} rebalanced"
+    )
     assert before > 1.6 and unbalanced > 1.6
     assert after < 1.1
     # every layer moved; each rank loaded exactly the experts it did not hold before

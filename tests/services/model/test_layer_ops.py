@@ -17,11 +17,20 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 def _config(head_dim: int = 64, hidden: int = 96) -> ModelConfig:
     return ModelConfig(
-        architecture="LlamaForCausalLM", vocab_size=100, hidden_size=hidden,
-        intermediate_size=160, num_layers=1, num_heads=5, num_kv_heads=1, head_dim=head_dim,
-        rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=4096,
-        tie_word_embeddings=True, attention_bias=False,
-    )  # fmt: skip
+        architecture="LlamaForCausalLM",
+        vocab_size=100,
+        hidden_size=hidden,
+        intermediate_size=160,
+        num_layers=1,
+        num_heads=5,
+        num_kv_heads=1,
+        head_dim=head_dim,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        attention_bias=False,
+    )
 
 
 def _ops(dtype: torch.dtype) -> tuple[CpuLayerOps, TorchLayerOps]:

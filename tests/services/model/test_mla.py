@@ -26,11 +26,22 @@ from services.model.layers.rope import Rotary
 
 MLA = MlaShape(q_lora_rank=48, kv_lora_rank=64, nope_dim=16, rope_dim=16, v_dim=32)
 CONFIG = ModelConfig(
-    architecture="deepseek_v3", vocab_size=100, hidden_size=64, intermediate_size=128,
-    num_layers=2, num_heads=6, num_kv_heads=6, head_dim=32, rms_norm_eps=1e-6,
-    rope_theta=10000.0, max_position_embeddings=512, tie_word_embeddings=False,
-    attention_bias=False, shape=MLA, cache=latent_cache(2, MLA),
-)  # fmt: skip
+    architecture="deepseek_v3",
+    vocab_size=100,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=6,
+    num_kv_heads=6,
+    head_dim=32,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+    attention_bias=False,
+    shape=MLA,
+    cache=latent_cache(2, MLA),
+)
 
 
 def layer_weights(dtype: torch.dtype, seed: int = 0, device: str = "cpu") -> MlaWeights:
@@ -126,9 +137,16 @@ def test_a_token_gets_the_same_bits_decoded_prefilled_and_batched(dtype):
 
 def test_the_latent_cache_holds_576_elements_per_token_for_deepseek_v3():
     v3 = MlaShape(q_lora_rank=1536, kv_lora_rank=512, nope_dim=128, rope_dim=64, v_dim=128)
-    config = ModelConfig(**{**CONFIG.__dict__, "num_heads": 128, "num_kv_heads": 128,
-                            "head_dim": 192, "shape": v3,
-                            "cache": latent_cache(CONFIG.num_layers, v3)})  # fmt: skip
+    config = ModelConfig(
+        **{
+            **CONFIG.__dict__,
+            "num_heads": 128,
+            "num_kv_heads": 128,
+            "head_dim": 192,
+            "shape": v3,
+            "cache": latent_cache(CONFIG.num_layers, v3),
+        }
+    )
     assert config.cache_shape == (1, 576, 0)
     per_head_kv = 2 * 128 * 128  # the same model with one K and V per head
     assert per_head_kv / config.cache_elements == pytest.approx(56.9, abs=0.05)

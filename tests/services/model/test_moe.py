@@ -19,20 +19,47 @@ ROUTERS = {
     "mixtral": MoeShape(EXPERTS, 2, FF, (0,), norm_topk_prob=True),
     "qwen2_moe": MoeShape(EXPERTS, 3, FF, (0,), shared_intermediate_size=48, shared_gate=True),
     "deepseek_v2": MoeShape(
-        EXPERTS, 3, FF, (0,), topk_method="group_limited_greedy", n_group=4, topk_group=2,
-        routed_scaling_factor=1.5, shared_intermediate_size=64, float32_router=True,
+        EXPERTS,
+        3,
+        FF,
+        (0,),
+        topk_method="group_limited_greedy",
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=1.5,
+        shared_intermediate_size=64,
+        float32_router=True,
     ),
     "deepseek_v3": MoeShape(
-        EXPERTS, 2, FF, (0,), scoring="sigmoid", topk_method="noaux_tc", n_group=4,
-        topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5,
-        shared_intermediate_size=32, float32_router=True,
+        EXPERTS,
+        2,
+        FF,
+        (0,),
+        scoring="sigmoid",
+        topk_method="noaux_tc",
+        n_group=4,
+        topk_group=2,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        shared_intermediate_size=32,
+        float32_router=True,
     ),
-}  # fmt: skip
+}
 CONFIG = ModelConfig(
-    architecture="mixtral", vocab_size=10, hidden_size=HIDDEN, intermediate_size=128,
-    num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6,
-    rope_theta=1e4, max_position_embeddings=64, tie_word_embeddings=False, attention_bias=False,
-)  # fmt: skip
+    architecture="mixtral",
+    vocab_size=10,
+    hidden_size=HIDDEN,
+    intermediate_size=128,
+    num_layers=1,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    rms_norm_eps=1e-6,
+    rope_theta=1e4,
+    max_position_embeddings=64,
+    tie_word_embeddings=False,
+    attention_bias=False,
+)
 
 
 def moe_layer(shape: MoeShape, dtype: torch.dtype = torch.float32, seed: int = 0):
@@ -110,8 +137,9 @@ def loop_reference(shape: MoeShape, plain, x: torch.Tensor) -> torch.Tensor:
 
 
 def layer_ops(dtype: torch.dtype):
-    return default_layer_ops(CONFIG, Rotary(CONFIG, dtype, torch.device("cpu")),
-                             torch.device("cpu"), dtype)  # fmt: skip
+    return default_layer_ops(
+        CONFIG, Rotary(CONFIG, dtype, torch.device("cpu")), torch.device("cpu"), dtype
+    )
 
 
 @pytest.mark.parametrize("family", sorted(ROUTERS))

@@ -29,8 +29,9 @@ t.join()
 
 
 def threads_after(mode: str) -> tuple[bool, int]:
-    out = subprocess.run([sys.executable, "-c", SCRIPT, mode], capture_output=True, text=True,
-                         check=True).stdout.split()  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT, mode], capture_output=True, text=True, check=True
+    ).stdout.split()
     return out[0] == "True", int(out[1])
 
 

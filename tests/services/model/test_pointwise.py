@@ -38,5 +38,7 @@ def test_the_functions_built_on_them_follow_torch():
     assert torch.allclose(pointwise.gelu_tanh(x), gelu, **close)
     assert torch.allclose(pointwise.softmax(x, 1), x.softmax(1), **close)
     assert torch.allclose(pointwise.softmax(x, 0), x.softmax(0), **close)
-    assert torch.equal(pointwise.ordered_sum(x, 1), ((((x[:, 0] + x[:, 1]) + x[:, 2]) + x[:, 3])
-                       + x[:, 4] + x[:, 5] + x[:, 6] + x[:, 7]))  # fmt: skip
+    assert torch.equal(
+        pointwise.ordered_sum(x, 1),
+        ((((x[:, 0] + x[:, 1]) + x[:, 2]) + x[:, 3]) + x[:, 4] + x[:, 5] + x[:, 6] + x[:, 7]),
+    )

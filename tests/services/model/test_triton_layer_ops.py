@@ -33,11 +33,20 @@ DTYPES = [pytest.param(torch.float32, id="float32"), pytest.param(torch.bfloat16
 
 def _config(heads: int = 3, kv_heads: int = 1, head_dim: int = 64, hidden: int = 96) -> ModelConfig:
     return ModelConfig(
-        architecture="LlamaForCausalLM", vocab_size=100, hidden_size=hidden,
-        intermediate_size=160, num_layers=1, num_heads=heads, num_kv_heads=kv_heads,
-        head_dim=head_dim, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=4096,
-        tie_word_embeddings=True, attention_bias=False,
-    )  # fmt: skip
+        architecture="LlamaForCausalLM",
+        vocab_size=100,
+        hidden_size=hidden,
+        intermediate_size=160,
+        num_layers=1,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        attention_bias=False,
+    )
 
 
 def _ops(dtype: torch.dtype, config: ModelConfig) -> tuple[TritonLayerOps, TorchLayerOps]:

@@ -30,14 +30,22 @@ def test_triton_mla_equals_the_torch_reference(dtype, tol):
     ops = TorchLayerOps(CONFIG, Rotary(CONFIG, dtype, DEVICE))
     layer = layer_weights(dtype, device=str(DEVICE))
     g = torch.Generator().manual_seed(1)
-    x_by_seq = [torch.randn(40, CONFIG.hidden_size, generator=g).to(dtype=dtype, device=DEVICE)
-                for _ in range(3)]  # fmt: skip
+    x_by_seq = [
+        torch.randn(40, CONFIG.hidden_size, generator=g).to(dtype=dtype, device=DEVICE)
+        for _ in range(3)
+    ]
     outputs = []
     for attention in (TritonMlaAttention(CONFIG, ops), MlaAttention(CONFIG, ops)):
         kv = KVCache(CONFIG, 12, 16, dtype, DEVICE)
         tables = [[3, 7, 1], [2, 4], [5, 8, 10]]
-        run(attention, layer, dtype, [seq_chunk(0, 0, 19, tables[0]),
-                                      seq_chunk(2, 0, 33, tables[2])], x_by_seq, kv)  # fmt: skip
+        run(
+            attention,
+            layer,
+            dtype,
+            [seq_chunk(0, 0, 19, tables[0]), seq_chunk(2, 0, 33, tables[2])],
+            x_by_seq,
+            kv,
+        )
         chunks = [seq_chunk(0, 19, 12, tables[0]), seq_chunk(1, 0, 20, tables[1]),
                   seq_chunk(2, 33, 1, tables[2])]  # fmt: skip
         outputs.append(run(attention, layer, dtype, chunks, x_by_seq, kv).float())

@@ -34,10 +34,17 @@ def test_triton_row_attention_equals_the_torch_reference(dtype, tol, heads, kv_h
     lists = [torch.tensor(i, dtype=torch.int64) for i in LISTS]
     starts = torch.tensor([0] + [len(i) for i in LISTS]).cumsum(0)
     on = {"device": DEVICE}
-    ours = attend_rows(q.to(**on), keys.to(**on), values.to(**on), starts.to(**on),
-                       torch.cat(lists).to(**on), dim**-0.5,
-                       None if sink is None else sink.to(**on)).cpu()  # fmt: skip
-    ref = torch.stack([attend_row(q[r], keys[i], values[i], dim**-0.5, sink)
-                       for r, i in enumerate(lists)])  # fmt: skip
+    ours = attend_rows(
+        q.to(**on),
+        keys.to(**on),
+        values.to(**on),
+        starts.to(**on),
+        torch.cat(lists).to(**on),
+        dim**-0.5,
+        None if sink is None else sink.to(**on),
+    ).cpu()
+    ref = torch.stack(
+        [attend_row(q[r], keys[i], values[i], dim**-0.5, sink) for r, i in enumerate(lists)]
+    )
     scale = values.float().abs().max()
     assert (ours.float() - ref.float()).abs().max() <= tol * scale

@@ -63,9 +63,13 @@ class Mtp:
 
 
 def load_mtp(
-    path: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device, kernels: str,
+    path: Path,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    kernels: str,
     deterministic: bool = DEFAULTS.model.deterministic,
-) -> Mtp:  # fmt: skip
+) -> Mtp:
     """The checkpoint's first MTP layer (hf_dir.check_mtp: it has one), its products as the
     model's (`kernels`, `deterministic`)."""
     from safetensors import safe_open
@@ -97,8 +101,13 @@ def load_mtp(
     # after the first dense ones)
     experts = moe is not None and bool(moe.layers) and n >= min(moe.layers)
     layers = dataclasses.replace(moe, layers=(0,)) if experts and moe is not None else None
-    one = dataclasses.replace(config, num_layers=1, moe=layers, tie_word_embeddings=False,
-                              cache=latent_cache(1, mla_of(config)))  # fmt: skip
+    one = dataclasses.replace(
+        config,
+        num_layers=1,
+        moe=layers,
+        tie_word_embeddings=False,
+        cache=latent_cache(1, mla_of(config)),
+    )
     block = DeepseekModel(one, renamed, dtype, device, kernels=kernels, deterministic=deterministic)
     block.keep_hidden = True  # h' chains the drafts
     renamed.clear()  # what the block keeps, it holds (its experts are never rebuilt)

@@ -72,10 +72,24 @@ def attend(
 
 @triton.jit
 def _attend(
-    q, k_cache, tables, table_row, row_seq, lens, out,
-    kb, kdp, kdl, kt, H, D, C, scale,
-    BS: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
+    q,
+    k_cache,
+    tables,
+    table_row,
+    row_seq,
+    lens,
+    out,
+    kb,
+    kdp,
+    kdl,
+    kt,
+    H,
+    D,
+    C,
+    scale,
+    BS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     row = tl.program_id(0)
     head = tl.program_id(1)
     d = tl.arange(0, BLOCK_D)

@@ -64,11 +64,12 @@ def read_config(raw: dict[str, Any], model_type: str) -> ModelConfig:
     if len(kinds) != layers or any(k not in MLP_TYPES for k in kinds):
         refuse(raw, "mlp_layer_types", f"one of {', '.join(MLP_TYPES)} for each of {layers}")
     shape = read_mla(
-        raw, V32Shape,
+        raw,
+        V32Shape,
         index_heads=int(raw.get("index_n_heads") or 64),
         index_dim=int(raw.get("index_head_dim") or 128),
         index_topk=int(raw.get("index_topk") or 2048),
-    )  # fmt: skip
+    )
     assert isinstance(shape, V32Shape)
     if shape.index_dim < shape.rope_dim or shape.index_dim % 2:
         refuse(raw, "index_head_dim", "the indexer's keys rotate their first qk_rope_head_dim")

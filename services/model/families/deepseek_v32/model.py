@@ -132,9 +132,13 @@ class IndexedAttention:
         return w.o(out.flatten(1))
 
     def _index_rows(
-        self, w: IndexerWeights, x: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor,
+        self,
+        w: IndexerWeights,
+        x: torch.Tensor,
+        q_resid: torch.Tensor,
+        cos: torch.Tensor,
         sin: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The rows' indexer queries [T, index_heads, D], keys [T, D] (both rotated) and head
         weights [T, index_heads] (float32, scaled)."""
         m = self.shape

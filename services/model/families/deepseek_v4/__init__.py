@@ -5,11 +5,8 @@ attention.py, rows.py, quant.py, mtp.py; docs/deepseek-v4.md)."""
 
 from __future__ import annotations
 
-from services.model.families.deepseek_v4.config import (
-    canonical_name,
-    expected_shapes,
-    read_config,
-)
+from services.model.families.deepseek_v4.config import read_config
+from services.model.families.deepseek_v4.names import canonical_name, expected_shapes
 from services.model.families.family import Family
 
 

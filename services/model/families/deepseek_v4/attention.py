@@ -91,9 +91,14 @@ class V4Attention:
         cos, sin = self.rope.tables(batch.positions, kind)
         parts = w.x_proj(x)
         q_lat, kv, raw, index_w = parts.split(
-            [v4.q_lora_rank, c.head_dim, row.raw, parts.shape[1] - v4.q_lora_rank - c.head_dim
-             - row.raw], dim=-1,
-        )  # fmt: skip
+            [
+                v4.q_lora_rank,
+                c.head_dim,
+                row.raw,
+                parts.shape[1] - v4.q_lora_rank - c.head_dim - row.raw,
+            ],
+            dim=-1,
+        )
         q_lat = rms_norm_f32(q_lat, w.q_a_norm, c.rms_norm_eps)
         q = _unweighted_rms_norm(w.q_b(q_lat).view(-1, c.num_heads, c.head_dim), c.rms_norm_eps)
         q = self.rope.apply(q, cos, sin)
@@ -104,8 +109,9 @@ class V4Attention:
             self._compress(w, row, batch, cache)
         index_q = None
         if w.index_q is not None:
-            index_q = self.rope.apply(w.index_q(q_lat).view(-1, v4.index_heads, v4.index_dim),
-                                      cos, sin)  # fmt: skip
+            index_q = self.rope.apply(
+                w.index_q(q_lat).view(-1, v4.index_heads, v4.index_dim), cos, sin
+            )
         keys, lists, base = [], [], 0  # every sequence's keys in one buffer; each row's list
         for span in batch.seqs:
             rows = slice(span.row, span.row + span.query_len)
@@ -141,11 +147,17 @@ class V4Attention:
         if not entries:
             return
         values = torch.cat(entries)  # [n, entry]
-        share_slots = torch.cat([
-            slots_of(span.block_table, ((es + 1) * m)[:, None]
-                     - torch.arange(row.span, 0, -1, device=es.device), bs).flatten()
-            for span, es in zip(batch.seqs, closing, strict=True) if len(es)
-        ])  # fmt: skip
+        share_slots = torch.cat(
+            [
+                slots_of(
+                    span.block_table,
+                    ((es + 1) * m)[:, None] - torch.arange(row.span, 0, -1, device=es.device),
+                    bs,
+                ).flatten()
+                for span, es in zip(batch.seqs, closing, strict=True)
+                if len(es)
+            ]
+        )
         padded = values.new_zeros(values.shape[0], row.span * row.share)
         padded[:, : row.entry] = values
         v4_rows.write(cache.shares, share_slots, row.share_at, padded.view(-1, row.share))
@@ -165,8 +177,9 @@ class V4Attention:
         # the tokens each entry pools: for CSA the previous window's too (clamped at 0, masked)
         lo = (es - (series - 1)) * m
         positions = (lo[:, None] + torch.arange(series * m, device=es.device)).clamp(min=0)
-        raw = v4_rows.read(cache.window, slots_of(table, positions.flatten(), bs),
-                           row.offset + row.kv, row.raw)  # fmt: skip
+        raw = v4_rows.read(
+            cache.window, slots_of(table, positions.flatten(), bs), row.offset + row.kv, row.raw
+        )
         raw = raw.view(len(es), series * m, row.raw)
         first = es == 0
         d = comp.dim * series
@@ -223,8 +236,10 @@ class V4Attention:
         ]
         used = torch.unique(torch.cat(chosen)) if chosen else every[:0]
         entries = self._read_entries(row, span, m, bs, cache, used, 0, c.head_dim)
-        lists = [torch.cat((own, n + torch.searchsorted(used, pick).cpu()))
-                 for own, pick in zip(windows, chosen, strict=True)]  # fmt: skip
+        lists = [
+            torch.cat((own, n + torch.searchsorted(used, pick).cpu()))
+            for own, pick in zip(windows, chosen, strict=True)
+        ]
         return torch.cat((kv, entries)), lists
 
     def _read_entries(

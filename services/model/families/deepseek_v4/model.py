@@ -121,9 +121,10 @@ class DeepseekV4Model(PagedModel):
         self.lm_head = linear("embed.weight" if config.tie_word_embeddings else "head.weight")
         self.norm = w("norm.weight", True)
         self.head_hc = HyperConnection(
-            linear("hc_head_fn", keep_float32=True), w("hc_head_base", True),
+            linear("hc_head_fn", keep_float32=True),
+            w("hc_head_base", True),
             w("hc_head_scale", True),
-        )  # fmt: skip
+        )
         self.layers = [self._layer(i) for i in range(config.num_layers)]
         self.rows = row_layout(self.v4, config.head_dim)
         self.attention = V4Attention(config, V4Rope(config, dtype, self.device), self.rows)
@@ -137,8 +138,11 @@ class DeepseekV4Model(PagedModel):
 
         def hc(kind: str) -> HyperConnection:
             name = p + f"hc_{kind}_"
-            return HyperConnection(linear(name + "fn", keep_float32=True),
-                                   w(name + "base", True), w(name + "scale", True))  # fmt: skip
+            return HyperConnection(
+                linear(name + "fn", keep_float32=True),
+                w(name + "base", True),
+                w(name + "scale", True),
+            )
 
         return V4Layer(
             attn_hc=hc("attn"),
@@ -191,14 +195,17 @@ class DeepseekV4Model(PagedModel):
 
         hashed = i in v4.hash_layers
         return V4Moe(
-            moe, linear(f + "gate.weight"), self.dtype,
+            moe,
+            linear(f + "gate.weight"),
+            self.dtype,
             None if hashed else w(f + "gate.bias", True),
             [mlp(f"{f}experts.{e}.") for e in range(moe.num_experts)],
-            mlp(f + "shared_experts."), None,
+            mlp(f + "shared_experts."),
+            None,
             build=lambda e: mlp(f"{f}experts.{e}."),
             tid2eid=self._ids(f + "gate.tid2eid") if hashed else None,
             scoring=v4.scoring,
-        )  # fmt: skip
+        )
 
     def moe_layers(self) -> dict[int, Moe]:
         return {i: layer.moe for i, layer in enumerate(self.layers)}

@@ -22,11 +22,11 @@ from services.model.errors import ModelLoadError, read_json_object
 from services.model.families.deepseek.mtp import Mtp
 from services.model.families.deepseek_v4.config import (
     cache_spec,
-    canonical_name,
     mtp_layer_type,
     v4_of,
 )
 from services.model.families.deepseek_v4.model import DeepseekV4Model
+from services.model.families.deepseek_v4.names import canonical_name
 from services.model.kv_cache import KVCache
 from services.model.layers.layer_ops import rms_norm_f32
 from services.model.layers.linear import Linear
@@ -36,9 +36,13 @@ from services.model.loading.weights import check_complete, check_shapes
 
 class V4Mtp(Mtp):
     def __init__(
-        self, block: DeepseekV4Model, enorm: torch.Tensor, hnorm: torch.Tensor,
-        e_proj: Linear, h_proj: Linear,
-    ) -> None:  # fmt: skip
+        self,
+        block: DeepseekV4Model,
+        enorm: torch.Tensor,
+        hnorm: torch.Tensor,
+        e_proj: Linear,
+        h_proj: Linear,
+    ) -> None:
         super().__init__(block, enorm, hnorm, e_proj)  # type: ignore[arg-type]
         self.v4_block, self.e_proj, self.h_proj = block, e_proj, h_proj
 
@@ -49,8 +53,9 @@ class V4Mtp(Mtp):
         """As Mtp.forward; previous [T, N hidden] the streams before each row, h' alike."""
         block, rows = self.v4_block, previous.shape[0]
         e = rms_norm_f32(block.embed.index_select(0, batch.token_ids), self.enorm, self.eps)
-        p = rms_norm_f32(previous.to(block.dtype).view(rows * block.v4.hc_mult, -1), self.hnorm,
-                      self.eps)  # fmt: skip
+        p = rms_norm_f32(
+            previous.to(block.dtype).view(rows * block.v4.hc_mult, -1), self.hnorm, self.eps
+        )
         streams = self.h_proj(p).view(rows, block.v4.hc_mult, -1) + self.e_proj(e)[:, None, :]
         logits = block.forward(batch, kv, streams=streams)
         assert block.hidden is not None
@@ -61,9 +66,13 @@ V4_OWN = ("e_proj.", "h_proj.", "enorm.", "hnorm.")  # the MTP layer's besides i
 
 
 def load_mtp(
-    path: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device, kernels: str,
+    path: Path,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    kernels: str,
     deterministic: bool,
-) -> V4Mtp:  # fmt: skip
+) -> V4Mtp:
     from safetensors import safe_open
 
     """The checkpoint's MTP layer (hf_dir.check_mtp: it has one), a one-layer V4 block over
@@ -96,17 +105,26 @@ def load_mtp(
         raise ModelLoadError(path, str(e)) from None
     hashed = "layers.0.ffn.gate.tid2eid" in weights
     v4 = dataclasses.replace(v4_of(config), layer_types=(kind,), hash_layers=(0,) if hashed else ())
-    one = dataclasses.replace(config, num_layers=1, shape=v4, cache=cache_spec(v4, config.head_dim),
-                              tie_word_embeddings=False,
-                              moe=dataclasses.replace(config.moe, layers=(0,)))  # fmt: skip
+    one = dataclasses.replace(
+        config,
+        num_layers=1,
+        shape=v4,
+        cache=cache_spec(v4, config.head_dim),
+        tie_word_embeddings=False,
+        moe=dataclasses.replace(config.moe, layers=(0,)),
+    )
     _check_v4(path, one, weights)
-    block = DeepseekV4Model(one, weights, dtype, device, kernels=kernels,
-                            deterministic=deterministic)  # fmt: skip
+    block = DeepseekV4Model(
+        one, weights, dtype, device, kernels=kernels, deterministic=deterministic
+    )
     block.keep_hidden = True  # H' chains the drafts
     mtp = V4Mtp(
-        block, block._w("enorm.weight", True), block._w("hnorm.weight", True),
-        block._linear("e_proj.weight"), block._linear("h_proj.weight"),
-    )  # fmt: skip
+        block,
+        block._w("enorm.weight", True),
+        block._w("hnorm.weight", True),
+        block._linear("e_proj.weight"),
+        block._linear("h_proj.weight"),
+    )
     weights.clear()  # what the block keeps, it holds
     return mtp
 

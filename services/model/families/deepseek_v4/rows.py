@@ -97,9 +97,12 @@ class V4Rope:
         if v4.compress_yarn is not None:
             y = v4.compress_yarn
             yarn = RopeScaling(
-                "yarn", y["factor"], beta_fast=y["beta_fast"], beta_slow=y["beta_slow"],
+                "yarn",
+                y["factor"],
+                beta_fast=y["beta_fast"],
+                beta_slow=y["beta_slow"],
                 original_max_position_embeddings=int(y["original_max_position_embeddings"]),
-            )  # fmt: skip
+            )
         self.inv_freq = {
             "main": inverse_frequencies(self.dim, config.rope_theta, None).to(device),
             "compress": inverse_frequencies(self.dim, v4.compress_rope_theta, yarn).to(device),

@@ -56,16 +56,20 @@ class Gemma3Model(PagedModel):
         for i in range(config.num_layers):
             p, a, m = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
             norms = ("input", "post_attention", "pre_feedforward", "post_feedforward")
-            self.layers.append(Gemma3Layer(
-                norms={n: w(f"{p}{n}_layernorm.weight") for n in norms},
-                qkv=linear(a + "q_proj", a + "k_proj", a + "v_proj", bias=config.attention_bias),
-                o=linear(a + "o_proj", bias=config.attention_bias),
-                q_norm=w(a + "q_norm.weight"),
-                k_norm=w(a + "k_norm.weight"),
-                window=g.windows[i],
-                gate_up=linear(m + "gate_proj", m + "up_proj"),
-                down=linear(m + "down_proj"),
-            ))  # fmt: skip
+            self.layers.append(
+                Gemma3Layer(
+                    norms={n: w(f"{p}{n}_layernorm.weight") for n in norms},
+                    qkv=linear(
+                        a + "q_proj", a + "k_proj", a + "v_proj", bias=config.attention_bias
+                    ),
+                    o=linear(a + "o_proj", bias=config.attention_bias),
+                    q_norm=w(a + "q_norm.weight"),
+                    k_norm=w(a + "k_norm.weight"),
+                    window=g.windows[i],
+                    gate_up=linear(m + "gate_proj", m + "up_proj"),
+                    down=linear(m + "down_proj"),
+                )
+            )
         local = dataclasses.replace(config, rope_theta=g.local_theta, rope_scaling=None)
         self._rope = {
             "local": _RopeSet(local, self.device),

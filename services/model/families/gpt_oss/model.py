@@ -77,15 +77,17 @@ class GptOssModel(PagedModel):
             p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
             qkv = [w(f"{a}{x}_proj.weight") for x in "qkv"]
             qkv_bias = [w(f"{a}{x}_proj.bias") for x in "qkv"]
-            self.layers.append(OssLayer(
-                input_norm=w(p + "input_layernorm.weight"),
-                qkv=linear(torch.cat(qkv), torch.cat(qkv_bias)),
-                o=linear(w(a + "o_proj.weight"), w(a + "o_proj.bias")),
-                sinks=w(a + "sinks"),
-                window=oss.windows[i],
-                post_norm=w(p + "post_attention_layernorm.weight"),
-                moe=self._moe(p + "mlp.", w, linear),
-            ))  # fmt: skip
+            self.layers.append(
+                OssLayer(
+                    input_norm=w(p + "input_layernorm.weight"),
+                    qkv=linear(torch.cat(qkv), torch.cat(qkv_bias)),
+                    o=linear(w(a + "o_proj.weight"), w(a + "o_proj.bias")),
+                    sinks=w(a + "sinks"),
+                    window=oss.windows[i],
+                    post_norm=w(p + "post_attention_layernorm.weight"),
+                    moe=self._moe(p + "mlp.", w, linear),
+                )
+            )
         self.rotary = Rotary(config, self.dtype, self.device)
         self.ops: LayerOps = TorchLayerOps(config, self.rotary)
 
@@ -109,8 +111,12 @@ class GptOssModel(PagedModel):
             # [hidden, 2 ff], gate and up columns interleaved
             weight = torch.cat((gate_up[e][:, 0::2].T, gate_up[e][:, 1::2].T))
             bias = torch.cat((gate_up_bias[e][0::2], gate_up_bias[e][1::2]))
-            return OssMlp(linear(weight, bias), linear(down[e].T, down_bias[e]),
-                          oss.swiglu_limit, oss.swiglu_alpha)  # fmt: skip
+            return OssMlp(
+                linear(weight, bias),
+                linear(down[e].T, down_bias[e]),
+                oss.swiglu_limit,
+                oss.swiglu_alpha,
+            )
 
         stacked = (gate_up, gate_up_bias, down, down_bias)
         experts = [expert(e, stacked) for e in range(moe.num_experts)]

@@ -66,8 +66,11 @@ class DecoderModel:
     def supports(cls, config: ModelConfig) -> Capabilities:
         """CUDA graphs where no layer routes rows to experts (their grouped products take a
         batch's shape), int8 weights for dense models."""
-        return Capabilities(cuda_graphs=config.moe is None or not config.moe.layers,
-                            int8=config.moe is None, hidden_rows=True)  # fmt: skip
+        return Capabilities(
+            cuda_graphs=config.moe is None or not config.moe.layers,
+            int8=config.moe is None,
+            hidden_rows=True,
+        )
 
     def __init__(
         self,
@@ -131,11 +134,14 @@ class DecoderModel:
             weight = torch.cat([w(n + ".weight", keep_float32) for n in names], dim=0)
             b = None
             if bias:
-                b = torch.cat([
-                    w(n + ".bias") if n + ".bias" in weights or not missing_bias_ok
-                    else weight.new_zeros(w(n + ".weight").shape[0])
-                    for n in names
-                ])  # fmt: skip
+                b = torch.cat(
+                    [
+                        w(n + ".bias")
+                        if n + ".bias" in weights or not missing_bias_ok
+                        else weight.new_zeros(w(n + ".weight").shape[0])
+                        for n in names
+                    ]
+                )
             return make_linear(weight, b, packed, amx, self.deterministic)
 
         self.embed = w("model.embed_tokens.weight")  # [vocab, hidden]

@@ -120,10 +120,29 @@ def write_kv(
 
 @triton.jit
 def _write_kv(
-    k, v, k_row, k_head, v_row, v_head, slots, k_cache, v_cache,
-    kb, kh, kdp, kdl, kt, vb, vh, vtp, vtl, vd,
-    D, BS, BLOCK_D: tl.constexpr,
-):  # fmt: skip
+    k,
+    v,
+    k_row,
+    k_head,
+    v_row,
+    v_head,
+    slots,
+    k_cache,
+    v_cache,
+    kb,
+    kh,
+    kdp,
+    kdl,
+    kt,
+    vb,
+    vh,
+    vtp,
+    vtl,
+    vd,
+    D,
+    BS,
+    BLOCK_D: tl.constexpr,
+):
     row = tl.program_id(0)
     head = tl.program_id(1)
     slot = tl.load(slots + row)
@@ -174,12 +193,37 @@ def decode(
 
 @triton.jit
 def _decode_split(
-    q, k_cache, v_cache, rows, tables, table_row, lens, partial, lse, out,
-    kb, kh, kdp, kdl, kt, vb, vh, vtp, vtl, vd,
-    scale, H, D, S,
-    G: tl.constexpr, BLOCK_G: tl.constexpr, BS: tl.constexpr, BLOCK_D: tl.constexpr,
-    SPLIT: tl.constexpr, DIRECT: tl.constexpr,
-):  # fmt: skip
+    q,
+    k_cache,
+    v_cache,
+    rows,
+    tables,
+    table_row,
+    lens,
+    partial,
+    lse,
+    out,
+    kb,
+    kh,
+    kdp,
+    kdl,
+    kt,
+    vb,
+    vh,
+    vtp,
+    vtl,
+    vd,
+    scale,
+    H,
+    D,
+    S,
+    G: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SPLIT: tl.constexpr,
+    DIRECT: tl.constexpr,
+):
     b = tl.program_id(0)
     kv = tl.program_id(1)
     split = tl.program_id(2)
@@ -191,8 +235,11 @@ def _decode_split(
     heads = kv * G + g
     g_in = g < G
     d_in = d < D
-    qx = tl.load(q + (row * H + heads)[:, None] * D + d[None, :],
-                 mask=g_in[:, None] & d_in[None, :], other=0.0).to(tl.float32)  # fmt: skip
+    qx = tl.load(
+        q + (row * H + heads)[:, None] * D + d[None, :],
+        mask=g_in[:, None] & d_in[None, :],
+        other=0.0,
+    ).to(tl.float32)
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -231,9 +278,7 @@ def _decode_split(
 
 
 @triton.jit
-def _combine(
-    partial, lse, rows, out, H, D, S, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr
-):  # fmt: skip
+def _combine(partial, lse, rows, out, H, D, S, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     b = tl.program_id(0)
     head = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
@@ -243,8 +288,9 @@ def _combine(
     top = tl.max(weights_log, axis=0)
     top = tl.where(top == float("-inf"), 0.0, top)  # a padded row: nothing seen
     weights = tl.exp(weights_log - top)
-    parts = tl.load(partial + at[:, None] * D + d[None, :],
-                    mask=(s < S)[:, None] & (d < D)[None, :], other=0.0)  # fmt: skip
+    parts = tl.load(
+        partial + at[:, None] * D + d[None, :], mask=(s < S)[:, None] & (d < D)[None, :], other=0.0
+    )
     summed = tl.sum(weights[:, None] * parts, axis=0) / tl.maximum(tl.sum(weights, axis=0), 1e-30)
     row = tl.load(rows + b)
     tl.store(out + (row * H + head) * D + d, round_to(summed, out.dtype.element_ty), mask=d < D)
@@ -274,12 +320,34 @@ def prefill(
 
 @triton.jit
 def _prefill(
-    q, k_cache, v_cache, rows, qlens, lens, tables, table_row, out,
-    kb, kh, kdp, kdl, kt, vb, vh, vtp, vtl, vd,
-    scale, H, D,
-    G: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    q,
+    k_cache,
+    v_cache,
+    rows,
+    qlens,
+    lens,
+    tables,
+    table_row,
+    out,
+    kb,
+    kh,
+    kdp,
+    kdl,
+    kt,
+    vb,
+    vh,
+    vtp,
+    vtl,
+    vd,
+    scale,
+    H,
+    D,
+    G: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     F32_DOT: tl.constexpr,
-):  # fmt: skip
+):
     s = tl.program_id(0)
     tile = tl.program_id(1)
     head = tl.program_id(2)
@@ -294,8 +362,11 @@ def _prefill(
         q_in = i < qlen
         d_in = d < D
         position = length - qlen + i  # [M]
-        qx = tl.load(q + ((row0 + i) * H + head)[:, None] * D + d[None, :],
-                     mask=q_in[:, None] & d_in[None, :], other=0.0)  # fmt: skip
+        qx = tl.load(
+            q + ((row0 + i) * H + head)[:, None] * D + d[None, :],
+            mask=q_in[:, None] & d_in[None, :],
+            other=0.0,
+        )
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         total = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -306,8 +377,11 @@ def _prefill(
             block = tl.load(tables + s * table_row + block_index)
             pos = block_index * BS + t
             base_k = k_cache + block * kb + kv * kh
-            keys_t = tl.load(base_k + k_dim[:, None] + t[None, :] * kt,
-                             mask=d_in[:, None] & (pos < length)[None, :], other=0.0)  # fmt: skip
+            keys_t = tl.load(
+                base_k + k_dim[:, None] + t[None, :] * kt,
+                mask=d_in[:, None] & (pos < length)[None, :],
+                other=0.0,
+            )
             if F32_DOT:
                 scores = tl.dot(qx.to(tl.float32), keys_t.to(tl.float32), input_precision="ieee")
             else:
@@ -319,8 +393,11 @@ def _prefill(
             weights = tl.exp(scores - safe[:, None])
             rescale = tl.exp(m - safe)
             base_v = v_cache + block * vb + kv * vh
-            values = tl.load(base_v + v_tok[:, None] + d[None, :] * vd,
-                             mask=(pos < length)[:, None] & d_in[None, :], other=0.0)  # fmt: skip
+            values = tl.load(
+                base_v + v_tok[:, None] + d[None, :] * vd,
+                mask=(pos < length)[:, None] & d_in[None, :],
+                other=0.0,
+            )
             p = round_to(weights, values.dtype)  # the weights in the cache's dtype, as flash
             if F32_DOT:
                 summed = tl.dot(p.to(tl.float32), values.to(tl.float32), input_precision="ieee")

@@ -27,11 +27,22 @@ SILU_TILE = 1024  # elements a silu_mul program writes, across rows when ff is s
 
 @triton.jit
 def _add_rms_norm_kernel(
-    h_ptr, delta_ptr, weight_ptr, out_ptr,
-    h_row_stride, h_col_stride, delta_row_stride, delta_col_stride, out_row_stride,
-    rows, dim, eps,
-    HAS_DELTA: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
+    h_ptr,
+    delta_ptr,
+    weight_ptr,
+    out_ptr,
+    h_row_stride,
+    h_col_stride,
+    delta_row_stride,
+    delta_col_stride,
+    out_row_stride,
+    rows,
+    dim,
+    eps,
+    HAS_DELTA: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """Program: ROWS rows. h += delta (rounded as torch's add_), then rms_norm(h) * weight."""
     row = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]  # [ROWS, 1]
     cols = tl.arange(0, BLOCK)[None, :]  # [1, BLOCK]
@@ -55,11 +66,24 @@ def _add_rms_norm_kernel(
 
 @triton.jit
 def _rotary_kernel(
-    qkv_ptr, cos_ptr, sin_ptr, positions_ptr, q_ptr, k_ptr,
-    qkv_row_stride, qkv_col_stride, table_row_stride, q_row_stride, k_row_stride,
-    rows, num_heads, num_kv_heads, head_dim,
-    PAIRS: tl.constexpr, HALF: tl.constexpr,
-):  # fmt: skip
+    qkv_ptr,
+    cos_ptr,
+    sin_ptr,
+    positions_ptr,
+    q_ptr,
+    k_ptr,
+    qkv_row_stride,
+    qkv_col_stride,
+    table_row_stride,
+    q_row_stride,
+    k_row_stride,
+    rows,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    PAIRS: tl.constexpr,
+    HALF: tl.constexpr,
+):
     """Program: PAIRS (token, head) pairs, q's heads then k's (they lie end to end in qkv),
     each rotated and stored to q or k. Rotate-half: with x = [x1 | x2],
     out = [x1 cos1 - x2 sin1 | x2 cos2 + x1 sin2], each product rounded, then the sum."""
@@ -99,9 +123,15 @@ def _rotary_kernel(
 
 @triton.jit
 def _silu_mul_kernel(
-    gate_up_ptr, out_ptr, gate_up_row_stride, gate_up_col_stride, out_row_stride,
-    rows, ff, BLOCK: tl.constexpr,
-):  # fmt: skip
+    gate_up_ptr,
+    out_ptr,
+    gate_up_row_stride,
+    gate_up_col_stride,
+    out_row_stride,
+    rows,
+    ff,
+    BLOCK: tl.constexpr,
+):
     """Program: BLOCK elements of the [rows, ff] output, in row order (a block may span rows):
     silu(gate) rounded, times up, rounded, as torch does."""
     at = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -168,7 +198,14 @@ class TritonLayerOps(TorchLayerOps):
         rows, ff = gate_up.shape[0], gate_up.shape[1] // 2
         out = gate_up.new_empty(rows, ff)
         _silu_mul_kernel[(triton.cdiv(rows * ff, SILU_TILE),)](
-            gate_up, out, gate_up.stride(0), gate_up.stride(1), out.stride(0), rows, ff,
-            BLOCK=SILU_TILE, enable_fp_fusion=False,
-        )  # fmt: skip
+            gate_up,
+            out,
+            gate_up.stride(0),
+            gate_up.stride(1),
+            out.stride(0),
+            rows,
+            ff,
+            BLOCK=SILU_TILE,
+            enable_fp_fusion=False,
+        )
         return out

@@ -37,10 +37,24 @@ def attend_rows(
 
 @triton.jit
 def _attend(
-    q, keys, values, starts, index, sinks, out,
-    H, GROUP, KVH, D, DV, scale,
-    HAS_SINK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-):  # fmt: skip
+    q,
+    keys,
+    values,
+    starts,
+    index,
+    sinks,
+    out,
+    H,
+    GROUP,
+    KVH,
+    D,
+    DV,
+    scale,
+    HAS_SINK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
     row = tl.program_id(0)
     head = tl.program_id(1)
     g = head // GROUP

@@ -78,11 +78,26 @@ def tiled_matmul(
 
 @triton.jit
 def _matmul(
-    x, w, s, bias, out,
-    T, N, K, x_row, w_row, s_row, out_row,
-    SCALE_K: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
-    F32_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
+    x,
+    w,
+    s,
+    bias,
+    out,
+    T,
+    N,
+    K,
+    x_row,
+    w_row,
+    s_row,
+    out_row,
+    SCALE_K: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    F32_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """Program: a BLOCK_M x BLOCK_N tile of x @ (w * s)^T, k in BLOCK_K steps in order."""
     rm = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     rn = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
@@ -90,10 +105,16 @@ def _matmul(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + rk
-        xs = tl.load(x + rm[:, None] * x_row + kk[None, :],
-                     mask=(rm[:, None] < T) & (kk[None, :] < K), other=0.0)  # fmt: skip
-        ws = tl.load(w + rn[None, :] * w_row + kk[:, None],
-                     mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)  # fmt: skip
+        xs = tl.load(
+            x + rm[:, None] * x_row + kk[None, :],
+            mask=(rm[:, None] < T) & (kk[None, :] < K),
+            other=0.0,
+        )
+        ws = tl.load(
+            w + rn[None, :] * w_row + kk[:, None],
+            mask=(rn[None, :] < N) & (kk[:, None] < K),
+            other=0.0,
+        )
         ws = ws.to(x.dtype.element_ty)  # [BLOCK_K, BLOCK_N]: e4m3 is exact in bf16 and f32
         if F32_DOT:
             part = tl.dot(xs.to(tl.float32), ws.to(tl.float32), input_precision="ieee")
@@ -104,5 +125,8 @@ def _matmul(
         acc += part
     if HAS_BIAS:
         acc += tl.load(bias + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-    tl.store(out + rm[:, None] * out_row + rn[None, :], round_to(acc, out.dtype.element_ty),
-             mask=(rm[:, None] < T) & (rn[None, :] < N))  # fmt: skip
+    tl.store(
+        out + rm[:, None] * out_row + rn[None, :],
+        round_to(acc, out.dtype.element_ty),
+        mask=(rm[:, None] < T) & (rn[None, :] < N),
+    )

@@ -41,8 +41,9 @@ class Envelope:
     ) -> dict[str, Any]:
         """A chunk with one choice: its index, its content (`text`, or a chat `delta`), its
         logprobs and finish reason, in OpenAI's order."""
-        return self([{"index": index, **content, "logprobs": logprobs,
-                      "finish_reason": finish_reason}])  # fmt: skip
+        return self(
+            [{"index": index, **content, "logprobs": logprobs, "finish_reason": finish_reason}]
+        )
 
 
 def sse(payload: dict[str, Any] | str) -> bytes:

@@ -5,7 +5,7 @@ worker, for each choice, hiding worker faults from the client.
   and has come back since (restarted); when none is left for `retry_wait` seconds, 503 with
   Retry-After (docs/design.md).
 - A prompt expected to wait past `ttft_slo` seconds for a prefill worker goes to a decode
-  worker that would compute it sooner (router/backlog.py estimates the waits); the admission
+  worker that would compute it sooner (router/workers/backlog.py estimates the waits); the admission
   refuses (429) a request neither could start in time.
 - The KV store is down (Prefill answers UNAVAILABLE "kv store"): the choice goes to a decode
   worker that computes the prompt itself (local prefill).
@@ -26,9 +26,9 @@ import grpc
 
 from kvstore.block_hash import BLOCK_SIZE, block_hashes
 from router.errors import APIError, bad_request, unavailable
-from router.policy import Policy
-from router.quiet_calls import QuietCalls
-from router.workers import Registry, Tried, WorkerState
+from router.workers.policy import Policy
+from router.workers.quiet_calls import QuietCalls
+from router.workers.registry import Registry, Tried, WorkerState
 from services.engine.seeds import choice_seed
 from services.rpc import worker_pb2 as pb
 from services.settings import RouterSettings
@@ -191,8 +191,7 @@ class Pipeline:
         worker = self.policy.pick(candidates, job.block_hashes)
         if self._uncached(worker, job) < minimum:
             return None
-        request = pb.PrefetchRequest(request_id=rid, prompt_token_ids=job.prompt_ids,
-                                     salt=job.salt)  # fmt: skip
+        request = pb.PrefetchRequest(request_id=rid, prompt_token_ids=job.prompt_ids, salt=job.salt)
         self.quiet.prefetch(worker, request)
         return worker
 

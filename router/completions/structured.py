@@ -22,16 +22,18 @@ from typing import Any
 import llguidance
 from llguidance.gbnf_to_lark import any_to_lark
 
+from router.completions.protocol import SamplingFields
 from router.errors import bad_request
-from router.protocol import SamplingFields
 from services.engine.grammar_text import check_grammar
 
 Matcher = llguidance.LLMatcher
 ANY_OBJECT = '{"type": "object"}'
 WHITESPACE_RUN = 20  # characters of whitespace between two JSON tokens, at most
 COMPACT: Any = {"whitespace_flexible": False}
-FLEXIBLE: Any = {"whitespace_flexible": True,
-                 "whitespace_pattern": f"[\\x20\\x0A\\x0D\\x09]{{0,{WHITESPACE_RUN}}}"}  # fmt: skip
+FLEXIBLE: Any = {
+    "whitespace_flexible": True,
+    "whitespace_pattern": f"[\\x20\\x0A\\x0D\\x09]{{0,{WHITESPACE_RUN}}}",
+}
 
 
 @dataclass(frozen=True)
@@ -48,8 +50,10 @@ def json_style(req: SamplingFields) -> JsonStyle:
     so = req.structured_outputs
     if so is None:
         return JsonStyle()
-    return JsonStyle(strict=so.disable_additional_properties is not False,
-                     compact=bool(so.disable_any_whitespace))  # fmt: skip
+    return JsonStyle(
+        strict=so.disable_additional_properties is not False,
+        compact=bool(so.disable_any_whitespace),
+    )
 
 
 def grammar_of(req: SamplingFields) -> str | None:

@@ -10,7 +10,7 @@ from collections.abc import Awaitable
 
 import grpc
 
-from router.workers import WorkerState
+from router.workers.registry import WorkerState
 from services.rpc import worker_pb2 as pb
 
 TIMEOUT = 5.0  # seconds each call may take

@@ -1,6 +1,6 @@
 """How a generation request is answered once validated: admitted among those in flight,
 run through the workers, and sent back whole or as a stream; its work cancelled when the
-client goes away. The endpoints (api.py, responses.py) give the shapes of their answers."""
+client goes away. The endpoints (api.py, responses/api.py) give the shapes of their answers."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from router.completions.openai_format import ChoiceState, Envelope, sse, usage
+from router.completions.protocol import ChatCompletionRequest, CompletionRequest
 from router.errors import APIError, bad_request, unavailable
-from router.generation import RETRY_POLL, Job
-from router.openai_format import ChoiceState, Envelope, sse, usage
-from router.protocol import ChatCompletionRequest, CompletionRequest
 from router.state import Admission, RouterState, watch_disconnect
+from router.workers.generation import RETRY_POLL, Job
 from services.tracing import NO_SPAN, RECEIVED, Span
 
 CLIENT_GONE = 499  # the status nginx logs for a client that closed the connection first
@@ -44,17 +44,21 @@ class Replies:
     role_chunk: Callable[[int], dict[str, Any]] | None = None
 
 
-async def begin(request: Request, state: RouterState, jobs: list[Job], stream: bool) -> tuple[
-    Admission, Span
-]:  # fmt: skip
+async def begin(
+    request: Request, state: RouterState, jobs: list[Job], stream: bool
+) -> tuple[Admission, Span]:
     """The request admitted (once a worker of every role it needs is available: see
     wait_for_workers; 429 when too many are in flight) and its trace started."""
     await wait_for_workers(request, state)
     admission = state.admit(jobs)
     prompt_tokens = sum(len(j.prompt_ids) for j in jobs)
-    span = state.tracer.start(f"POST {request.url.path}", request.headers.get("traceparent"),
-                              request_id=jobs[0].request_id.rpartition("-")[0],
-                              prompt_tokens=prompt_tokens, stream=stream)  # fmt: skip
+    span = state.tracer.start(
+        f"POST {request.url.path}",
+        request.headers.get("traceparent"),
+        request_id=jobs[0].request_id.rpartition("-")[0],
+        prompt_tokens=prompt_tokens,
+        stream=stream,
+    )
     span.start_ns = request.scope.get(RECEIVED, span.start_ns)
     span.event("admitted")
     return admission, span
@@ -73,8 +77,10 @@ async def wait_for_workers(request: Request, state: RouterState) -> None:
     try:
         while missing:
             if loop.time() >= deadline:
-                raise unavailable(f"no {missing[0]} worker is available (waited "
-                                  f"{state.config.retry_wait:g}s)", retry_after=1)  # fmt: skip
+                raise unavailable(
+                    f"no {missing[0]} worker is available (waited {state.config.retry_wait:g}s)",
+                    retry_after=1,
+                )
             if await request.is_disconnected():
                 raise APIError(CLIENT_GONE, "the client closed the request")
             await asyncio.sleep(RETRY_POLL)

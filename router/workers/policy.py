@@ -1,7 +1,7 @@
 """Routing policies: which worker of a role gets a request.
 
 - round_robin: in turn.
-- least_load: the fewest prompt tokens waiting to be computed (router/backlog.py), then the
+- least_load: the fewest prompt tokens waiting to be computed (router/workers/backlog.py), then the
   fewest requests (the router's own count or the worker's, the larger); ties taken in turn.
 - kv_aware: the worker believed to cache the longest prefix of the request's blocks, among
   those no busier than the least loaded by more than `imbalance` requests; misses go to the
@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
-from router.workers import WorkerState
+from router.workers.registry import WorkerState
 from services.settings import RouterSettings
 
 

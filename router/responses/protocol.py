@@ -1,8 +1,8 @@
 """The body of `POST /v1/responses` (OpenAI's Responses API), validated at the edge as the
-chat bodies are (protocol.py): known fields strictly typed, unknown ones ignored.
+chat bodies are (completions/protocol.py): known fields strictly typed, unknown ones ignored.
 
 Input items are read loosely typed here and checked one by one where they become chat
-messages (responses_convert.py), so that an item the router cannot take is refused naming
+messages (convert.py), so that an item the router cannot take is refused naming
 `input.N` and saying why, not with a union's list of every shape it failed to match.
 """
 
@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from router.protocol import FunctionNameText, StructuredOutputs, Tolerant
+from router.completions.protocol import FunctionNameText, StructuredOutputs, Tolerant
 from services.engine.params import MAX_LOGPROBS, PENALTY_LIMIT
 
 

@@ -16,8 +16,7 @@ from typing import Any
 
 import pydantic
 
-from router.errors import APIError, bad_request
-from router.protocol import (
+from router.completions.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     FunctionCall,
@@ -28,7 +27,8 @@ from router.protocol import (
     Tool,
     ToolCall,
 )
-from router.responses_protocol import ContentPart, FunctionTool, InputItem, ResponsesRequest
+from router.errors import APIError, bad_request
+from router.responses.protocol import ContentPart, FunctionTool, InputItem, ResponsesRequest
 
 TEXT_PARTS = ("input_text", "output_text", "text")
 MEDIA_PARTS = ("input_image", "input_file", "input_audio")
@@ -77,8 +77,9 @@ def chat_tool(i: int, tool: FunctionTool) -> Tool:
         )
     if tool.name is None:
         raise bad_request(f"tools.{i}: a function tool needs a name", f"tools.{i}.name")
-    function = FunctionDef(name=tool.name, description=tool.description,
-                           parameters=tool.parameters, strict=tool.strict)  # fmt: skip
+    function = FunctionDef(
+        name=tool.name, description=tool.description, parameters=tool.parameters, strict=tool.strict
+    )
     return Tool(type="function", function=function)
 
 
@@ -147,8 +148,11 @@ def input_messages(items: str | Sequence[InputItem], where: str = "input") -> li
         elif kind == "reasoning":
             continue
         elif kind == "item_reference":
-            raise bad_request(f"{at}: item references are not supported; send the item itself, "
-                              "or continue with previous_response_id", f"{at}.type")  # fmt: skip
+            raise bad_request(
+                f"{at}: item references are not supported; send the item itself, "
+                "or continue with previous_response_id",
+                f"{at}.type",
+            )
         else:
             raise bad_request(
                 f"{at}: items of type {kind!r} are not supported (message, function_call, "
@@ -189,9 +193,13 @@ def content_text(content: str | list[ContentPart] | None, at: str) -> str:
         elif part.type == "refusal":
             texts.append(part.refusal or "")
         elif part.type in MEDIA_PARTS:
-            raise bad_request(f"{at}.content.{k}: the served model reads text; {part.type} parts "
-                              "are not supported", f"{at}.content.{k}.type")  # fmt: skip
+            raise bad_request(
+                f"{at}.content.{k}: the served model reads text; {part.type} parts "
+                "are not supported",
+                f"{at}.content.{k}.type",
+            )
         else:
-            raise bad_request(f"{at}.content.{k}: unknown content part {part.type!r}",
-                              f"{at}.content.{k}.type")  # fmt: skip
+            raise bad_request(
+                f"{at}.content.{k}: unknown content part {part.type!r}", f"{at}.content.{k}.type"
+            )
     return "".join(texts)

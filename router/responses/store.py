@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from router.protocol import ChatMessage
+from router.completions.protocol import ChatMessage
 
 
 @dataclass(frozen=True)

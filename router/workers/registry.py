@@ -33,7 +33,7 @@ from typing import Any
 import grpc
 
 from kvstore.block_hash import BLOCK_SIZE
-from router.backlog import Backlog
+from router.workers.backlog import Backlog
 from services.rpc import keepalive
 from services.rpc import worker_pb2 as pb
 from services.rpc import worker_pb2_grpc as pbg
@@ -236,9 +236,10 @@ class Registry:
             if refused:
                 log.warning(
                     "worker refused",
-                    extra={"fields": {"role": worker.role, "address": worker.address,
-                                      "why": refused}},
-                )  # fmt: skip
+                    extra={
+                        "fields": {"role": worker.role, "address": worker.address, "why": refused}
+                    },
+                )
         if refused:
             self._set_health(worker, False, refused)
             return

@@ -1,5 +1,5 @@
 """The router's last requests, phase by phase, and their latencies: what the console shows
-(router/console.py), made from the router's own spans (services/tracing.py), which it records
+(console/page.py), made from the router's own spans (services/tracing.py), which it records
 whether or not a trace file is written.
 
     POST /v1/... |queue | Prefill (prefill worker) |transfer| Decode (decode worker) .... |
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from services.tracing import Span
 
 if TYPE_CHECKING:
-    from router.workers import WorkerState
+    from router.workers.registry import WorkerState
 
 KEEP = 30  # requests listed
 WINDOW_S = 600.0  # how long latency points are kept
@@ -71,11 +71,13 @@ class Recent:
 
 def phases(root: Span, end_ns: int, calls: list[tuple[Span, int]]) -> dict[str, Any]:
     """One request's record: its phases (ms) from its worker calls' spans."""
-    prefills = [(s.start_ns, e, s.attributes.get("worker", "")) for s, e in calls
-                if s.name == "Prefill"]  # fmt: skip
+    prefills = [
+        (s.start_ns, e, s.attributes.get("worker", "")) for s, e in calls if s.name == "Prefill"
+    ]
     decodes = [(s, e) for s, e in calls if s.name == "Decode"]
-    chunks = [(t, int(a.get("tokens", 0))) for s, _ in decodes for t, n, a in s.events
-              if n == "chunk"]  # fmt: skip
+    chunks = [
+        (t, int(a.get("tokens", 0))) for s, _ in decodes for t, n, a in s.events if n == "chunk"
+    ]
     start = root.start_ns
     first_call = min([p[0] for p in prefills] + [s.start_ns for s, _ in decodes], default=end_ns)
     first_chunk = min((t for t, _ in chunks), default=None)

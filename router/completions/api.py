@@ -9,12 +9,10 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from router import tools
-from router.answer import Replies, respond
-from router.errors import bad_request
-from router.forced_calls import ForcedCalls
-from router.generation import Job
-from router.openai_format import (
+from router.completions import tools
+from router.completions.answer import Replies, respond
+from router.completions.forced_calls import ForcedCalls
+from router.completions.openai_format import (
     ChoiceState,
     Envelope,
     PromptScores,
@@ -24,8 +22,10 @@ from router.openai_format import (
     completion_logprobs,
     usage,
 )
-from router.protocol import ChatCompletionRequest, CompletionRequest
+from router.completions.protocol import ChatCompletionRequest, CompletionRequest
+from router.errors import bad_request
 from router.state import RouterState, new_id, read_model
+from router.workers.generation import Job
 from services.engine.params import DEFAULT_MAX_TOKENS
 
 routes = APIRouter()
@@ -59,8 +59,13 @@ async def completions(request: Request) -> Response:
     wanted = [
         k for k in (req.prompt_logprobs, req.logprobs if echo_scores else None) if k is not None
     ]
-    params = state.sampling(req, max(max_tokens, 1), logprobs, best_of if ranked else None,
-                            prompt_logprobs=max(wanted) if wanted else None)  # fmt: skip
+    params = state.sampling(
+        req,
+        max(max_tokens, 1),
+        logprobs,
+        best_of if ranked else None,
+        prompt_logprobs=max(wanted) if wanted else None,
+    )
     rid = new_id("cmpl")
     jobs = state.jobs(rid, prompts, params, req.seed, state.salt(request))
     echo = (
@@ -99,8 +104,9 @@ async def completions(request: Request) -> Response:
             usage_ = usage(usage_["prompt_tokens"], 0, cached)
         if ranked:
             choices = best_choices(choices, best_of, req.n)
-        body = completion_body(envelope, choices, state.tokenizer, req.logprobs is not None,
-                               echo, usage_)  # fmt: skip
+        body = completion_body(
+            envelope, choices, state.tokenizer, req.logprobs is not None, echo, usage_
+        )
         for c, out in zip(choices, body["choices"], strict=True):
             if echo_scores:
                 out["logprobs"] = scores.prepend(c.index // req.n, out["logprobs"])
@@ -131,9 +137,12 @@ async def chat(request: Request) -> Response:
         finish = state_.finish_reason
         if forced is not None:
             reader = readers.setdefault(state_.index, ForcedCalls(forced, tools.call_id))
-            events = [envelope.choice(state_.index, None, lp if k == 0 else None,
-                                      delta={"tool_calls": [d]})
-                      for k, d in enumerate(reader.deltas(delta_text))]  # fmt: skip
+            events = [
+                envelope.choice(
+                    state_.index, None, lp if k == 0 else None, delta={"tool_calls": [d]}
+                )
+                for k, d in enumerate(reader.deltas(delta_text))
+            ]
             if finish is not None:
                 reason = "tool_calls" if finish == "stop" else finish
                 events.append(envelope.choice(state_.index, reason, None, delta={}))
@@ -164,9 +173,9 @@ async def chat(request: Request) -> Response:
                 out["message"]["content"] = None
                 if reader.calls:
                     out["message"]["tool_calls"] = reader.tool_calls()
-                out["finish_reason"] = "tool_calls" if c.finish_reason == "stop" else (
-                    c.finish_reason
-                )  # fmt: skip
+                out["finish_reason"] = (
+                    "tool_calls" if c.finish_reason == "stop" else (c.finish_reason)
+                )
         elif tool_plan.tools:
             for c, out in zip(choices, body["choices"], strict=True):
                 out["message"]["content"], calls = tools.split_whole(c.text)
@@ -213,8 +222,9 @@ def prepare_chat(
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     logprobs = (top or 0) if req.logprobs else None
-    params = state.sampling(req, max_tokens, logprobs, grammar=tool_plan.grammar,
-                            prompt_logprobs=req.prompt_logprobs)  # fmt: skip
+    params = state.sampling(
+        req, max_tokens, logprobs, grammar=tool_plan.grammar, prompt_logprobs=req.prompt_logprobs
+    )
     jobs = state.jobs(rid, [ids], params, req.seed, state.salt(request))
     return ChatRun(ids, tool_plan, jobs, top)
 

@@ -1,9 +1,9 @@
 """OpenAI's Responses API: `POST /v1/responses` (whole or streamed), `GET` and `DELETE
 /v1/responses/{id}`.
 
-A request becomes the chat request it means (responses_convert.py) and runs on the chat path;
-its answer is built as output items (responses_output.py). Responses are stored unless
-`store` is false (response_store.py: bounded, expiring, per API key), so `previous_response_id`
+A request becomes the chat request it means (convert.py) and runs on the chat path;
+its answer is built as output items (output.py). Responses are stored unless
+`store` is false (store.py: bounded, expiring, per API key), so `previous_response_id`
 continues one: its conversation (every earlier input and output, not its instructions), then
 this request's input.
 """
@@ -19,17 +19,17 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from router import responses_output as shape
-from router.answer import begin, streamed, whole_answer
-from router.api import ChatRun, prepare_chat, state_of
+from router.completions.answer import begin, streamed, whole_answer
+from router.completions.api import ChatRun, prepare_chat, state_of
+from router.completions.openai_format import ChoiceState, chat_logprobs
+from router.completions.openai_format import usage as chat_usage
+from router.completions.protocol import ChatMessage
 from router.errors import APIError, bad_request
-from router.openai_format import ChoiceState, chat_logprobs
-from router.openai_format import usage as chat_usage
-from router.protocol import ChatMessage
-from router.response_store import Stored, tenant
-from router.responses_convert import chat_request, flat_param, input_messages, output_messages
-from router.responses_output import Output, item_id
-from router.responses_protocol import ResponsesRequest
+from router.responses import output as shape
+from router.responses.convert import chat_request, flat_param, input_messages, output_messages
+from router.responses.output import Output, item_id
+from router.responses.protocol import ResponsesRequest
+from router.responses.store import Stored, tenant
 from router.state import Admission, RouterState, bearer, read_model
 from services.rpc import worker_pb2 as pb
 from services.tracing import Span
@@ -82,8 +82,10 @@ def refuse_unserved(req: ResponsesRequest) -> None:
     if req.background:
         raise bad_request("background responses are not supported", "background")
     if req.conversation is not None:
-        raise bad_request("conversations are not supported; continue a response with "
-                          "previous_response_id", "conversation")  # fmt: skip
+        raise bad_request(
+            "conversations are not supported; continue a response with previous_response_id",
+            "conversation",
+        )
 
 
 def earlier(state: RouterState, owner: bytes, response_id: str | None) -> tuple[ChatMessage, ...]:
@@ -92,8 +94,12 @@ def earlier(state: RouterState, owner: bytes, response_id: str | None) -> tuple[
         return ()
     stored = state.responses.get(owner, response_id)
     if stored is None:
-        raise APIError(404, f"Previous response with id '{response_id}' not found.",
-                       "previous_response_id", "previous_response_not_found")  # fmt: skip
+        raise APIError(
+            404,
+            f"Previous response with id '{response_id}' not found.",
+            "previous_response_id",
+            "previous_response_not_found",
+        )
     return stored.conversation
 
 

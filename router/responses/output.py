@@ -10,9 +10,10 @@ message, function calls) and the stream events that build them, in OpenAI's orde
                response.output_item.done
     response.completed, with usage (status "incomplete" when cut by max_output_tokens)
 
-The text is read as chat reads it (tools.py, forced_calls.py): a forced tool_choice's output
-is the calls alone, "auto" parses the <tool_call> blocks the model writes. A whole (not
-streamed) answer is the same text fed at once, so both give the same items.
+The text is read as chat reads it (completions/tools.py, forced_calls.py): a forced
+tool_choice's output is the calls alone, "auto" parses the <tool_call> blocks the model
+writes. A whole (not streamed) answer is the same text fed at once, so both give the same
+items.
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from router import tools
-from router.forced_calls import Forced, ForcedCalls
-from router.responses_protocol import ResponsesRequest
+from router.completions import tools
+from router.completions.forced_calls import Forced, ForcedCalls
+from router.responses.protocol import ResponsesRequest
 from services.rpc import worker_pb2 as pb
 
 Event = dict[str, Any]  # a stream event's type and fields (the sequence number added later)
@@ -47,9 +48,9 @@ class Output:
         self._calls = ForcedCalls(forced, tools.call_id) if forced is not None else None
         self._splitter = tools.CallSplitter() if with_tools and forced is None else None
 
-    def feed(self, text: str, logprobs: Sequence[pb.TokenLogprobs], finish: str | None) -> list[
-        Event
-    ]:  # fmt: skip
+    def feed(
+        self, text: str, logprobs: Sequence[pb.TokenLogprobs], finish: str | None
+    ) -> list[Event]:
         events: list[Event] = []
         if self._calls is not None:
             for delta in self._calls.deltas(text):
@@ -109,8 +110,13 @@ class Output:
     def _add(self, item: dict[str, Any]) -> list[Event]:
         self.items.append(item)
         self._open = item
-        return [{"type": "response.output_item.added", "output_index": len(self.items) - 1,
-                 "item": copy.deepcopy(item)}]  # fmt: skip
+        return [
+            {
+                "type": "response.output_item.added",
+                "output_index": len(self.items) - 1,
+                "item": copy.deepcopy(item),
+            }
+        ]
 
     def _close(self, status: str = "completed") -> list[Event]:
         item, self._open = self._open, None
@@ -120,13 +126,20 @@ class Output:
         if item["type"] == "message":
             part = item["content"][0]
             events = [
-                self._at("response.output_text.done", item, text=part["text"],
-                         logprobs=part["logprobs"]),
+                self._at(
+                    "response.output_text.done", item, text=part["text"], logprobs=part["logprobs"]
+                ),
                 self._at("response.content_part.done", item, part=copy.deepcopy(part)),
-            ]  # fmt: skip
+            ]
         else:
-            events = [self._at("response.function_call_arguments.done", item, name=item["name"],
-                               arguments=item["arguments"])]  # fmt: skip
+            events = [
+                self._at(
+                    "response.function_call_arguments.done",
+                    item,
+                    name=item["name"],
+                    arguments=item["arguments"],
+                )
+            ]
         index = len(self.items) - 1
         done = {"type": "response.output_item.done", "output_index": index, "item": item}
         return [*events, copy.deepcopy(done)]

@@ -2,7 +2,7 @@
 of the stack (its workers, the KV store, the last requests phase by phase, TTFT and
 inter-token latency over the last minutes).
 
-Plain HTML, CSS and JavaScript from router/static/ (no build step, nothing fetched from
+Plain HTML, CSS and JavaScript from router/console/static/ (no build step, nothing fetched from
 elsewhere: the page calls this origin only); the page polls `GET /console/stack` every
 second. The page and its files are open; the chat needs an API key where `--api-keys` asks
 for one (the page asks for it), and the stack view the admin key where one is set, else an
@@ -22,7 +22,7 @@ from router.errors import APIError
 from router.state import RouterState, bearer
 
 if TYPE_CHECKING:
-    from router.workers import WorkerState
+    from router.workers.registry import WorkerState
 
 routes = APIRouter()
 STATIC = Path(__file__).parent / "static"
@@ -31,16 +31,18 @@ ASSETS = {"console.js": "text/javascript", "console.css": "text/css"}
 
 @routes.get("/", include_in_schema=False)
 async def page() -> FileResponse:
-    return FileResponse(STATIC / "console.html", media_type="text/html",
-                        headers={"Cache-Control": "no-cache"})  # fmt: skip
+    return FileResponse(
+        STATIC / "console.html", media_type="text/html", headers={"Cache-Control": "no-cache"}
+    )
 
 
 @routes.get("/console/static/{name}", include_in_schema=False)
 async def asset(name: str) -> FileResponse:
     if name not in ASSETS:
         raise APIError(404, f"no console file {name!r}", None, "not_found")
-    return FileResponse(STATIC / name, media_type=ASSETS[name],
-                        headers={"Cache-Control": "no-cache"})  # fmt: skip
+    return FileResponse(
+        STATIC / name, media_type=ASSETS[name], headers={"Cache-Control": "no-cache"}
+    )
 
 
 @routes.get("/console/stack")

@@ -20,9 +20,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from router.completions.protocol import Tool
+from router.completions.structured import JsonStyle, compile_grammar, schema_text, strict_schema
 from router.errors import bad_request
-from router.protocol import Tool
-from router.structured import JsonStyle, compile_grammar, schema_text, strict_schema
 
 
 @dataclass(frozen=True)

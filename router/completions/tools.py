@@ -23,11 +23,11 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from router.completions.forced_calls import Forced, parameters
+from router.completions.forced_calls import grammar as forced_grammar
+from router.completions.protocol import ChatCompletionRequest, ChatMessage, Tool
+from router.completions.structured import compile_grammar, json_style, schema_text
 from router.errors import bad_request
-from router.forced_calls import Forced, parameters
-from router.forced_calls import grammar as forced_grammar
-from router.protocol import ChatCompletionRequest, ChatMessage, Tool
-from router.structured import compile_grammar, json_style, schema_text
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 TOOLS_PROMPT = (
@@ -73,8 +73,9 @@ def plan(req: ChatCompletionRequest) -> ToolPlan:
                 f"({names})",
                 "tool_choice",
             )
-    how = Forced(None if isinstance(choice, str) else choice.function.name,
-                 bool(req.parallel_tool_calls))  # fmt: skip
+    how = Forced(
+        None if isinstance(choice, str) else choice.function.name, bool(req.parallel_tool_calls)
+    )
     return ToolPlan(tools, forced_grammar(forced, how, style), how)
 
 

@@ -75,7 +75,7 @@ class StructuredOutputs(Tolerant):
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
-    # how JSON is generated (router/structured.py; also for response_format and tools):
+    # how JSON is generated (router/completions/structured.py; also for response_format and tools):
     # compact, no whitespace between tokens (default: whitespace as the model likes, runs of
     # at most WHITESPACE_RUN)
     disable_any_whitespace: bool | None = None
@@ -109,7 +109,7 @@ class SamplingFields(Tolerant):
     min_tokens: Annotated[int, Field(ge=0)] = 0
     skip_special_tokens: bool = True
     user: str | None = None
-    # structured output (router/structured.py): OpenAI's, vLLM's, and vLLM's older names
+    # structured output (router/completions/structured.py): OpenAI's, vLLM's, and vLLM's older names
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -179,7 +179,9 @@ FunctionNameText = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^
 class FunctionDef(Tolerant):
     name: FunctionNameText
     description: str | None = None
-    parameters: Any = None  # a JSON schema (checked in router/tools.py); None: no arguments
+    parameters: Any = (
+        None  # a JSON schema (checked in router/completions/tools.py); None: no arguments
+    )
     strict: bool | None = None
 
 
@@ -204,7 +206,7 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     add_generation_prompt: bool = True
-    # tool calling (router/tools.py)
+    # tool calling (router/completions/tools.py)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
