@@ -40,8 +40,8 @@ from tests.support.cluster import (
     wait_idle,
 )
 
-FLAP_SECONDS = float(os.environ.get("PDSERVE_FLAP_TEST_SECONDS", "20"))
-FLAP_HEALTH_INTERVAL = 0.1  # 10 health checks of each worker a second: 200 in 20 s
+FLAP_SECONDS = float(os.environ.get("PDSERVE_FLAP_TEST_SECONDS", "12"))
+FLAP_HEALTH_INTERVAL = 0.1  # 10 health checks of each worker a second: 120 in 12 s
 
 
 @pytest.fixture
@@ -221,7 +221,7 @@ def test_a_client_leaving_mid_prefill_stops_its_prefill(pool, fresh_router, stre
 
 def test_no_unhealthy_flap_under_steady_load(pool, tmp_path):
     """Two clients send prefill-heavy requests back to back for PDSERVE_FLAP_TEST_SECONDS
-    (20 by default) to a router checking each worker's health 10 times a second (some 200
+    (12 by default) to a router checking each worker's health 10 times a second (some 120
     checks of each, under load from the first second); no worker may be marked unhealthy,
     and every request succeeds."""
     prefill, decode = pool

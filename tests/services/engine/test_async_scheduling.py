@@ -19,7 +19,8 @@ from services.model.loader import LoadedModel
 from tests.services.engine import test_determinism as suite
 
 GREEDY, SEEDED, prompt, with_ = suite.GREEDY, suite.SEEDED, suite.prompt, suite.with_
-family, model, deepseek_dir = suite.family, suite.model, suite.deepseek_dir  # its fixtures
+family, dtype, model = suite.family, suite.dtype, suite.model  # its fixtures
+deepseek_dir = suite.deepseek_dir
 
 MIX = [
     GREEDY,

@@ -55,19 +55,25 @@ def deepseek_dir(tiny_dir):
 
 
 @pytest.fixture(
-    scope="module", params=["embedded", "deepseek_v3", "deepseek_v4", "gpt_oss", "gemma3"]
+    scope="module",
+    params=["embedded", "deepseek_v3", "deepseek_v32", "deepseek_v4", "gpt_oss", "gemma3"],
 )
 def family(request):
     return request.param
 
 
 @pytest.fixture(scope="module", params=COMPUTE_DTYPES)
-def model(request, family, embedded_dir, embedded, tiny_dir) -> LoadedModel:
-    if family == "embedded" and request.param == "float32":
+def dtype(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def model(dtype, family, embedded_dir, embedded, tiny_dir) -> LoadedModel:
+    if family == "embedded" and dtype == "float32":
         loaded = embedded
     else:
         path = embedded_dir if family == "embedded" else tiny_dir(family)
-        loaded = load_model(str(path), dtype=request.param, device="cpu")
+        loaded = load_model(str(path), dtype=dtype, device="cpu")
     if isinstance(loaded.model, DeepseekV4Model | GptOssModel | Gemma3Model):  # per-row attention
         if not loaded.model.packed:
             pytest.skip("bitwise guarantees hold for oneDNN's products")

@@ -118,8 +118,6 @@ class IndexedAttention:
         for cache, rows in ((latents, latent), (index, ik)):
             none = rows.new_empty(rows.shape[0], 1, 0)
             kv_cache.write(*cache, batch.slot_mapping, rows[:, None, :], none)
-        q_lat = torch.einsum("thn,hnc->thc", q_nope, w.k_up)  # [T, heads, kv_lora]
-        query = torch.cat((q_lat, q_pe), dim=-1)  # [T, heads, latent_dim]
         out = q_nope.new_empty(q_nope.shape[0], heads, m.v_dim)
         for span in batch.seqs:
             context, _ = kv_cache.gather(*latents, span.block_table)  # [n, 1, latent_dim]
@@ -128,7 +126,9 @@ class IndexedAttention:
             for j in range(span.query_len):
                 r, p = span.row + j, start + j
                 chosen = self._choose(iq[r], iw[r], keys[:, 0], p + 1)
-                out[r] = self._attend(query[r], context[chosen, 0], w.v_up)
+                q_lat = torch.einsum("hn,hnc->hc", q_nope[r], w.k_up)  # [heads, kv_lora]
+                query = torch.cat((q_lat, q_pe[r]), dim=-1)  # [heads, latent_dim]
+                out[r] = self._attend(query, context[chosen, 0], w.v_up)
         return w.o(out.flatten(1))
 
     def _index_rows(
