@@ -1,5 +1,6 @@
-"""The `mtp` proposer: the checkpoint's own multi-token-prediction layer drafts (services/
-model/mtp.py), from the target's hidden states.
+"""The `mtp` proposer: the checkpoint's own multi-token-prediction layer drafts (its family's
+MTP module: services/model/families/deepseek/mtp.py, deepseek_v4/mtp.py), from the target's
+hidden states.
 
 MTP index i stands for target position origin + i: it mixes the target's hidden state there,
 h[origin + i], with the token after it, t[origin + i + 1], and its logits guess the token after

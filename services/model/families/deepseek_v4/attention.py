@@ -60,7 +60,7 @@ class Compressor:
 
 @dataclass(frozen=True)
 class V4AttentionWeights:
-    kind: str  # v4_config.LAYER_TYPES
+    kind: str  # config.LAYER_TYPES
     x_proj: Linear  # hidden -> q_lora | kv | compressor kv, gate | indexer kv, gate | weights
     q_a_norm: torch.Tensor  # [q_lora], float32
     q_b: Linear  # q_lora -> heads * head_dim

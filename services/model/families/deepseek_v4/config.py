@@ -56,7 +56,7 @@ class V4Shape:
     hash_layers: tuple[int, ...]  # layers whose experts come from tid2eid[token]
     swiglu_limit: float  # experts' gate clamped above, up clamped both ways
     scoring: str  # SCORING
-    fp4_experts: bool = False  # routed experts stored as FP4 (v4_quant.py)
+    fp4_experts: bool = False  # routed experts stored as FP4 (quant.py)
 
     def rate(self, layer: int) -> int:
         """Tokens per compressed entry in `layer` (0: a sliding-only layer)."""

@@ -1,5 +1,5 @@
 """DeepSeek-V4 (`DeepseekV4ForCausalLM`) over the paged pool: hyper-connected residual streams,
-V4 attention (v4_attention.py) and mixtures of experts routed by a token table (hash) or by
+V4 attention (attention.py) and mixtures of experts routed by a token table (hash) or by
 top-k of sqrt(softplus) scores, experts' SwiGLU clamped.
 
 The residual is `hc_mult` streams per token. Before each block (attention, then MoE) a mix

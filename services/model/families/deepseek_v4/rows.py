@@ -1,5 +1,5 @@
 """DeepSeek-V4's cache rows in the paged pools: reading and writing one layer's part of a
-token's rows (v4_config.LayerRow), and its rotary embedding.
+token's rows (config.LayerRow), and its rotary embedding.
 
 The pools are kv_cache.py's groups: the shares in the "v4 shares" group's blocks, the window
 part in the "v4 window" group's (config.cache_spec), each one "layer" wide enough for every
