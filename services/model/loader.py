@@ -80,7 +80,9 @@ def load_model(
     config = hf_config.read_config(path)
     family = families.of(config).model_class()
     if quantization == "int8" and not family.supports(config).int8:
-        raise ModelLoadError(path, "--quantization int8 covers Llama-family dense models only")
+        raise ModelLoadError(
+            path, "--quantization int8 covers dense Llama-family and Gemma 3 models only"
+        )
     tokenizer = Tokenizer.from_dir(path)
     weights = hf_dir.read_weights(path, config)
     model: CausalLM = family(

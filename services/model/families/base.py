@@ -43,6 +43,7 @@ class PagedModel:
         self.deterministic = deterministic
         self.capabilities = self.supports(config)
         self.keep_hidden = False  # (a model whose capabilities say hidden_rows keeps them)
+        self.quantization = DEFAULTS.model.quantization  # quantize.quantize_int8 sets "int8"
         self._amx = amx_linear_library() if self.packed and dtype == torch.bfloat16 else None
         self.load(weights)
 

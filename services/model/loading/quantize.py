@@ -1,12 +1,13 @@
 """`--quantization int8`: the decoder layers' products in int8, for CPUs with VNNI (or AMX).
 
-What is quantized. The q/k/v, o and gate/up projections (76% of a layer's weights): weights to
+What is quantized. The q/k/v, o and gate/up projections (76% of a layer's weights; a model
+names them in `int8_products`, Llama's and Gemma 3's alike): weights to
 int8 with one scale per output row, activations to int8 with one scale per row computed at each
 call, products summed in int32 by oneDNN's VNNI kernels (`torch._int_mm`), then scaled back.
 Measured on the embedded model (bench/quantization.py, docs/benchmarks.md): these three alone
 raise perplexity by 0.3% in bfloat16 and 0.5% in float32; with down_proj too, by 1.0%,
-because its input (SiLU(gate) * up) carries the outlier channels int8 rows cannot hold;
-down_proj and the LM head stay in the compute dtype.
+because its input (SiLU(gate) * up; Gemma's GELU(gate) * up) carries the outlier channels
+int8 rows cannot hold; down_proj and the LM head stay in the compute dtype.
 
 Outliers. Per input channel j, activations are divided by s_j and the weights' column j
 multiplied by it (SmoothQuant, alpha 0.5): s_j = sqrt(max|x_j| / max|W_j|), with max|x_j| from
@@ -33,7 +34,6 @@ import torch
 
 from kvstore.block_hash import BLOCK_SIZE as BLOCK
 from services.model.batch import ForwardBatch, SeqChunk
-from services.model.config import ModelConfig
 from services.model.layers.linear import Linear
 
 log = logging.getLogger("pdserve.quantize")
@@ -180,34 +180,40 @@ class Observer:
         return self.inner(x)
 
 
-# each quantized product of a layer: where it is in LayerWeights (part, field) and the
-# checkpoint's matrices in it (Llama-family attention and dense MLPs: load_model refuses int8
-# for the others)
-QUANTIZED = {
-    ("attention", "qkv"): ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    ("attention", "o"): ("self_attn.o_proj",),
-    ("mlp", "gate_up"): ("mlp.gate_proj", "mlp.up_proj"),
-}
+# A model that can take int8 weights (Capabilities.int8) names its quantized products in
+# `int8_products`: each one's path in a layer (attribute names, outermost first) and the
+# checkpoint's matrices stacked in it, named after `model.layers.{i}.`.
+Products = dict[tuple[str, ...], tuple[str, ...]]
 
 
-def _replaced(layer: Any, products: dict[tuple[str, str], Any]) -> Any:
-    """`layer` with the given products replaced in its parts."""
-    parts: dict[str, dict[str, Any]] = {}
-    for (part, field), product in products.items():
-        parts.setdefault(part, {})[field] = product
-    return dataclasses.replace(
-        layer,
-        **{part: dataclasses.replace(getattr(layer, part), **f) for part, f in parts.items()},
-    )
+def product_at(layer: Any, path: tuple[str, ...]) -> Any:
+    for name in path:
+        layer = getattr(layer, name)
+    return layer
+
+
+def _replaced(layer: Any, products: dict[tuple[str, ...], Any]) -> Any:
+    """`layer` with the products at the given paths replaced (its frozen parts copied)."""
+    changes: dict[str, Any] = {}
+    inner: dict[str, dict[tuple[str, ...], Any]] = {}
+    for (head, *rest), product in products.items():
+        if rest:
+            inner.setdefault(head, {})[tuple(rest)] = product
+        else:
+            changes[head] = product
+    for head, below in inner.items():
+        changes[head] = _replaced(getattr(layer, head), below)
+    return dataclasses.replace(layer, **changes)
 
 
 def quantize_int8(model: Any, weights: dict[str, torch.Tensor], calibration: list[int]) -> None:
-    """Replaces the model's quantizable products by Int8Linear, in place; `weights` are the
-    checkpoint's tensors the model was built from, `calibration` the calibration text's ids."""
+    """Replaces the model's quantizable products (`model.int8_products`) by Int8Linear, in
+    place; `weights` are the checkpoint's tensors the model was built from, `calibration` the
+    calibration text's ids."""
     assert model.device.type == "cpu", "int8 products are oneDNN's: CPUs only (load_model checks)"
-    config: ModelConfig = model.config
+    products: Products = model.int8_products
     observed = [
-        _replaced(layer, {(p, f): Observer(getattr(getattr(layer, p), f)) for p, f in QUANTIZED})
+        _replaced(layer, {path: Observer(product_at(layer, path)) for path in products})
         for layer in model.layers
     ]
     model.layers = observed
@@ -217,17 +223,15 @@ def quantize_int8(model: Any, weights: dict[str, torch.Tensor], calibration: lis
         log.warning("int8 products are not exact in this torch on this CPU: computing in float64")
     quantized = []
     for i, layer in enumerate(observed):
-        fields: dict[tuple[str, str], Any] = {}
-        for (part, field), names in QUANTIZED.items():
-            observer = getattr(getattr(layer, part), field)
-            prefix = f"model.layers.{i}."
+        fields: dict[tuple[str, ...], Any] = {}
+        prefix = f"model.layers.{i}."
+        for path, names in products.items():
             w = torch.cat([weights[prefix + n + ".weight"].float() for n in names])
             bias = None
-            if config.attention_bias and field == "qkv":
+            if all(prefix + n + ".bias" in weights for n in names):
                 bias = torch.cat([weights[prefix + n + ".bias"] for n in names]).to(model.dtype)
-            fields[part, field] = Int8Linear(
-                w, smoothing(observer.amax, w), model.dtype, bias, kernels
-            )
+            amax = product_at(layer, path).amax
+            fields[path] = Int8Linear(w, smoothing(amax, w), model.dtype, bias, kernels)
         quantized.append(_replaced(layer, fields))
     model.layers = quantized
     model.quantization = "int8"

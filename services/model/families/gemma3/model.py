@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from services.model import kv_cache
 from services.model.batch import ForwardBatch
+from services.model.causal_lm import Capabilities
 from services.model.config import ModelConfig
 from services.model.families.base import PagedModel
 from services.model.families.gemma3.config import gemma3_of
@@ -34,6 +36,19 @@ class Gemma3Layer:
 
 
 class Gemma3Model(PagedModel):
+    # --quantization int8's products (loading/quantize.py): path in Gemma3Layer, checkpoint names
+    int8_products: ClassVar[dict[tuple[str, ...], tuple[str, ...]]] = {
+        ("qkv",): ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+        ("o",): ("self_attn.o_proj",),
+        ("gate_up",): ("mlp.gate_proj", "mlp.up_proj"),
+    }
+
+    @classmethod
+    def supports(cls, config: ModelConfig) -> Capabilities:
+        """int8 weights (its products are Linears, calibrated as Llama's); no CUDA graphs (its
+        row attention takes key lists built on the host: docs/design.md)."""
+        return Capabilities(int8=True)
+
     def load(self, weights: dict[str, torch.Tensor]) -> None:
         config, dtype = self.config, self.dtype
         g = gemma3_of(config)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -62,6 +62,13 @@ class LayerWeights:
 
 
 class DecoderModel:
+    # --quantization int8's products (loading/quantize.py): path in LayerWeights, checkpoint names
+    int8_products: ClassVar[dict[tuple[str, ...], tuple[str, ...]]] = {
+        ("attention", "qkv"): ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+        ("attention", "o"): ("self_attn.o_proj",),
+        ("mlp", "gate_up"): ("mlp.gate_proj", "mlp.up_proj"),
+    }
+
     @classmethod
     def supports(cls, config: ModelConfig) -> Capabilities:
         """CUDA graphs where no layer routes rows to experts (their grouped products take a
