@@ -1,6 +1,9 @@
-"""Fixtures shared by every test: the embedded model, loaded once per session."""
+"""Fixtures shared by every test: the embedded model, loaded once per session; the cores
+shared out among pytest-xdist's workers (`make test` runs two)."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -8,6 +11,22 @@ import transformers
 
 from services.model.loader import LoadedModel, load_model
 from services.model.loading.sources import EMBEDDED, resolve
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist each worker computes on its share of the cores, and so do the
+    workers and stacks its tests start (OMP_NUM_THREADS, which they inherit): two processes
+    each with every core's OpenMP team would contend for them."""
+    config.addinivalue_line(
+        "markers",
+        "all_cores: a guarantee checked with OpenMP's whole team (make test runs these after "
+        "the rest, one at a time)",
+    )
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        threads = max(1, len(os.sched_getaffinity(0)) // workers)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

@@ -106,6 +106,7 @@ def assert_same_kv(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, 
     assert torch.equal(a[1].view(torch.uint8), b[1].view(torch.uint8)), "V bytes differ"
 
 
+@pytest.mark.all_cores  # (tests/conftest.py)
 def test_a_request_gets_the_same_results_alone_or_among_15_others(model):
     prompts = [prompt(n, seed=i) for i, n in enumerate(LENGTHS)]
     params = [GREEDY] * 16

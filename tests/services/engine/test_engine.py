@@ -1,5 +1,6 @@
-"""The engine end to end on the embedded model (float32): batching, preemption, prefix
-caching, seeded sampling, stop strings, n > 1, abort, bad input."""
+"""The engine end to end on the embedded model (float32; a tiny Qwen3 where only the
+scheduling matters: 64 requests under preemption, one seeded among 31): batching,
+preemption, prefix caching, seeded sampling, stop strings, n > 1, abort, bad input."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 from services.engine.engine import Engine, EngineConfig
 from services.engine.params import SamplingParams, ValidationError
 from services.engine.request import EngineRequest, FinishReason
+from services.model.loader import load_model
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
@@ -28,40 +30,48 @@ def alone(embedded, prompt, params, **config):
     return eng.generate([prompt], params)[0]
 
 
-def test_64_requests_under_preemption_match_the_batch_without_it_and_alone(embedded):
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    """A tiny random Qwen3 (tests/support/tiny_models.py): the scheduling under test is the
+    same for any model, and 64 prompts take seconds on it rather than tens of seconds."""
+    return load_model(str(tiny_dir("qwen3")), dtype="float32", device="cpu")
+
+
+def test_64_requests_under_preemption_match_the_batch_without_it_and_alone(tiny):
     lengths = [round(400 ** (i / 63)) for i in range(64)]  # 1 to 400, log-uniform
     prompts = [random_prompt(n, seed=i) for i, n in enumerate(lengths)]
     # 64 blocks hold 1,024 tokens; the prompts alone need 4,401 (the longest in 2 chunks)
-    eng = Engine(embedded.model, embedded.tokenizer, EngineConfig(num_blocks=64))
+    eng = Engine(tiny.model, tiny.tokenizer, EngineConfig(num_blocks=64))
     outputs = eng.generate(prompts, GREEDY)
     assert eng.scheduler.num_preemptions > 0
     assert sum(c.times_preempted for o in outputs for c in o.choices) > 0
     eng.check()
     assert eng.blocks.referenced_blocks() == 0
-    roomy = Engine(embedded.model, embedded.tokenizer, EngineConfig(num_blocks=600))
+    roomy = Engine(tiny.model, tiny.tokenizer, EngineConfig(num_blocks=600))
     expected = roomy.generate(prompts, GREEDY)
     assert roomy.scheduler.num_preemptions == 0
     for prompt, out, ref in zip(prompts, outputs, expected, strict=True):
         assert out.choices[0].token_ids == ref.choices[0].token_ids, f"{len(prompt)} tokens"
     # and each equals the request run by itself (batch invariance: test_determinism.py)
     for i in (0, 21, 42, 63):
-        solo = alone(embedded, prompts[i], GREEDY).choices[0].token_ids
+        solo = alone(tiny, prompts[i], GREEDY).choices[0].token_ids
         assert outputs[i].choices[0].token_ids == solo, f"prompt of {lengths[i]} tokens"
 
 
-def test_seeded_sampling_is_the_same_alone_or_among_31_others(embedded, engine):
+def test_seeded_sampling_is_the_same_alone_or_among_31_others(tiny):
     params = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, top_k=50, seed=1234)
-    prompt = embedded.tokenizer.encode("Write one sentence about the sea.")
-    solo = alone(embedded, prompt, params).choices[0].token_ids
+    prompt = tiny.tokenizer.encode("Write one sentence about the sea.")
+    solo = alone(tiny, prompt, params).choices[0].token_ids
     others = [
         (random_prompt(5 + 9 * i, seed=i), SamplingParams(max_tokens=8 + i, temperature=1.0))
         for i in range(31)
     ]
     prompts = [p for p, _ in others[:15]] + [prompt] + [p for p, _ in others[15:]]
     params_list = [q for _, q in others[:15]] + [params] + [q for _, q in others[15:]]
+    engine = Engine(tiny.model, tiny.tokenizer, EngineConfig(num_blocks=600))
     crowd = engine.generate(prompts, params_list)
     assert crowd[15].choices[0].token_ids == solo
-    other_seed = alone(embedded, prompt, SamplingParams(**{**params.__dict__, "seed": 99}))
+    other_seed = alone(tiny, prompt, SamplingParams(**{**params.__dict__, "seed": 99}))
     assert other_seed.choices[0].token_ids != solo
 
 

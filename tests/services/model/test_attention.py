@@ -142,6 +142,7 @@ def test_kernel_matches_torch(dtype, tol, heads, kv_heads, dim):
     assert (got.float() - expected.float()).abs().max().item() < tol
 
 
+@pytest.mark.all_cores  # (tests/conftest.py)
 @needs_kernel
 def test_kernel_result_does_not_depend_on_the_batch():
     q, k, v, kc, vc, batch = _setup(torch.float32)
@@ -211,6 +212,7 @@ def test_prefill_kernel_matches_torch(dtype, tol, heads, kv_heads, dim):
     assert torch.equal(kc_kernel, kc) and torch.equal(vc_kernel, vc)
 
 
+@pytest.mark.all_cores  # (tests/conftest.py)
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefill_rows_do_not_depend_on_chunking_or_batch(dtype):

@@ -57,6 +57,7 @@ def _alone(model, tokens: list[int], chunks: list[tuple[int, int]]) -> list[torc
     ]
 
 
+@pytest.mark.all_cores  # (tests/conftest.py)
 def test_mixed_batch_matches_each_sequence_alone(embedded, sequences):
     model = embedded.model
     alone = {k: _alone(model, sequences[k], plan) for k, (_, plan) in PLAN.items()}

@@ -90,6 +90,7 @@ def test_silu_mul_matches_torch_over_the_whole_range(dtype, tol):
     assert (error <= tol * expected.float().abs() + 1e-34).all()
 
 
+@pytest.mark.all_cores  # (tests/conftest.py)
 @needs_kernel
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rows_do_not_depend_on_the_batch(dtype):

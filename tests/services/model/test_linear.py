@@ -62,6 +62,7 @@ KINDS = [
 ]
 
 
+@pytest.mark.all_cores  # (tests/conftest.py)
 @pytest.mark.parametrize(("out_f", "in_f"), SHAPES)
 @pytest.mark.parametrize(("dtype", "kind"), KINDS)
 def test_a_row_does_not_depend_on_the_other_rows(out_f, in_f, dtype, kind):
@@ -113,6 +114,7 @@ def test_amx_products_are_chosen_per_weight_where_the_tiles_run(monkeypatch):
     assert (amx_linear_library() is None) == (amx is None)
 
 
+@pytest.mark.all_cores  # (tests/conftest.py)
 def test_amx_rows_past_a_whole_tile_and_bias():
     """Row counts that end inside a tile (read from a zero-padded copy), columns in a lone
     16-column tile, a bias added in float32 before the one rounding to bfloat16."""

@@ -112,6 +112,7 @@ def test_c_kernel_equals_the_torch_reference(dtype, tol):
     assert (c_out - reference).abs().max() <= tol * reference.abs().max()
 
 
+@pytest.mark.all_cores  # (tests/conftest.py)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_token_gets_the_same_bits_decoded_prefilled_and_batched(dtype):
     attention, layer = cpu_attention(dtype), layer_weights(dtype)

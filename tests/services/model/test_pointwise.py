@@ -15,6 +15,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+@pytest.mark.all_cores  # (tests/conftest.py)
 @pytest.mark.parametrize("name", ["exp", "log1p", "cos", "sin", "tanh"])
 def test_an_element_gets_the_same_bits_alone_and_at_any_offset_of_any_length(name):
     fn, ref = getattr(pointwise, name), getattr(torch, name)

@@ -65,6 +65,7 @@ def test_c_kernels_equal_the_torch_reference_bit_for_bit(dtype):
         assert torch.equal(q_c, q_t) and torch.equal(s_c, s_t)
 
 
+@pytest.mark.all_cores  # (tests/conftest.py)
 @pytest.mark.parametrize("dtype", COMPUTE_DTYPES)
 def test_a_rows_result_does_not_depend_on_the_batch(dtype):
     dt = DTYPES[dtype]

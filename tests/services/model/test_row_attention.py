@@ -17,6 +17,7 @@ pytestmark = pytest.mark.skipif(
 LISTS = [[0, 1, 2], list(range(5, 40)), [1, 7, 30], [0], list(range(10, 20)), []]
 
 
+@pytest.mark.all_cores  # (tests/conftest.py)
 @pytest.mark.parametrize("dtype", COMPUTE_DTYPES)
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 2, 16), (8, 1, 33), (16, 1, 512)])
 @pytest.mark.parametrize("sinks", [False, True])
