@@ -49,13 +49,13 @@ lint: install-test
 typecheck: install-test
 	$(BIN)/mypy
 
-# Two pytest-xdist workers, each on its share of the cores (tests/conftest.py): a test waiting
-# on the processes it started leaves the cores to the other's computing. Then, one at a time
-# with every core, the guarantees marked all_cores (a row's bits the same in any batch, with
-# OpenMP's whole team splitting the work as it does in a worker).
+# Two pytest-xdist workers, each computing on its share of the cores (tests/conftest.py): a
+# test waiting on the processes it started leaves the cores to the other's computing. Then,
+# one at a time with every core, the guarantees marked all_cores (a row's bits the same in any
+# batch, with OpenMP's whole team splitting the work as it does in a worker).
 TEST_WORKERS ?= 2
 unit: install-test browser
-	$(BIN)/pytest -n $(TEST_WORKERS) -m "not all_cores" --durations=20
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist worksteal -m "not all_cores" --durations=20
 	$(BIN)/pytest -m all_cores -p no:cacheprovider
 
 # Debian's chromium and chromedriver for the console's browser test
