@@ -51,7 +51,7 @@ typecheck: install-test
 
 # Two pytest-xdist workers, each computing on its share of the cores, as the processes its
 # tests start (tests/conftest.py): a test waiting on the processes it started leaves the cores
-# to the other's computing (pytest 1516 -> 1173 s on a 2-core Zen 4). Then,
+# to the other's computing (pytest 1516 s -> 1007 + 57 s on a 2-core Zen 4). Then,
 # one at a time with every core, the guarantees marked all_cores (a row's bits the same in any
 # batch, with OpenMP's whole team splitting the work as it does in a worker).
 TEST_WORKERS ?= 2
