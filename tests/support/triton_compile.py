@@ -21,7 +21,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from services.model.families.deepseek import triton_mla as mla
-from services.model.kernels.gpu import attention, fp8, layer_ops, row_gemm
+from services.model.kernels.gpu import attention, fp8, kv_write, layer_ops, row_gemm
 
 TARGET = GPUTarget("cuda", 90, 32)
 I64, I32 = "i64", "i32"
@@ -32,7 +32,7 @@ def kernels(ty: str) -> list[tuple[object, dict[str, str], dict[str, object]]]:
     p = "*" + ty
     cache = {"k_cache": p, "v_cache": p, **STRIDES}
     return [
-        (attention._write_kv, {"k": p, "v": p, "k_row": I64, "k_head": I64, "v_row": I64,
+        (kv_write._write_kv, {"k": p, "v": p, "k_row": I64, "k_head": I64, "v_row": I64,
          "v_head": I64, "slots": "*i64", **cache, "D": I32, "BS": I32}, {"BLOCK_D": 64}),
         *((attention._decode_split, {"q": p, **cache, "rows": "*i64", "tables": "*i64",
            "table_row": I64, "lens": "*i64", "partial": "*fp32" if split else p,

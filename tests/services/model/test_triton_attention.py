@@ -18,7 +18,8 @@ import torch
 from services.model import kv_cache
 from services.model.batch import ForwardBatch, SeqChunk
 from services.model.kernels import gpu
-from services.model.kernels.gpu.attention import SPLIT_BLOCKS, TritonAttention, decode, write_kv
+from services.model.kernels.gpu.attention import SPLIT_BLOCKS, TritonAttention, decode
+from services.model.kernels.gpu.kv_write import write_kv
 from services.model.layers.attention import TorchAttention
 from tests.support.devices import test_device
 

@@ -1,6 +1,7 @@
-"""Paged attention in Triton: the KV write, decode split along the context, and prefill chunks
-reading their blocks in place. Same contract as `services.model.layers.attention` (the torch path is
-the reference, tests/services/model/test_triton_attention.py holds them together).
+"""Paged attention in Triton: decode split along the context, and prefill chunks reading their
+blocks in place (the KV write: kv_write.py). Same contract as `services.model.layers.attention`
+(the torch path is the reference, tests/services/model/test_triton_attention.py holds them
+together).
 
     decode:  grid (sequence, KV head, split). A split is SPLIT_BLOCKS blocks of the context;
              its program scores them for the G query heads sharing the KV head and keeps a
@@ -26,9 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
-from services.model import kv_cache
 from services.model.batch import ForwardBatch
 from services.model.kernels import gpu
+from services.model.kernels.gpu.kv_write import cache_strides, write_kv
 from services.model.kernels.gpu.rounding import round_to
 
 SPLIT_BLOCKS = 16  # KV blocks per decode split (256 tokens at block size 16)
@@ -93,72 +94,6 @@ def _splits(batch: ForwardBatch) -> int:
     return max(1, -(-blocks // SPLIT_BLOCKS))
 
 
-def _strides(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, ...]:
-    """Element strides of the plain views (kv_cache.plain_views): K [blocks, heads, D/2, 2, bs]
-    and V [blocks, heads, bs/2, 2, D], whichever layout the dtype keeps."""
-    k, v = kv_cache.plain_views(k_cache, v_cache)
-    return (*k.stride(), *v.stride())
-
-
-def write_kv(
-    k: torch.Tensor,  # [T, kv_heads, D]
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slots: torch.Tensor,  # [T]; a negative slot writes nothing (a padded row)
-) -> None:
-    rows, heads, dim = k.shape
-    if rows == 0:
-        return
-    k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
-    _write_kv[(rows, heads)](
-        k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1), slots, k_cache, v_cache,
-        *_strides(k_cache, v_cache), dim, v_cache.shape[2],
-        BLOCK_D=triton.next_power_of_2(dim),
-    )  # fmt: skip
-
-
-@triton.jit
-def _write_kv(
-    k,
-    v,
-    k_row,
-    k_head,
-    v_row,
-    v_head,
-    slots,
-    k_cache,
-    v_cache,
-    kb,
-    kh,
-    kdp,
-    kdl,
-    kt,
-    vb,
-    vh,
-    vtp,
-    vtl,
-    vd,
-    D,
-    BS,
-    BLOCK_D: tl.constexpr,
-):
-    row = tl.program_id(0)
-    head = tl.program_id(1)
-    slot = tl.load(slots + row)
-    if slot >= 0:
-        block = slot // BS
-        t = slot % BS
-        d = tl.arange(0, BLOCK_D)
-        inside = d < D
-        kx = tl.load(k + row * k_row + head * k_head + d, mask=inside)
-        vx = tl.load(v + row * v_row + head * v_head + d, mask=inside)
-        k_at = block * kb + head * kh + (d // 2) * kdp + (d % 2) * kdl + t * kt
-        v_at = block * vb + head * vh + (t // 2) * vtp + (t % 2) * vtl + d * vd
-        tl.store(k_cache + k_at, kx, mask=inside)
-        tl.store(v_cache + v_at, vx, mask=inside)
-
-
 def decode(
     q: torch.Tensor,  # [T, heads, D] contiguous, the cache's dtype
     k_cache: torch.Tensor,
@@ -180,7 +115,7 @@ def decode(
         lse = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
     _decode_split[(batch, kv_heads, splits)](
         q, k_cache, v_cache, rows, tables, tables.stride(0), lens, partial, lse, out,
-        *_strides(k_cache, v_cache), dim**-0.5, heads, dim, splits,
+        *cache_strides(k_cache, v_cache), dim**-0.5, heads, dim, splits,
         G=group, BLOCK_G=max(triton.next_power_of_2(group), 2), BS=bs,
         BLOCK_D=triton.next_power_of_2(dim), SPLIT=SPLIT_BLOCKS, DIRECT=direct,
     )  # fmt: skip
@@ -312,7 +247,7 @@ def prefill(
     grid = (rows.shape[0], triton.cdiv(max_query_len, BLOCK_M), heads)
     _prefill[grid](
         q, k_cache, v_cache, rows, qlens, lens, tables, tables.stride(0), out,
-        *_strides(k_cache, v_cache), dim**-0.5, heads, dim,
+        *cache_strides(k_cache, v_cache), dim**-0.5, heads, dim,
         G=heads // kv_heads, BS=bs, BLOCK_M=BLOCK_M, BLOCK_D=triton.next_power_of_2(dim),
         F32_DOT=q.dtype == torch.float32 or gpu.interpreted(),
     )  # fmt: skip
