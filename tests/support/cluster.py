@@ -67,8 +67,8 @@ def greedy_in_process(
 def greedy_chat_in_process(question: str, max_tokens: int) -> str:
     """The embedded model's answer to one user message at temperature 0 (EOS honoured), from
     the engine in this process in the dtype `auto` picks on this CPU, as a server started with
-    its defaults answers. (The answer itself is the model's: in bfloat16 its first token for
-    "What is the capital of France?" is a near tie, one kernel's rounding from "L'Étoile".)"""
+    its defaults answers. (Its first token for "What is the capital of France?" is a near tie that
+    bfloat16 logits once broke the wrong way: tests/services/engine/test_dtype_answers.py.)"""
     loaded = load_model("embedded", "auto", "cpu")
     engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(num_blocks=64))
     prompt = loaded.tokenizer.encode_chat([{"role": "user", "content": question}])

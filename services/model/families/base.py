@@ -18,6 +18,7 @@ from services.model.layers.linear import (
     Linear,
     amx_linear_library,
     make_linear,
+    make_logits_linear,
     packed_linear_available,
 )
 from services.model.layers.moe import Moe
@@ -60,6 +61,11 @@ class PagedModel:
         input, as the hyper-connections' mixes)."""
         amx = self._amx if weight.dtype == torch.bfloat16 else None
         return make_linear(weight.contiguous(), bias, self.packed, amx, self.deterministic)
+
+    def logits_product(self, weight: torch.Tensor) -> Linear:
+        """The output head: float32 logits (linear.make_logits_linear)."""
+        amx = self._amx if weight.dtype == torch.bfloat16 else None
+        return make_logits_linear(weight.contiguous(), self.packed, amx, self.deterministic)
 
     def new_kv_cache(
         self,

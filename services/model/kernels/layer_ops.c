@@ -35,18 +35,21 @@ INLINE vf round_to(vf x, int bf16) {
 int layer_ops_lanes(void) { return LANES; }
 
 /* h += delta (if delta), then out = weight * dtype(h * rsqrt(mean(h^2) + eps)), per row.
- * h, delta, out: [rows, dim]; weight: [dim]. */
+ * h, delta, out: [rows, dim]; weight: [dim]. With `wide`, h (the residual stream) is float32
+ * while delta, weight and out are in the compute dtype, and the norm rounds once:
+ * out = dtype(weight * h * rsqrt(...)). */
 void add_rms_norm(void *h, const void *delta, const void *weight, void *out, int64_t rows,
-                  int64_t dim, float eps, int bf16) {
+                  int64_t dim, float eps, int bf16, int wide) {
+    const int h16 = bf16 && !wide; /* h's dtype */
 #pragma omp parallel for schedule(static) if (rows * dim >= PARALLEL_ELEMS)
     for (int64_t r = 0; r < rows; r++) {
         const int64_t row = r * dim;
         vf sq = {0};
         for (int64_t c = 0; c < dim; c += LANES) {
-            vf x = load(h, row + c, bf16);
+            vf x = load(h, row + c, h16);
             if (delta) {
-                x = round_to(x + load(delta, row + c, bf16), bf16);
-                store(h, row + c, x, bf16);
+                x = round_to(x + load(delta, row + c, bf16), h16);
+                store(h, row + c, x, h16);
             }
             sq += x * x;
         }
@@ -54,7 +57,8 @@ void add_rms_norm(void *h, const void *delta, const void *weight, void *out, int
         for (int i = 0; i < LANES; i++) sum += sq[i];
         const float inv = 1.0f / sqrtf(sum / (float)dim + eps);
         for (int64_t c = 0; c < dim; c += LANES) {
-            vf x = round_to(load(h, row + c, bf16) * inv, bf16);
+            vf x = load(h, row + c, h16) * inv;
+            if (!wide) x = round_to(x, bf16);
             store(out, row + c, load(weight, c, bf16) * x, bf16);
         }
     }

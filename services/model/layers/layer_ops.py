@@ -6,8 +6,10 @@ makes one pass over each row where torch makes five to ten, for the shapes it ta
 
 Contract of a `LayerOps`:
 - `add_rms_norm(h, delta, weight, eps)` adds `delta` into `h` in place (when given), then
-  returns RMS-norm(h) * weight as a new tensor. Row by row: a row's result never depends on
-  the others.
+  returns RMS-norm(h) * weight as a new tensor in weight's dtype. Row by row: a row's result
+  never depends on the others. h is in weight's dtype (the norm rounds twice, as
+  transformers') or float32 while weight is not: a residual stream kept in float32 (the
+  decoder's; the norm then rounds once, `wide_rms_norm`).
 - `positions(p)` runs once per forward pass; `rotary(qkv, at)` then splits a fused qkv
   projection [T, (heads + 2 kv_heads) * D] into q [T, heads, D] and k [T, kv_heads, D], both
   rotated to the positions, and v [T, kv_heads, D] (possibly a view of qkv).
@@ -51,6 +53,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
+def wide_rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMS norm of a float32 residual h into weight's dtype, rounded once."""
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight.float() * h).to(weight.dtype)
+
+
 def rms_norm_f32(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """RMS norm with the weight (float32) applied in float32 too, then x's dtype (DeepSeek-V4's
     and gpt-oss's, as transformers computes them)."""
@@ -68,6 +76,8 @@ class TorchLayerOps:
     ) -> torch.Tensor:
         if delta is not None:
             h.add_(delta)
+        if h.dtype != weight.dtype:
+            return wide_rms_norm(h, weight, eps)
         return rms_norm(h, weight, eps)
 
     def positions(self, positions: torch.Tensor) -> object:
@@ -101,7 +111,7 @@ class CpuLayerOps(TorchLayerOps):
     def __init__(self, config: ModelConfig, rotary: Rotary, library: ctypes.CDLL) -> None:
         super().__init__(config, rotary)
         p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-        self._norm = _bind(library.add_rms_norm, [p] * 4 + [i64] * 2 + [f32, ctypes.c_int])
+        self._norm = _bind(library.add_rms_norm, [p] * 4 + [i64] * 2 + [f32] + [ctypes.c_int] * 2)
         self._rotary = _bind(library.rotary, [p] * 6 + [i64] * 4 + [ctypes.c_int])
         self._silu_mul = _bind(library.silu_mul, [p] * 2 + [i64] * 2 + [ctypes.c_int])
         self._router = _bind(library.router_scores, [p] * 2 + [i64] * 2 + [ctypes.c_int])
@@ -112,11 +122,14 @@ class CpuLayerOps(TorchLayerOps):
     ) -> torch.Tensor:
         if h.shape[1] % KERNEL_LANES:  # a width the kernel does not take (a LoRA rank)
             return super().add_rms_norm(h, delta, weight, eps)
-        out = torch.empty_like(h)
+        out = torch.empty_like(h, dtype=weight.dtype)
         rows, dim = h.shape
+        if delta is not None:
+            delta = _contiguous(delta.to(weight.dtype))
         self._norm(
-            h.data_ptr(), None if delta is None else _contiguous(delta).data_ptr(),
-            weight.data_ptr(), out.data_ptr(), rows, dim, eps, self.bf16,
+            h.data_ptr(), None if delta is None else delta.data_ptr(),
+            weight.data_ptr(), out.data_ptr(), rows, dim, eps,
+            int(weight.dtype == torch.bfloat16), int(h.dtype != weight.dtype),
         )  # fmt: skip
         return out
 

@@ -18,6 +18,10 @@ On CPUs whose AMX tiles work, bfloat16 products run on them instead (`AmxLinear`
 kernels/amx_linear.c): each row summed one way at every row count, as above, near oneDNN's
 own AMX speed (on a 2-core Xeon, 0.6-1.5x oneDNN's AMX kernels by shape, and 7-9x the AVX-512
 kernels oneDNN may use there from 32 rows up: see ONEDNN_MAX_CPU_ISA below; `bench.linear`).
+
+The output head in bfloat16 keeps its float32 sums (`Bf16Linear`, kernels/bf16_linear.c, on
+AVX512-BF16, which every CPU with AMX has too): logits rounded to bfloat16 are 0.125 apart near
+25, and near ties between first tokens went the wrong way (docs/design.md section 7).
 """
 
 from __future__ import annotations
@@ -156,6 +160,74 @@ def amx_linear_library() -> ctypes.CDLL | None:
     library.amx_linear_pack.argtypes = [pointer, pointer, size, size]
     library.amx_linear.argtypes = [pointer] * 4 + [size] * 3
     return library
+
+
+class Bf16Linear:
+    """bfloat16 products whose float32 sums are kept (kernels/bf16_linear.c, AVX512-BF16):
+    float32 results by default, the logits' precision; CPU only."""
+
+    def __init__(
+        self,
+        library: ctypes.CDLL,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        out_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self.out_features, self.in_features = (int(d) for d in weight.shape)
+        assert weight.dtype == torch.bfloat16 and self.in_features % 2 == 0
+        panels = -(-self.out_features // 16)
+        self.packed = torch.empty(panels * 16 * self.in_features, dtype=torch.bfloat16)
+        library.bf16_linear_pack(
+            weight.contiguous().data_ptr(), self.packed.data_ptr(), *weight.shape
+        )
+        self.bias = None if bias is None else bias.float().contiguous()
+        self.out_dtype = out_dtype
+        self._product = library.bf16_linear
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(torch.bfloat16).contiguous()
+        y = torch.empty(x.shape[0], self.out_features, dtype=self.out_dtype)
+        if x.shape[0]:
+            self._product(
+                x.data_ptr(),
+                self.packed.data_ptr(),
+                None if self.bias is None else self.bias.data_ptr(),
+                y.data_ptr(),
+                x.shape[0],
+                self.out_features,
+                self.in_features,
+                int(self.out_dtype == torch.bfloat16),
+            )
+        return y
+
+
+@functools.cache
+def bf16_linear_library() -> ctypes.CDLL | None:
+    """kernels/bf16_linear.c where it was built with AVX512-BF16 (the CPU has it), else None."""
+    library = kernels.load("bf16_linear")
+    if library is None or not library.bf16_linear_compiled():
+        return None
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    library.bf16_linear_pack.restype = None
+    library.bf16_linear_pack.argtypes = [pointer, pointer, size, size]
+    library.bf16_linear.argtypes = [pointer] * 4 + [size] * 3 + [ctypes.c_int]
+    return library
+
+
+def make_logits_linear(
+    weight: torch.Tensor, packed: bool, amx: ctypes.CDLL | None, row_invariant: bool
+) -> Linear:
+    """The output head: float32 logits. A bfloat16 weight on a CPU with AVX512-BF16 keeps its
+    float32 sums (Bf16Linear), as does the GPU's row-invariant product; elsewhere make_linear's
+    product in the weight's dtype."""
+    if row_invariant and weight.device.type == "cuda":
+        from services.model.kernels.gpu.row_gemm import RowInvariantLinear
+
+        return RowInvariantLinear(weight, out_dtype=torch.float32)
+    library = bf16_linear_library() if packed and weight.dtype == torch.bfloat16 else None
+    if library is not None and weight.device.type == "cpu" and weight.shape[1] % 2 == 0:
+        return Bf16Linear(library, weight)
+    return make_linear(weight, None, packed, amx, row_invariant)
 
 
 def make_linear(

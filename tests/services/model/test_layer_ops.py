@@ -90,6 +90,29 @@ def test_silu_mul_matches_torch_over_the_whole_range(dtype, tol):
     assert (error <= tol * expected.float().abs() + 1e-34).all()
 
 
+@needs_kernel
+def test_add_rms_norm_into_a_float32_residual_rounds_once():
+    """A float32 residual stream beside bfloat16 weights (the decoder's): h += delta exactly in
+    float32, out = bfloat16(weight * h * rsqrt(mean(h^2) + eps)), as TorchLayerOps computes."""
+    kernel, reference = _ops(torch.bfloat16)
+    h = _randn(300, 96, dtype=torch.float32, scale=3.0)
+    delta, weight = _randn(300, 96, dtype=torch.bfloat16), _randn(96, dtype=torch.bfloat16)
+    h_kernel, h_reference = h.clone(), h.clone()
+    got = kernel.add_rms_norm(h_kernel, delta, weight, 1e-5)
+    expected = reference.add_rms_norm(h_reference, delta, weight, 1e-5)
+    assert torch.equal(h_kernel, h + delta.float()) and h_kernel.dtype == torch.float32
+    assert torch.equal(h_reference, h_kernel)
+    assert got.dtype == torch.bfloat16
+    # the kernel's sum of squares differs from torch's in a float32's last bits: at most one
+    # bfloat16 step apart, and on almost every element the same
+    step = expected.float().abs() * 2**-7
+    assert ((got.float() - expected.float()).abs() <= step).all()
+    assert (got != expected).float().mean() < 0.01
+    # rounded once: not the twice-rounded norm of the same numbers in bfloat16
+    twice = rms_norm(h_kernel.bfloat16(), weight, 1e-5)
+    assert not torch.equal(got, twice)
+
+
 @pytest.mark.all_cores  # (tests/conftest.py)
 @needs_kernel
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -103,20 +126,22 @@ def test_rows_do_not_depend_on_the_batch(dtype):
     qkv = _randn(600, c.q_size + 2 * c.kv_size, dtype=dtype)
     at = kernel.positions(torch.arange(600) * 3)
     gate_up = _randn(600, 320, dtype=dtype)
-    every_h = h.clone()
+    every_h, every_wide = h.clone(), h.to(torch.float32, copy=True)
     every = (
         kernel.add_rms_norm(every_h, delta, weight, 1e-5),
+        kernel.add_rms_norm(every_wide, delta, weight, 1e-5),  # a float32 residual
         *kernel.rotary(qkv, at)[:2],
         kernel.silu_mul(gate_up),
     )
     for rows in (slice(7, 8), slice(0, 1), slice(100, 300), slice(599, 600)):
-        some_h = h[rows].clone()
+        some_h, some_wide = h[rows].clone(), h[rows].to(torch.float32, copy=True)
         some = (
             kernel.add_rms_norm(some_h, delta[rows], weight, 1e-5),
+            kernel.add_rms_norm(some_wide, delta[rows], weight, 1e-5),
             *kernel.rotary(qkv[rows], kernel.positions(torch.arange(600)[rows] * 3))[:2],
             kernel.silu_mul(gate_up[rows]),
         )
-        assert torch.equal(some_h, every_h[rows])
+        assert torch.equal(some_h, every_h[rows]) and torch.equal(some_wide, every_wide[rows])
         for got, expected in zip(some, every, strict=True):
             assert torch.equal(got, expected[rows]), f"rows {rows}"
 

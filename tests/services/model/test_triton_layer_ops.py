@@ -94,6 +94,19 @@ def test_rotary_matches_torch(dtype, heads, kv_heads, head_dim, rows):
     assert got[2].data_ptr() == qkv[:, c.q_size + c.kv_size :].data_ptr()  # v: a view
 
 
+def test_add_rms_norm_into_a_float32_residual_matches_torch():
+    """h float32 (the decoder's residual stream), weight and delta bfloat16: out bfloat16."""
+    kernel, reference = _ops(torch.bfloat16, _config(hidden=96))
+    h = _randn(37, 96, dtype=torch.float32, scale=3.0)
+    delta, weight = _randn(37, 96, dtype=torch.bfloat16), _randn(96, dtype=torch.bfloat16)
+    h_kernel, h_reference = h.clone(), h.clone()
+    got = kernel.add_rms_norm(h_kernel, delta, weight, 1e-5)
+    expected = reference.add_rms_norm(h_reference, delta, weight, 1e-5)
+    assert torch.equal(h_kernel, h + delta.float())
+    assert got.dtype == torch.bfloat16
+    _assert_close(got, expected)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("hidden", "rows"), [(96, 37), (576, 5), (576, 1)])
 def test_add_rms_norm_matches_torch(dtype, hidden, rows):

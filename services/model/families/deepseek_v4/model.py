@@ -118,7 +118,9 @@ class DeepseekV4Model(PagedModel):
         self._w, self._linear = w, linear
         self._ids = lambda name: weights[name].to(self.device, torch.int64)  # tid2eid
         self.embed = w("embed.weight")
-        self.lm_head = linear("embed.weight" if config.tie_word_embeddings else "head.weight")
+        self.lm_head = self.logits_product(
+            w("embed.weight" if config.tie_word_embeddings else "head.weight")
+        )
         self.norm = w("norm.weight", True)
         self.head_hc = HyperConnection(
             linear("hc_head_fn", keep_float32=True),

@@ -65,7 +65,8 @@ class Gemma3Model(PagedModel):
         scale = torch.tensor(config.hidden_size**0.5).to(dtype)  # in the weights' dtype
         self.embed = w("model.embed_tokens.weight")
         self.embed_scale = scale.to(self.device)
-        self.lm_head = linear("model.embed_tokens" if config.tie_word_embeddings else "lm_head")
+        head = "model.embed_tokens" if config.tie_word_embeddings else "lm_head"
+        self.lm_head = self.logits_product(w(head + ".weight"))
         self.norm = w("model.norm.weight")
         self.layers = []
         for i in range(config.num_layers):

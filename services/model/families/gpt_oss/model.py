@@ -70,7 +70,7 @@ class GptOssModel(PagedModel):
 
         self.embed = w("model.embed_tokens.weight")
         head = "model.embed_tokens" if config.tie_word_embeddings else "lm_head"
-        self.lm_head = linear(w(head + ".weight"))
+        self.lm_head = self.logits_product(w(head + ".weight"))
         self.norm = w("model.norm.weight")
         self.layers = []
         for i in range(config.num_layers):

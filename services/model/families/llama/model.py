@@ -35,6 +35,7 @@ from services.model.layers.linear import (
     Linear,
     amx_linear_library,
     make_linear,
+    make_logits_linear,
     packed_linear_available,
 )
 from services.model.layers.moe import DenseMlp, Moe
@@ -153,7 +154,14 @@ class DecoderModel:
 
         self.embed = w("model.embed_tokens.weight")  # [vocab, hidden]
         head = "model.embed_tokens" if config.tie_word_embeddings else "lm_head"
-        self.lm_head = linear(head)
+        fp8_head = (  # an FP8 head stays FP8 for the Triton kernel (gpu/fp8.py)
+            _fp8_linear(weights, (head,), fp8, self.device)
+            if fp8 is not None and self.kernels == "triton"
+            else None
+        )  # else float32 logits, from bfloat16 weights where the device can
+        self.lm_head = fp8_head or make_logits_linear(
+            w(head + ".weight"), packed, amx, self.deterministic
+        )
         self.norm = w("model.norm.weight")
         self.layers: list[LayerWeights] = []
         for i in range(config.num_layers):
@@ -240,11 +248,15 @@ class DecoderModel:
         `self.hidden` (what MTP drafts from). `embeds`: the rows' inputs in place of the
         embeddings [T, hidden].
 
-        The residual stream h is updated in place; each add is fused with the norm after it.
+        The residual stream h is float32 whatever the compute dtype (each layer's products and
+        attention compute in it): its sums then lose nothing in bfloat16, which kept the
+        answers closer to float32's than transformers' own bfloat16 (bench/dtype_quality.py).
+        h is updated in place; each add is fused with the norm after it.
         """
         c, ops = self.config, self.ops
         plan, at = self._plan(batch)
-        h = self.embed.index_select(0, batch.token_ids) if embeds is None else embeds.clone()
+        rows = self.embed.index_select(0, batch.token_ids) if embeds is None else embeds
+        h = rows.to(torch.float32, copy=True)  # [T, hidden]
         x = ops.add_rms_norm(h, None, self.layers[0].input_norm, c.rms_norm_eps)
         for i, layer in enumerate(self.layers):
             attended = self._attention(i, layer.attention, x, at, kv, plan)

@@ -155,7 +155,7 @@ class TritonLayerOps(TorchLayerOps):
         self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
     ) -> torch.Tensor:
         rows, dim = h.shape
-        out = h.new_empty(rows, dim)
+        out = h.new_empty(rows, dim, dtype=weight.dtype)  # h float32: rounded once, below
         block = triton.next_power_of_2(dim)
         per_program = max(NORM_TILE // block, 1)  # one compiled variant a model, any batch
         # delta's strides are h's when there is none: the kernel never reads it then

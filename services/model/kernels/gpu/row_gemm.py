@@ -33,21 +33,28 @@ BLOCK_K = 64  # k per step
 class RowInvariantLinear:
     """`Linear` over a weight [out, in] whose products are row-invariant (above)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        out_dtype: torch.dtype | None = None,  # default: x's (float32: the logits')
+    ) -> None:
         self.weight = weight.contiguous()
         self.bias = bias
         self.out_features = int(weight.shape[0])
+        self.out_dtype = out_dtype
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return row_matmul(x, self.weight, self.bias)
+        return row_matmul(x, self.weight, self.bias, self.out_dtype)
 
 
 def row_matmul(
     x: torch.Tensor,  # [T, in]
     weight: torch.Tensor,  # [out, in], x's dtype
     bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:  # [T, out]
-    return tiled_matmul(x, weight, None, BLOCK_K, bias)
+    return tiled_matmul(x, weight, None, BLOCK_K, bias, out_dtype=out_dtype)
 
 
 def tiled_matmul(
@@ -57,11 +64,12 @@ def tiled_matmul(
     block_k: int,  # k per step; with scales, a divisor of scale_cols
     bias: torch.Tensor | None = None,
     scale_cols: int = 0,
-) -> torch.Tensor:  # [T, out], x's dtype
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:  # [T, out], out_dtype (default x's): the float32 sums rounded once
     """x @ (weight * scales)^T in BLOCK_M x BLOCK_N tiles, k in `block_k` steps in order."""
     rows, k = x.shape
     n = weight.shape[0]
-    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    out = torch.empty(rows, n, dtype=out_dtype or x.dtype, device=x.device)
     if rows == 0:
         return out
     x = x if x.stride(1) == 1 else x.contiguous()
