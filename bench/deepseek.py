@@ -27,6 +27,7 @@ import platform
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -69,9 +70,9 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def checkpoint(path: Path | None = None) -> Path:
-    """The random DeepSeek-V3-shaped checkpoint, made on first use (with the embedded
-    tokenizer's files, so that the engine loads it)."""
+def checkpoint(path: Path | None = None, shape: dict[str, Any] | None = None) -> Path:
+    """The random DeepSeek-V3-shaped checkpoint (`shape`: default SHAPE), made on first use
+    (with the embedded tokenizer's files, so that the engine loads it)."""
     import transformers
 
     path = path or cache_root() / "bench" / "deepseek-v3-mini"
@@ -79,7 +80,7 @@ def checkpoint(path: Path | None = None) -> Path:
         return path
     log(f"making {path} (random weights, once)")
     torch.manual_seed(0)
-    config = transformers.DeepseekV3Config(**SHAPE)
+    config = transformers.DeepseekV3Config(**(shape or SHAPE))
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     tmp = path.with_suffix(".partial")
     model.save_pretrained(tmp)

@@ -17,6 +17,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "vectors.h"
+
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 #define HAVE_BF16 1
@@ -50,10 +52,11 @@ void bf16_linear_pack(const uint16_t *w, uint16_t *packed, int64_t n, int64_t k)
 }
 
 #ifdef HAVE_BF16
-/* rows x panels outputs starting at row 0 of x and panel 0 of w (both already offset). */
+/* rows x panels outputs: x's rows at xr[0..rows), w at its first panel, y's rows `n` apart
+ * from column `col` on (y already offset to the tile's first row). */
 static inline __attribute__((always_inline)) void tile(
-    const uint16_t *x, const uint16_t *w, const float *bias, void *y, int64_t n, int64_t k,
-    int64_t col, int rows, int panels, int out_bf16) {
+    const uint16_t *const *xr, const uint16_t *w, const float *bias, void *y, int64_t n,
+    int64_t k, int64_t col, int rows, int panels, int out_bf16) {
     const int64_t pairs = k / 2, panel_size = pairs * PANEL * 2;
     __m512 acc[ROWS][PANELS];
     for (int r = 0; r < rows; r++)
@@ -64,7 +67,7 @@ static inline __attribute__((always_inline)) void tile(
             b[p] = (__m512bh)_mm512_loadu_si512(w + p * panel_size + i * PANEL * 2);
         for (int r = 0; r < rows; r++) {
             int32_t pair;
-            memcpy(&pair, x + r * k + 2 * i, sizeof pair);
+            memcpy(&pair, xr[r] + 2 * i, sizeof pair);
             const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
             for (int p = 0; p < panels; p++) acc[r][p] = _mm512_dpbf16_ps(acc[r][p], a, b[p]);
         }
@@ -85,8 +88,8 @@ static inline __attribute__((always_inline)) void tile(
 }
 
 /* whole tiles with constant sizes, so the accumulators are registers */
-#define TILE(R, P) tile(xs, ws, bias, ys, n, k, col, R, P, out_bf16)
-static void any_tile(const uint16_t *xs, const uint16_t *ws, const float *bias, void *ys,
+#define TILE(R, P) tile(xr, w, bias, y, n, k, col, R, P, out_bf16)
+static void any_tile(const uint16_t *const *xr, const uint16_t *w, const float *bias, void *y,
                      int64_t n, int64_t k, int64_t col, int rows, int panels, int out_bf16) {
     if (panels == PANELS) {
         switch (rows) {
@@ -100,6 +103,22 @@ static void any_tile(const uint16_t *xs, const uint16_t *ws, const float *bias, 
     }
     TILE(rows, panels); /* the last columns' tile: fewer panels */
 }
+
+/* Columns group g (PANELS panels from panel g * PANELS) of y [rows, n] = x w^T (+ bias) for
+ * the rows at xr[0..rows): every ROWS of them one tile, the panels' weights read from memory
+ * once. */
+static void column_group(const uint16_t *const *xr, int64_t rows, const uint16_t *packed,
+                         const float *bias, void *y, int64_t n, int64_t k, int64_t g,
+                         int out_bf16) {
+    const int64_t panels = (n + PANEL - 1) / PANEL, first = g * PANELS;
+    const int64_t panel_size = (k / 2) * PANEL * 2, size = out_bf16 ? 2 : 4;
+    const int used = (int)(panels - first < PANELS ? panels - first : PANELS);
+    for (int64_t r = 0; r < rows; r += ROWS) {
+        const int tile_rows = (int)(rows - r < ROWS ? rows - r : ROWS);
+        any_tile(xr + r, packed + first * panel_size, bias, (char *)y + r * n * size, n, k,
+                 first * PANEL, tile_rows, used, out_bf16);
+    }
+}
 #endif
 
 /* y [rows, n] = x [rows, k] w^T (+ bias [n], float32), float32 or bfloat16 (`out_bf16`);
@@ -107,21 +126,74 @@ static void any_tile(const uint16_t *xs, const uint16_t *ws, const float *bias, 
 int bf16_linear(const uint16_t *x, const uint16_t *packed, const float *bias, void *y,
                 int64_t rows, int64_t n, int64_t k, int out_bf16) {
 #ifdef HAVE_BF16
-    const int64_t panels = (n + PANEL - 1) / PANEL, groups = (panels + PANELS - 1) / PANELS;
-    const int64_t panel_size = (k / 2) * PANEL * 2, size = out_bf16 ? 2 : 4;
-#pragma omp parallel for schedule(static) if (rows * n * k >= PARALLEL)
-    for (int64_t g = 0; g < groups; g++) {
-        const int64_t first = g * PANELS, col = first * PANEL;
-        const int used = (int)(panels - first < PANELS ? panels - first : PANELS);
-        for (int64_t r = 0; r < rows; r += ROWS) {
-            const int tile_rows = (int)(rows - r < ROWS ? rows - r : ROWS);
-            any_tile(x + r * k, packed + first * panel_size, bias,
-                     (char *)y + r * n * size, n, k, col, tile_rows, used, out_bf16);
-        }
+    const int64_t groups = ((n + PANEL - 1) / PANEL + PANELS - 1) / PANELS;
+#pragma omp parallel if (rows * n * k >= PARALLEL)
+    {
+        const uint16_t *xr[ROWS];
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; g++)
+            for (int64_t r = 0; r < rows; r += ROWS) {
+                const int64_t tile_rows = rows - r < ROWS ? rows - r : ROWS;
+                for (int64_t i = 0; i < tile_rows; i++) xr[i] = x + (r + i) * k;
+                column_group(xr, tile_rows, packed, bias,
+                             (char *)y + r * n * (out_bf16 ? 2 : 4), n, k, g, out_bf16);
+            }
     }
     return 1;
 #else
     (void)x, (void)packed, (void)bias, (void)y, (void)rows, (void)n, (void)k, (void)out_bf16;
+    return 0;
+#endif
+}
+
+/* The routed experts of a MoE layer in one call. Choices are grouped by expert: choices
+ * [start[e], start[e + 1]) go through expert e, choice i reading row src[i] of x [*, hidden].
+ * Per choice: h = gate_up[e] x (float32 sums, [2 ff]: gate | up), a = bfloat16(silu(gate) *
+ * up), y[i] = bfloat16(down[e] a) [hidden]. gate_up[e] [2 ff, hidden] and down[e] [hidden, ff]
+ * are packed by bf16_linear_pack; scratch: float32 [choices, 2 ff]; act: [choices, ff]. Each
+ * output is summed as bf16_linear sums it, so a choice's bits depend on its row and expert
+ * alone. Threads take (expert, column group) pieces, each expert's weights read once a call.
+ * ff is a multiple of LANES. Returns 0 where built without AVX512-BF16. */
+int bf16_experts(const uint16_t *x, const int64_t *src, const int64_t *start, int64_t experts,
+                 const uint16_t *const *gate_up, const uint16_t *const *down, float *scratch,
+                 uint16_t *act, uint16_t *y, int64_t hidden, int64_t ff) {
+#ifdef HAVE_BF16
+    const int64_t choices = start[experts], wide = 2 * ff;
+    const int64_t up_groups = ((wide + PANEL - 1) / PANEL + PANELS - 1) / PANELS;
+    const int64_t down_groups = ((hidden + PANEL - 1) / PANEL + PANELS - 1) / PANELS;
+#pragma omp parallel if (choices * wide * hidden >= PARALLEL)
+    {
+        const uint16_t *xr[ROWS];
+#pragma omp for schedule(dynamic)
+        for (int64_t item = 0; item < experts * up_groups; item++) {
+            const int64_t e = item / up_groups, g = item % up_groups;
+            for (int64_t r = start[e]; r < start[e + 1]; r += ROWS) {
+                const int64_t rows = start[e + 1] - r < ROWS ? start[e + 1] - r : ROWS;
+                for (int64_t i = 0; i < rows; i++) xr[i] = x + src[r + i] * hidden;
+                column_group(xr, rows, gate_up[e], NULL, scratch + r * wide, wide, hidden, g, 0);
+            }
+        }
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < choices; i++)
+            for (int64_t c = 0; c < ff; c += LANES) {
+                const vf gate = load(scratch, i * wide + c, 0);
+                const vf up = load(scratch, i * wide + ff + c, 0);
+                store(act, i * ff + c, gate / (1.0f + vexp(-gate)) * up, 1);
+            }
+#pragma omp for schedule(dynamic)
+        for (int64_t item = 0; item < experts * down_groups; item++) {
+            const int64_t e = item / down_groups, g = item % down_groups;
+            for (int64_t r = start[e]; r < start[e + 1]; r += ROWS) {
+                const int64_t rows = start[e + 1] - r < ROWS ? start[e + 1] - r : ROWS;
+                for (int64_t i = 0; i < rows; i++) xr[i] = act + (r + i) * ff;
+                column_group(xr, rows, down[e], NULL, y + r * hidden, hidden, ff, g, 1);
+            }
+        }
+    }
+    return 1;
+#else
+    (void)x, (void)src, (void)start, (void)experts, (void)gate_up, (void)down, (void)scratch;
+    (void)act, (void)y, (void)hidden, (void)ff;
     return 0;
 #endif
 }

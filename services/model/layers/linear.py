@@ -211,6 +211,7 @@ def bf16_linear_library() -> ctypes.CDLL | None:
     library.bf16_linear_pack.restype = None
     library.bf16_linear_pack.argtypes = [pointer, pointer, size, size]
     library.bf16_linear.argtypes = [pointer] * 4 + [size] * 3 + [ctypes.c_int]
+    library.bf16_experts.argtypes = [pointer] * 3 + [size] + [pointer] * 5 + [size] * 2
     return library
 
 
@@ -227,6 +228,23 @@ def make_logits_linear(
     library = bf16_linear_library() if packed and weight.dtype == torch.bfloat16 else None
     if library is not None and weight.device.type == "cpu" and weight.shape[1] % 2 == 0:
         return Bf16Linear(library, weight)
+    return make_linear(weight, None, packed, amx, row_invariant)
+
+
+def make_expert_linear(
+    weight: torch.Tensor, packed: bool, amx: ctypes.CDLL | None, row_invariant: bool
+) -> Linear:
+    """A routed expert's product: in bfloat16 on a CPU with AVX512-BF16 and no AMX tiles in
+    use, packed for kernels/bf16_linear.c, whose grouped call runs a layer's experts at once
+    (moe.run_grouped); elsewhere make_linear's."""
+    library = bf16_linear_library() if packed and amx is None else None
+    if (
+        library is not None
+        and weight.dtype == torch.bfloat16
+        and weight.device.type == "cpu"
+        and weight.shape[1] % 2 == 0
+    ):
+        return Bf16Linear(library, weight, out_dtype=torch.bfloat16)
     return make_linear(weight, None, packed, amx, row_invariant)
 
 

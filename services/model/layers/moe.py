@@ -14,6 +14,7 @@ would have had here.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -22,7 +23,7 @@ import torch
 
 from services.model.config import MoeShape
 from services.model.layers.layer_ops import LayerOps
-from services.model.layers.linear import Linear
+from services.model.layers.linear import Bf16Linear, Linear, bf16_linear_library
 
 
 @dataclass(frozen=True)
@@ -158,9 +159,13 @@ def run_grouped(
     ops: LayerOps,
 ) -> torch.Tensor:
     """modules[keys[i]](x[i // k]) for every i [len(keys), hidden]: the rows of a key grouped
-    (in order) through one call of its module."""
+    (in order) through one call of its module, or of all modules at once where they are
+    experts packed for it (`grouped_bf16`)."""
     order = keys.argsort(stable=True)  # the rows, grouped by key
     counts = torch.bincount(keys, minlength=len(modules))
+    packed = _grouped_library(modules, x)
+    if packed is not None:
+        return grouped_bf16(*packed, x, k, order, counts)
     grouped = x.index_select(0, order // k)
     outputs = torch.empty_like(grouped)
     start = 0
@@ -171,4 +176,54 @@ def run_grouped(
             start += n
     out = torch.empty_like(outputs)
     out[order] = outputs  # back in the keys' order
+    return out
+
+
+def _grouped_library(
+    modules: Sequence[object], x: torch.Tensor
+) -> tuple[ctypes.CDLL, list[tuple[Bf16Linear, Bf16Linear]]] | None:
+    """kernels/bf16_linear.c and each module's (gate_up, down) where every module is a SwiGLU
+    expert whose products it packed (linear.make_expert_linear) and x is bfloat16, else None."""
+    if x.dtype != torch.bfloat16 or not modules:
+        return None
+    pairs = []
+    for m in modules:
+        if not isinstance(m, DenseMlp):
+            return None
+        gate_up, down = m.gate_up, m.down
+        if not (isinstance(gate_up, Bf16Linear) and isinstance(down, Bf16Linear)):
+            return None
+        if gate_up.bias is not None or down.bias is not None or down.in_features % 16:
+            return None
+        pairs.append((gate_up, down))
+    library = bf16_linear_library()
+    return None if library is None else (library, pairs)
+
+
+def grouped_bf16(
+    library: ctypes.CDLL,
+    experts: list[tuple[Bf16Linear, Bf16Linear]],  # each module's gate_up and down
+    x: torch.Tensor,  # [T, hidden] bfloat16
+    k: int,
+    order: torch.Tensor,  # [n]: the choices, grouped by module (argsort of the keys)
+    counts: torch.Tensor,  # [modules]: choices per module
+) -> torch.Tensor:  # [n, hidden] bfloat16, in the keys' order
+    """Every module's rows through its gate/up, SiLU and down in one call (bf16_experts): each
+    module's weights read once, the threads over (module, columns) pieces."""
+    x = x.contiguous()
+    n, ff = len(order), experts[0][1].in_features
+    start = torch.zeros(len(experts) + 1, dtype=torch.int64)
+    torch.cumsum(counts, 0, out=start[1:])
+    src = (order // k).contiguous()  # the row of x each grouped choice reads
+    gate_up = torch.tensor([g.packed.data_ptr() for g, _ in experts], dtype=torch.int64)
+    down = torch.tensor([d.packed.data_ptr() for _, d in experts], dtype=torch.int64)
+    scratch = torch.empty(n, 2 * ff, dtype=torch.float32)
+    act = torch.empty(n, ff, dtype=torch.bfloat16)
+    grouped = torch.empty(n, x.shape[1], dtype=torch.bfloat16)
+    library.bf16_experts(
+        x.data_ptr(), src.data_ptr(), start.data_ptr(), len(experts), gate_up.data_ptr(),
+        down.data_ptr(), scratch.data_ptr(), act.data_ptr(), grouped.data_ptr(), x.shape[1], ff,
+    )  # fmt: skip
+    out = torch.empty_like(grouped)
+    out[order] = grouped  # back in the keys' order
     return out
