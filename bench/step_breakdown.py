@@ -200,6 +200,35 @@ def breakdown(path: Path, dtype: str, batch: int, context: int, steps: int) -> d
     return ms
 
 
+def prefill_breakdown(path: Path, dtype: str, prompts: int, length: int) -> dict[str, float]:
+    """Milliseconds in each part, and "step" (the whole), to compute `prompts` prompts of
+    `length` tokens from an empty cache (chunked as the engine's defaults chunk them)."""
+    loaded = load_model(str(path), dtype=dtype, device="cpu")
+    blocks = prompts * (-(-(length + 8) // 16)) + 8
+    engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(num_blocks=blocks))
+    gen = torch.Generator().manual_seed(length)
+
+    def submit(tag: str) -> None:
+        for i in range(prompts):
+            prompt = torch.randint(100, 49000, (length,), generator=gen).tolist()
+            params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+            engine.add_request(EngineRequest(f"{tag}{i}", prompt, params))
+
+    submit("warm")
+    while engine.has_unfinished:
+        engine.step()
+    clock = Clock()
+    instrument(engine, clock)
+    submit("timed")
+    clock.on = True
+    start = time.perf_counter()
+    while engine.has_unfinished:
+        engine.step()
+    whole = time.perf_counter() - start
+    clock.unwrap()
+    return {**{part: 1e3 * t for part, t in clock.spent.items()}, "step": 1e3 * whole}
+
+
 def table(rows: dict[int, dict[str, float]]) -> str:
     batches = sorted(rows)
     lines = [
@@ -222,11 +251,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--checkpoint", type=Path, help="where the random checkpoint lives")
+    parser.add_argument(
+        "--prefill", type=int, default=0, metavar="N",
+        help="instead: the parts of computing N prompts of --context tokens (ms in all)",
+    )  # fmt: skip
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
     args = parser.parse_args(argv)
     path = args.checkpoint or cache_root() / "bench" / "deepseek-v3-moe-24x6"
     deepseek.checkpoint(path, SHAPE)
     rows = {}
+    if args.prefill:
+        rows[args.prefill] = prefill_breakdown(path, args.dtype, args.prefill, args.context)
+        print(table(rows).replace("ms per decode step", f"ms for {args.context}-token prompts"))
+        return 0
     for b in (int(x) for x in args.batches.split(",")):
         print(f"step_breakdown: batch {b}", file=sys.stderr, flush=True)
         rows[b] = breakdown(path, args.dtype, b, args.context, args.steps)

@@ -52,19 +52,23 @@ void bf16_linear_pack(const uint16_t *w, uint16_t *packed, int64_t n, int64_t k)
 }
 
 #ifdef HAVE_BF16
-/* rows x panels outputs: x's rows at xr[0..rows), w at its first panel, y's rows `n` apart
- * from column `col` on (y already offset to the tile's first row). */
+/* What a tile does with its float32 sums. */
+enum { STORE_F32, STORE_BF16, SWIGLU };
+
+/* rows x panels sums: row r of x at xr[r], panel p of the weight at wp[p]. Then per `mode`:
+ * each sum (+ bias at column c0 + 16p) stored at yr[r] + c0 + 16p, float32 or rounded to
+ * bfloat16 (the columns from n on left alone); or, for SWIGLU (panels 0, 1 a gate's, 2, 3 the
+ * up's of the same columns), bfloat16(silu(gate) * up) at yr[r] + c0 + 16p for p = 0, 1. */
 static inline __attribute__((always_inline)) void tile(
-    const uint16_t *const *xr, const uint16_t *w, const float *bias, void *y, int64_t n,
-    int64_t k, int64_t col, int rows, int panels, int out_bf16) {
-    const int64_t pairs = k / 2, panel_size = pairs * PANEL * 2;
+    const uint16_t *const *xr, const uint16_t *const *wp, const float *bias, void *const *yr,
+    int64_t n, int64_t k, int64_t c0, int rows, int panels, int mode) {
     __m512 acc[ROWS][PANELS];
     for (int r = 0; r < rows; r++)
         for (int p = 0; p < panels; p++) acc[r][p] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < pairs; i++) {
+    for (int64_t i = 0; i < k / 2; i++) {
         __m512bh b[PANELS];
         for (int p = 0; p < panels; p++)
-            b[p] = (__m512bh)_mm512_loadu_si512(w + p * panel_size + i * PANEL * 2);
+            b[p] = (__m512bh)_mm512_loadu_si512(wp[p] + i * PANEL * 2);
         for (int r = 0; r < rows; r++) {
             int32_t pair;
             memcpy(&pair, xr[r] + 2 * i, sizeof pair);
@@ -72,25 +76,35 @@ static inline __attribute__((always_inline)) void tile(
             for (int p = 0; p < panels; p++) acc[r][p] = _mm512_dpbf16_ps(acc[r][p], a, b[p]);
         }
     }
+    if (mode == SWIGLU) {
+        for (int r = 0; r < rows; r++)
+            for (int p = 0; p < 2; p++) {
+                vf gate, up;
+                memcpy(&gate, &acc[r][p], sizeof gate);
+                memcpy(&up, &acc[r][p + 2], sizeof up);
+                store(yr[r], c0 + p * PANEL, gate / (1.0f + vexp(-gate)) * up, 1);
+            }
+        return;
+    }
     for (int p = 0; p < panels; p++) {
-        const int64_t c = col + p * PANEL;
+        const int64_t c = c0 + p * PANEL;
         const __mmask16 keep = n - c >= PANEL ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - c)) - 1);
         const __m512 add = bias ? _mm512_maskz_loadu_ps(keep, bias + c) : _mm512_setzero_ps();
         for (int r = 0; r < rows; r++) {
             const __m512 v = _mm512_add_ps(acc[r][p], add);
-            if (out_bf16)
-                _mm256_mask_storeu_epi16((uint16_t *)y + r * n + c, keep,
-                                         (__m256i)_mm512_cvtneps_pbh(v));
+            if (mode == STORE_BF16)
+                _mm256_mask_storeu_epi16((uint16_t *)yr[r] + c, keep, (__m256i)_mm512_cvtneps_pbh(v));
             else
-                _mm512_mask_storeu_ps((float *)y + r * n + c, keep, v);
+                _mm512_mask_storeu_ps((float *)yr[r] + c, keep, v);
         }
     }
 }
 
 /* whole tiles with constant sizes, so the accumulators are registers */
-#define TILE(R, P) tile(xr, w, bias, y, n, k, col, R, P, out_bf16)
-static void any_tile(const uint16_t *const *xr, const uint16_t *w, const float *bias, void *y,
-                     int64_t n, int64_t k, int64_t col, int rows, int panels, int out_bf16) {
+#define TILE(R, P) tile(xr, wp, bias, yr, n, k, c0, R, P, mode)
+static void any_tile(const uint16_t *const *xr, const uint16_t *const *wp, const float *bias,
+                     void *const *yr, int64_t n, int64_t k, int64_t c0, int rows, int panels,
+                     int mode) {
     if (panels == PANELS) {
         switch (rows) {
             case 6: TILE(6, PANELS); return;
@@ -104,19 +118,19 @@ static void any_tile(const uint16_t *const *xr, const uint16_t *w, const float *
     TILE(rows, panels); /* the last columns' tile: fewer panels */
 }
 
-/* Columns group g (PANELS panels from panel g * PANELS) of y [rows, n] = x w^T (+ bias) for
- * the rows at xr[0..rows): every ROWS of them one tile, the panels' weights read from memory
- * once. */
-static void column_group(const uint16_t *const *xr, int64_t rows, const uint16_t *packed,
-                         const float *bias, void *y, int64_t n, int64_t k, int64_t g,
-                         int out_bf16) {
+/* Column group g (PANELS panels from panel g * PANELS) of y = x w^T (+ bias) for `rows` rows,
+ * row r of x at xr[r] and of y at yr[r]: every ROWS of them one tile, the panels' weights
+ * read from memory once. */
+static void column_group(const uint16_t *const *xr, void *const *yr, int64_t rows,
+                         const uint16_t *packed, const float *bias, int64_t n, int64_t k,
+                         int64_t g, int mode) {
     const int64_t panels = (n + PANEL - 1) / PANEL, first = g * PANELS;
-    const int64_t panel_size = (k / 2) * PANEL * 2, size = out_bf16 ? 2 : 4;
     const int used = (int)(panels - first < PANELS ? panels - first : PANELS);
+    const uint16_t *wp[PANELS];
+    for (int p = 0; p < used; p++) wp[p] = packed + (first + p) * (k / 2) * PANEL * 2;
     for (int64_t r = 0; r < rows; r += ROWS) {
         const int tile_rows = (int)(rows - r < ROWS ? rows - r : ROWS);
-        any_tile(xr + r, packed + first * panel_size, bias, (char *)y + r * n * size, n, k,
-                 first * PANEL, tile_rows, used, out_bf16);
+        any_tile(xr + r, wp, bias, yr + r, n, k, first * PANEL, tile_rows, used, mode);
     }
 }
 #endif
@@ -127,16 +141,21 @@ int bf16_linear(const uint16_t *x, const uint16_t *packed, const float *bias, vo
                 int64_t rows, int64_t n, int64_t k, int out_bf16) {
 #ifdef HAVE_BF16
     const int64_t groups = ((n + PANEL - 1) / PANEL + PANELS - 1) / PANELS;
+    const int64_t size = out_bf16 ? 2 : 4;
 #pragma omp parallel if (rows * n * k >= PARALLEL)
     {
         const uint16_t *xr[ROWS];
+        void *yr[ROWS];
 #pragma omp for schedule(static)
         for (int64_t g = 0; g < groups; g++)
             for (int64_t r = 0; r < rows; r += ROWS) {
                 const int64_t tile_rows = rows - r < ROWS ? rows - r : ROWS;
-                for (int64_t i = 0; i < tile_rows; i++) xr[i] = x + (r + i) * k;
-                column_group(xr, tile_rows, packed, bias,
-                             (char *)y + r * n * (out_bf16 ? 2 : 4), n, k, g, out_bf16);
+                for (int64_t i = 0; i < tile_rows; i++) {
+                    xr[i] = x + (r + i) * k;
+                    yr[i] = (char *)y + (r + i) * n * size;
+                }
+                column_group(xr, yr, tile_rows, packed, bias, n, k, g,
+                             out_bf16 ? STORE_BF16 : STORE_F32);
             }
     }
     return 1;
@@ -147,52 +166,58 @@ int bf16_linear(const uint16_t *x, const uint16_t *packed, const float *bias, vo
 }
 
 /* The routed experts of a MoE layer in one call. Choices are grouped by expert: choices
- * [start[e], start[e + 1]) go through expert e, choice i reading row src[i] of x [*, hidden].
- * Per choice: h = gate_up[e] x (float32 sums, [2 ff]: gate | up), a = bfloat16(silu(gate) *
- * up), y[i] = bfloat16(down[e] a) [hidden]. gate_up[e] [2 ff, hidden] and down[e] [hidden, ff]
- * are packed by bf16_linear_pack; scratch: float32 [choices, 2 ff]; act: [choices, ff]. Each
- * output is summed as bf16_linear sums it, so a choice's bits depend on its row and expert
- * alone. Threads take (expert, column group) pieces, each expert's weights read once a call.
- * ff is a multiple of LANES. Returns 0 where built without AVX512-BF16. */
-int bf16_experts(const uint16_t *x, const int64_t *src, const int64_t *start, int64_t experts,
-                 const uint16_t *const *gate_up, const uint16_t *const *down, float *scratch,
-                 uint16_t *act, uint16_t *y, int64_t hidden, int64_t ff) {
+ * [start[e], start[e + 1]) go through expert e, choice i reading row src[i] of x [*, hidden]
+ * and writing row dst[i] of y [*, hidden]: a = bfloat16(silu(gate) * up) with gate | up =
+ * gate_up[e] x (float32 sums), y = bfloat16(down[e] a). gate_up[e] [2 ff, hidden] and down[e]
+ * [hidden, ff] are packed by bf16_linear_pack; act: bfloat16 [choices, ff]. Each output is
+ * summed as bf16_linear sums it, so a choice's bits depend on its row and expert alone.
+ * Threads take (expert, column group) pieces, each expert's weights read once a call. ff is
+ * a multiple of 32. Returns 0 where built without AVX512-BF16. */
+int bf16_experts(const uint16_t *x, const int64_t *src, const int64_t *dst,
+                 const int64_t *start, int64_t experts, const uint16_t *const *gate_up,
+                 const uint16_t *const *down, uint16_t *act, uint16_t *y, int64_t hidden,
+                 int64_t ff) {
 #ifdef HAVE_BF16
-    const int64_t choices = start[experts], wide = 2 * ff;
-    const int64_t up_groups = ((wide + PANEL - 1) / PANEL + PANELS - 1) / PANELS;
+    const int64_t choices = start[experts], pairs = ff / (2 * PANEL);
     const int64_t down_groups = ((hidden + PANEL - 1) / PANEL + PANELS - 1) / PANELS;
-#pragma omp parallel if (choices * wide * hidden >= PARALLEL)
+    const int64_t up_panel = (hidden / 2) * PANEL * 2;
+#pragma omp parallel if (choices * 3 * ff * hidden >= PARALLEL)
     {
-        const uint16_t *xr[ROWS];
+        const uint16_t *xr[ROWS], *wp[PANELS];
+        void *yr[ROWS];
+        /* gate and up panels of the same 32 columns, their SiLU product straight to act */
 #pragma omp for schedule(dynamic)
-        for (int64_t item = 0; item < experts * up_groups; item++) {
-            const int64_t e = item / up_groups, g = item % up_groups;
+        for (int64_t item = 0; item < experts * pairs; item++) {
+            const int64_t e = item / pairs, g = item % pairs;
+            for (int p = 0; p < 2; p++) {
+                wp[p] = gate_up[e] + (2 * g + p) * up_panel;
+                wp[p + 2] = gate_up[e] + (ff / PANEL + 2 * g + p) * up_panel;
+            }
             for (int64_t r = start[e]; r < start[e + 1]; r += ROWS) {
-                const int64_t rows = start[e + 1] - r < ROWS ? start[e + 1] - r : ROWS;
-                for (int64_t i = 0; i < rows; i++) xr[i] = x + src[r + i] * hidden;
-                column_group(xr, rows, gate_up[e], NULL, scratch + r * wide, wide, hidden, g, 0);
+                const int rows = (int)(start[e + 1] - r < ROWS ? start[e + 1] - r : ROWS);
+                for (int i = 0; i < rows; i++) {
+                    xr[i] = x + src[r + i] * hidden;
+                    yr[i] = act + (r + i) * ff;
+                }
+                any_tile(xr, wp, NULL, yr, ff, hidden, g * 2 * PANEL, rows, PANELS, SWIGLU);
             }
         }
-#pragma omp for schedule(static)
-        for (int64_t i = 0; i < choices; i++)
-            for (int64_t c = 0; c < ff; c += LANES) {
-                const vf gate = load(scratch, i * wide + c, 0);
-                const vf up = load(scratch, i * wide + ff + c, 0);
-                store(act, i * ff + c, gate / (1.0f + vexp(-gate)) * up, 1);
-            }
 #pragma omp for schedule(dynamic)
         for (int64_t item = 0; item < experts * down_groups; item++) {
             const int64_t e = item / down_groups, g = item % down_groups;
             for (int64_t r = start[e]; r < start[e + 1]; r += ROWS) {
                 const int64_t rows = start[e + 1] - r < ROWS ? start[e + 1] - r : ROWS;
-                for (int64_t i = 0; i < rows; i++) xr[i] = act + (r + i) * ff;
-                column_group(xr, rows, down[e], NULL, y + r * hidden, hidden, ff, g, 1);
+                for (int64_t i = 0; i < rows; i++) {
+                    xr[i] = act + (r + i) * ff;
+                    yr[i] = y + dst[r + i] * hidden;
+                }
+                column_group(xr, yr, rows, down[e], NULL, hidden, ff, g, STORE_BF16);
             }
         }
     }
     return 1;
 #else
-    (void)x, (void)src, (void)start, (void)experts, (void)gate_up, (void)down, (void)scratch;
+    (void)x, (void)src, (void)dst, (void)start, (void)experts, (void)gate_up, (void)down;
     (void)act, (void)y, (void)hidden, (void)ff;
     return 0;
 #endif

@@ -193,7 +193,7 @@ def _grouped_library(
         gate_up, down = m.gate_up, m.down
         if not (isinstance(gate_up, Bf16Linear) and isinstance(down, Bf16Linear)):
             return None
-        if gate_up.bias is not None or down.bias is not None or down.in_features % 16:
+        if gate_up.bias is not None or down.bias is not None or down.in_features % 32:
             return None
         pairs.append((gate_up, down))
     library = bf16_linear_library()
@@ -209,7 +209,8 @@ def grouped_bf16(
     counts: torch.Tensor,  # [modules]: choices per module
 ) -> torch.Tensor:  # [n, hidden] bfloat16, in the keys' order
     """Every module's rows through its gate/up, SiLU and down in one call (bf16_experts): each
-    module's weights read once, the threads over (module, columns) pieces."""
+    module's weights read once, the threads over (module, columns) pieces, each result
+    written to its choice's row."""
     x = x.contiguous()
     n, ff = len(order), experts[0][1].in_features
     start = torch.zeros(len(experts) + 1, dtype=torch.int64)
@@ -217,13 +218,10 @@ def grouped_bf16(
     src = (order // k).contiguous()  # the row of x each grouped choice reads
     gate_up = torch.tensor([g.packed.data_ptr() for g, _ in experts], dtype=torch.int64)
     down = torch.tensor([d.packed.data_ptr() for _, d in experts], dtype=torch.int64)
-    scratch = torch.empty(n, 2 * ff, dtype=torch.float32)
     act = torch.empty(n, ff, dtype=torch.bfloat16)
-    grouped = torch.empty(n, x.shape[1], dtype=torch.bfloat16)
+    out = torch.empty(n, x.shape[1], dtype=torch.bfloat16)  # in the keys' order
     library.bf16_experts(
-        x.data_ptr(), src.data_ptr(), start.data_ptr(), len(experts), gate_up.data_ptr(),
-        down.data_ptr(), scratch.data_ptr(), act.data_ptr(), grouped.data_ptr(), x.shape[1], ff,
+        x.data_ptr(), src.data_ptr(), order.data_ptr(), start.data_ptr(), len(experts),
+        gate_up.data_ptr(), down.data_ptr(), act.data_ptr(), out.data_ptr(), x.shape[1], ff,
     )  # fmt: skip
-    out = torch.empty_like(grouped)
-    out[order] = grouped  # back in the keys' order
     return out
