@@ -4,6 +4,8 @@
  * (vdpbf16ps: two products added into a float32 lane). The model's logits come from here in
  * bfloat16: oneDNN rounds its float32 sums to bfloat16, 0.125 apart near a logit of 25, enough
  * to turn a near tie between two first tokens into a tie broken by the vocabulary's order.
+ * `bf16_experts` runs a MoE layer's routed experts (gate/up, SiLU, down) in one call on the
+ * same tiles: the layer's weights read once, however many rows share an expert.
  *
  * Every y[r, n] is one lane of one accumulator, summed from zero over k two at a time in
  * order, then the bias added: the same instructions in the same order whatever the number of
