@@ -2,7 +2,9 @@
 
 One layer serves Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek-V2/V3; config.MoeShape says how
 each routes. The routed experts run grouped: the (token, choice) pairs are sorted by expert and
-each active expert runs one product over its contiguous rows, never a loop over tokens.
+each active expert runs one product over its contiguous rows, never a loop over tokens; in
+bfloat16 on AVX512-BF16 CPUs (experts packed by linear.make_expert_linear) the whole layer's
+experts run in one C call (`grouped_bf16`), each expert's weights read once.
 
 Batch invariance: a token's output depends on its own row only. Each expert's products give a
 row the same bits at any row count (linear.py's prepacked products, as the dense layers), and
@@ -186,14 +188,17 @@ def _grouped_library(
     expert whose products it packed (linear.make_expert_linear) and x is bfloat16, else None."""
     if x.dtype != torch.bfloat16 or not modules:
         return None
-    pairs = []
+    pairs: list[tuple[Bf16Linear, Bf16Linear]] = []
     for m in modules:
         if not isinstance(m, DenseMlp):
             return None
         gate_up, down = m.gate_up, m.down
         if not (isinstance(gate_up, Bf16Linear) and isinstance(down, Bf16Linear)):
             return None
-        if gate_up.bias is not None or down.bias is not None or down.in_features % 32:
+        ff = down.in_features  # the kernel's SiLU takes 32 columns at a time, all experts alike
+        if gate_up.bias is not None or down.bias is not None or ff % 32:
+            return None
+        if gate_up.out_features != 2 * ff or (pairs and pairs[0][1].in_features != ff):
             return None
         pairs.append((gate_up, down))
     library = bf16_linear_library()

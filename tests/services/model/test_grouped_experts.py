@@ -93,3 +93,15 @@ def test_experts_are_packed_for_the_grouped_call_only_in_bfloat16():
     modules, _ = _experts()
     x, _ = _rows(2, 3)
     assert _grouped_library(modules, x.float()) is None  # float32 rows: one by one
+    # an expert width the kernel's SiLU does not take (a multiple of 32): one by one, and the
+    # same SwiGLU
+    assert LIBRARY is not None
+    gate_up, down = torch.randn(96, HIDDEN).bfloat16(), torch.randn(HIDDEN, 48).bfloat16()
+    odd = DenseMlp(
+        Bf16Linear(LIBRARY, gate_up, None, torch.bfloat16),
+        Bf16Linear(LIBRARY, down, None, torch.bfloat16),
+    )
+    assert _grouped_library([odd, odd], x) is None
+    keys = torch.tensor([0, 1, 1, 0, 0, 1])
+    out = run_grouped(x, K, keys, [odd, odd], _SiluMul())  # type: ignore[arg-type]
+    assert torch.equal(out[0], odd(x[:1], _SiluMul())[0])  # type: ignore[arg-type]
