@@ -62,6 +62,8 @@ def test_up_serves_a_chat_restarts_a_dead_child_and_stops_everything(tmp_path):
         assert answer.choices[0].message.content == greedy_chat_in_process(
             messages[0]["content"], 20
         )
+        # the README's first example, in the dtype auto picks here
+        assert answer.choices[0].message.content == "The capital of France is Paris."
 
         mark = len(out.lines)
         os.kill(pids["prefill-0"], signal.SIGKILL)  # every worker at once
