@@ -168,8 +168,10 @@ class DecoderModel:
             if fp8 is not None and self.kernels == "triton"
             else None
         )  # else float32 logits, from bfloat16 weights where the device can
-        self.lm_head = fp8_head or make_logits_linear(
-            w(head + ".weight"), packed, amx, self.deterministic
+        self.lm_head = (
+            fp8_head
+            if fp8_head is not None
+            else make_logits_linear(w(head + ".weight"), packed, amx, self.deterministic)
         )
         self.norm = w("model.norm.weight")
         self.layers: list[LayerWeights] = []
