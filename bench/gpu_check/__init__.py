@@ -42,6 +42,10 @@ bf16 units) is recorded first.
    (made by the transformers in use) greedy on the device against transformers' there, float32;
    and DeepSeek-V3's and V4's MTP layers drafting (`--speculative mtp`). Pass: every family
    transformers builds identical, the drafted tokens equal the plain engine's, drafts accepted.
+6. realistic (realistic.py): a random Llama-3-8B-shaped model and a DeepSeek-V3-shaped MoE of
+   two layers (DeepSeek-V3's widths), made on the device: batch-1 decode against the
+   memory-bound limit (bytes a step reads over the measured copy bandwidth), batch 64 tok/s,
+   and a 4,096-token prefill against transformers'. Pass: everything measured.
 
 Sizes (check.py): all the kernel tests; parity 8 prompts x 64 tokens; decode at batch 1, 32
 and 256 (32-token prompts, 4 warm steps, 64 timed); a 4,096-token prefill; 4 served prompts
@@ -73,7 +77,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from bench.gpu_check import disaggregated, families, kernel_tests, parity, throughput
+from bench.gpu_check import disaggregated, families, kernel_tests, parity, realistic, throughput
 from bench.gpu_check.check import DRY, FULL, Check, Skip
 from bench.offline import log
 from services.model.loader import cpu_has_bf16_units
@@ -105,6 +109,7 @@ SECTIONS = {
     "throughput": Steps(throughput.run, throughput.summary),
     "disaggregated": Steps(disaggregated.run, disaggregated.summary),
     "families": Steps(families.run, families.summary),
+    "realistic": Steps(realistic.run, realistic.summary),
 }
 
 

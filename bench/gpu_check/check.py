@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +41,7 @@ class Sizes:
     prefill_len: int  # tokens of the one prompt whose prefill is timed
     served_prompts: int  # prompts sent to `pdserve up`, each streamed and not
     served_tokens: int  # tokens each
+    realistic_batches: tuple[int, ...]  # the realistic sizes' decode (realistic.py)
 
 
 FULL = Sizes(
@@ -54,6 +56,7 @@ FULL = Sizes(
     prefill_len=4096,
     served_prompts=4,
     served_tokens=32,
+    realistic_batches=(1, 64),
 )
 DRY = Sizes(  # the CPU suite's: every section end to end, each as small as it goes
     # one test a file: the suite runs them all (TRITON_INTERPRET=1) elsewhere
@@ -68,6 +71,7 @@ DRY = Sizes(  # the CPU suite's: every section end to end, each as small as it g
     prefill_len=32,
     served_prompts=1,
     served_tokens=8,
+    realistic_batches=(1, 4),
 )
 
 
@@ -118,3 +122,9 @@ class Check:
     def sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def free(self) -> None:
+        """What was deleted, returned to the device (the next model may need it all)."""
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from bench import gpu_check
 from services.model.loader import cpu_has_bf16_units
 
@@ -41,3 +43,20 @@ def test_dry_run_on_the_cpu(tmp_path):
         [(b, a, True) for b in (1, 4) for a in ("off", "on")] + [(1, "on", False), (4, "on", False)]
     )
     assert all(r["graph_replays"] is None for r in decode if r["system"] == "pdserve")
+    realistic = sections["realistic"]
+    assert realistic["status"] == "pass", realistic["reason"]
+    models = realistic["numbers"]["models"]
+    assert set(models) == {"llama3-8b", "deepseek-v3-2l"}
+    gbps = realistic["numbers"]["bandwidth_gb_s"]
+    for m in models.values():
+        assert list(m["decode_tok_s"]) == ["1", "4"]  # (JSON's keys)
+        assert all(t > 0 for t in m["decode_tok_s"].values())
+        assert m["limit_tok_s"] == pytest.approx(gbps * 1e9 / m["step_bytes"])
+        assert m["prefill"]["tokens"] == 32 and m["prefill"]["ratio"] > 0
+    # a step reads every weight but the embedding (49152 x 64), of the MoE layers' routed
+    # experts (2 layers x 8 x 3 products of 64 x 32) the 2 of 8 a token uses
+    moe = models["deepseek-v3-2l"]
+    size = 2 if moe["dtype"] == "torch.bfloat16" else 4
+    experts = 2 * 8 * 3 * 64 * 32
+    unread = 49152 * 64 + experts * 6 // 8
+    assert moe["step_bytes"] == moe["parameter_bytes"] - size * unread
