@@ -220,7 +220,7 @@ INLINE void scores(vb *s, const task_t *w, const void *k, int64_t at, int bf16, 
  * queries rounded to bfloat16): s[r][t] = the sum over pairs p = 0, ..., D/2 - 1, in order, of
  * q[2p][r] * K[2p][t] + q[2p+1][r] * K[2p+1][t]. The cache's pair layout is the instruction's
  * operand as it stands: a block's pair row is one load. */
-#define RBP 8
+#define RBP 16 /* sixteen sums in flight: the pair instruction's latency covered twice over */
 INLINE void scores_pairs(vb *s, const task_t *w, const uint16_t *k, int64_t at, int64_t R,
                          int64_t D) {
     for (int64_t r0 = 0; r0 < R; r0 += RBP) {
@@ -267,9 +267,9 @@ INLINE void fold(task_t *w, int64_t r, vb s, int first) {
     vb e = vexp_block(add_sub(x, zero_block(), top));
     if (n < BLOCK) e = where(up_to(n - 1), e, 0.0f);
     memcpy(w->p[r], e.v, sizeof w->p[r]);
-#if defined(__AVX512BF16__)
-    for (int64_t t = 0; t < BLOCK / 2; t++)
-        w->pp[r][t] = bf16_bits(w->p[r][2 * t]) | bf16_bits(w->p[r][2 * t + 1]) << 16;
+#if defined(__AVX512BF16__) /* rounded to nearest even, as to_bf16; pairs in token order */
+    const __m256bh paired = _mm512_cvtneps_pbh(_mm512_loadu_ps(w->p[r]));
+    memcpy(w->pp[r], &paired, sizeof w->pp[r]);
 #endif
     w->l[r] = w->l[r] * w->rescale[r] + hsum(e);
     w->m[r] = top;
@@ -324,20 +324,39 @@ INLINE void latents_pairs(task_t *w, const uint16_t *k, int64_t at, int64_t C) {
 /* accumulate with the block's weights and latents in bfloat16, a pair of tokens at a time
  * (vdpbf16ps): acc[r] = acc[r] * rescale[r] + the sum over token pairs, in order, of
  * p[r][t] * c_t + p[r][t+1] * c_{t+1}. Past a row's n[r] its weights are 0 and the pairs add
- * exactly nothing, as above. */
+ * exactly nothing, as above. VW value vectors of the rows at a time: RB x VW sums in flight
+ * (one chain per row would wait on the instruction's latency), each value vector loaded once
+ * for the rows, each weight broadcast once for the vectors. */
+enum { VW = 4 };
+INLINE void accumulate_vectors(task_t *w, const int64_t *rs, int64_t count, int64_t C,
+                               int64_t v0, int64_t vw, int64_t pairs) {
+    __m512 a[RB][VW];
+    for (int64_t j = 0; j < count; j++)
+        for (int64_t i = 0; i < vw; i++)
+            a[j][i] = (__m512)(w->acc[rs[j] * (C / LANES) + v0 + i] * w->rescale[rs[j]]);
+    for (int64_t t = 0; t < pairs; t++) {
+        __m512bh v[VW];
+        for (int64_t i = 0; i < vw; i++)
+            v[i] = (__m512bh)_mm512_loadu_si512(w->vp + (t * C + (v0 + i) * LANES) * 2);
+        for (int64_t j = 0; j < count; j++) {
+            const __m512bh p = (__m512bh)_mm512_set1_epi32((int)w->pp[rs[j]][t]);
+            for (int64_t i = 0; i < vw; i++) a[j][i] = _mm512_dpbf16_ps(a[j][i], p, v[i]);
+        }
+    }
+    for (int64_t j = 0; j < count; j++)
+        for (int64_t i = 0; i < vw; i++) w->acc[rs[j] * (C / LANES) + v0 + i] = (vf)a[j][i];
+}
+
 INLINE void accumulate_pairs(task_t *w, const int64_t *rs, int64_t count, int64_t C) {
     int64_t n = 0;
     for (int64_t j = 0; j < count; j++) n = w->n[rs[j]] > n ? w->n[rs[j]] : n;
-    for (int64_t c = 0; c < C / LANES; c++) {
-        __m512 a[RB];
-        for (int64_t j = 0; j < count; j++)
-            a[j] = (__m512)(w->acc[rs[j] * (C / LANES) + c] * w->rescale[rs[j]]);
-        for (int64_t t = 0; t < (n + 1) / 2; t++) {
-            const __m512bh v = (__m512bh)_mm512_loadu_si512(w->vp + (t * C + c * LANES) * 2);
-            for (int64_t j = 0; j < count; j++)
-                a[j] = _mm512_dpbf16_ps(a[j], (__m512bh)_mm512_set1_epi32((int)w->pp[rs[j]][t]), v);
-        }
-        for (int64_t j = 0; j < count; j++) w->acc[rs[j] * (C / LANES) + c] = (vf)a[j];
+    const int64_t vectors = C / LANES;
+    for (int64_t v0 = 0; v0 < vectors; v0 += VW) {
+        const int64_t vw = vectors - v0 < VW ? vectors - v0 : VW;
+        if (count == RB && vw == VW) /* constant sizes, inlined */
+            accumulate_vectors(w, rs, RB, C, v0, VW, (n + 1) / 2);
+        else
+            accumulate_vectors(w, rs, count, C, v0, vw, (n + 1) / 2);
     }
 }
 #endif
@@ -354,6 +373,24 @@ INLINE void accumulate_block(task_t *w, const int64_t *rs, int64_t count, int64_
     accumulate(w, rs, count, C);
 }
 
+#if defined(__AVX512BF16__)
+/* accumulator r's query times the scale, rounded to bfloat16 and paired for scores_pairs:
+ * qp[p][r] = (q[2p], q[2p+1]), 32 dimensions a conversion */
+INLINE void query_pairs(task_t *w, const float *row, int64_t r, int64_t D, float scale) {
+    const __m512 times = _mm512_set1_ps(scale);
+    int64_t d = 0;
+    for (; d + 32 <= D; d += 32) {
+        const __m512 lo = _mm512_mul_ps(_mm512_loadu_ps(row + d), times);
+        const __m512 hi = _mm512_mul_ps(_mm512_loadu_ps(row + d + 16), times);
+        uint32_t pairs[16];
+        _mm512_storeu_si512(pairs, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        for (int64_t j = 0; j < 16; j++) w->qp[(d / 2 + j) * MAX_R + r] = pairs[j];
+    }
+    for (; d < D; d += 2)
+        w->qp[d / 2 * MAX_R + r] = bf16_bits(row[d] * scale) | bf16_bits(row[d + 1] * scale) << 16;
+}
+#endif
+
 /* Rows [first, first + rows) of one sequence, heads [h0, h0 + G): their attention. */
 static void attend_tile(task_t *w, const float *q, const void *k, int bf16, const int64_t *table,
                         const int64_t *lens, float *out, int64_t first, int64_t rows, int64_t h0,
@@ -367,9 +404,7 @@ static void attend_tile(task_t *w, const float *q, const void *k, int bf16, cons
             const float *row = q + ((first + i) * H + h0 + g) * D;
 #if defined(__AVX512BF16__)
             if (bf16) /* scores_pairs' queries; the float32 ones go unused */
-                for (int64_t d = 0; d < D; d += 2)
-                    w->qp[d / 2 * MAX_R + r] = bf16_bits(row[d] * scale) |
-                                               bf16_bits(row[d + 1] * scale) << 16;
+                query_pairs(w, row, r, D, scale);
             else
 #endif
                 for (int64_t d = 0; d < D; d++) w->q[d * MAX_R + r] = row[d] * scale;

@@ -185,6 +185,8 @@ class Bf16Linear:
         self._product = library.bf16_linear
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2:  # rows of any leading shape
+            return self(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], self.out_features)
         x = x.to(torch.bfloat16).contiguous()
         y = torch.empty(x.shape[0], self.out_features, dtype=self.out_dtype)
         if x.shape[0]:
@@ -236,15 +238,7 @@ def make_expert_linear(
 ) -> Linear:
     """A routed expert's product: in bfloat16 on a CPU with AVX512-BF16 and no AMX tiles in
     use, packed for kernels/bf16_linear.c, whose grouped call runs a layer's experts at once
-    (moe.run_grouped); elsewhere make_linear's."""
-    library = bf16_linear_library() if packed and amx is None else None
-    if (
-        library is not None
-        and weight.dtype == torch.bfloat16
-        and weight.device.type == "cpu"
-        and weight.shape[1] % 2 == 0
-    ):
-        return Bf16Linear(library, weight, out_dtype=torch.bfloat16)
+    (moe.run_grouped); elsewhere make_linear's (the same choice as any product's)."""
     return make_linear(weight, None, packed, amx, row_invariant)
 
 
@@ -256,13 +250,32 @@ def make_linear(
     row_invariant: bool = False,
 ) -> Linear:
     """weight: [out, in] in the compute dtype and device. `packed`: a prepacked product
-    (`amx`, the AMX library, where the weight fits it; else oneDNN's); else a plain matmul, or
-    on a GPU with `row_invariant` (--deterministic) the Triton one of gpu/row_gemm.py. Which
-    one a weight gets depends on the weight alone, never on the rows it will meet."""
+    (`amx`, the AMX library, where the weight fits it; a bfloat16 weight on a CPU with
+    AVX512-BF16 and no AMX tiles in use, kernels/bf16_linear.c's; else oneDNN's); else a plain
+    matmul, or on a GPU with `row_invariant` (--deterministic) the Triton one of
+    gpu/row_gemm.py. Which one a weight gets depends on the weight and the machine alone, never
+    on the rows it will meet."""
     if row_invariant and weight.device.type == "cuda":
         from services.model.kernels.gpu.row_gemm import RowInvariantLinear
 
         return RowInvariantLinear(weight, bias)
     if packed and amx is not None and amx_fits(weight):
         return AmxLinear(amx, weight, bias)
+    if packed and amx is None and bf16_products(weight):
+        library = bf16_linear_library()
+        assert library is not None
+        return Bf16Linear(library, weight, bias, out_dtype=torch.bfloat16)
     return PackedLinear(weight, bias) if packed else DenseLinear(weight, bias)
+
+
+def bf16_products(weight: torch.Tensor) -> bool:
+    """Whether kernels/bf16_linear.c takes this weight: bfloat16 on a CPU that has
+    AVX512-BF16, an even number of inputs. There it is oneDNN's equal from 32 rows up and
+    faster below (1.1-1.7x at 1 row, 1.1-1.2x at 8: docs/benchmarks.md), with no first-call
+    cost for a new row count."""
+    return (
+        weight.dtype == torch.bfloat16
+        and weight.device.type == "cpu"
+        and weight.shape[1] % 2 == 0
+        and bf16_linear_library() is not None
+    )

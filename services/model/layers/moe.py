@@ -4,7 +4,8 @@ One layer serves Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek-V2/V3; config.MoeSha
 each routes. The routed experts run grouped: the (token, choice) pairs are sorted by expert and
 each active expert runs one product over its contiguous rows, never a loop over tokens; in
 bfloat16 on AVX512-BF16 CPUs (experts packed by linear.make_expert_linear) the whole layer's
-experts run in one C call (`grouped_bf16`), each expert's weights read once.
+experts run in one C call (`grouped_bf16`), each expert's weights read once; a dense or shared
+MLP packed the same way takes the same call, as one expert (gate/up, SiLU and down fused).
 
 Batch invariance: a token's output depends on its own row only. Each expert's products give a
 row the same bits at any row count (linear.py's prepacked products, as the dense layers), and
@@ -36,6 +37,10 @@ class DenseMlp:
     down: Linear  # ff -> hidden
 
     def __call__(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
+        if x.dim() == 2 and (packed := _grouped_library([self], x)) is not None:
+            # both products packed for bf16_linear.c: its fused call, as one expert's rows
+            rows = torch.arange(x.shape[0])
+            return grouped_bf16(*packed, x, 1, rows, torch.tensor([x.shape[0]]))
         return self.down(ops.silu_mul(self.gate_up(x)))
 
 

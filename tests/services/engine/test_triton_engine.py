@@ -92,13 +92,19 @@ def test_triton_kernels_give_the_default_kernels_tokens(model_dir, dtype):
 
 def assert_equal_up_to_a_near_tie(a, b, k: int = 5) -> None:
     """a's and b's tokens are equal, or equal up to a position where each one's token is among
-    the other's k most likely (after which they follow different texts)."""
+    the other's k most likely (after which they follow different texts), or, for a sampled
+    token, where both saw the same distribution (the same k most likely, each logprob within
+    0.05: the seeded draw fell at an edge between two tokens)."""
     assert len(a.token_ids) == len(b.token_ids)
     for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=True)):
         if x != y:
-            top_a = [t for t, _ in a.logprobs[i].top[:k]]
-            top_b = [t for t, _ in b.logprobs[i].top[:k]]
-            assert x in top_b and y in top_a, (i, a.token_ids, b.token_ids, top_a, top_b)
+            top_a, top_b = a.logprobs[i].top[:k], b.logprobs[i].top[:k]
+            tokens_a, tokens_b = [t for t, _ in top_a], [t for t, _ in top_b]
+            if x in tokens_b and y in tokens_a:
+                return
+            same = tokens_a == tokens_b
+            same &= all(abs(p - q) < 0.05 for (_, p), (_, q) in zip(top_a, top_b, strict=True))
+            assert same, (i, a.token_ids, b.token_ids, top_a, top_b)
             return
 
 

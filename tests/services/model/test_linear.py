@@ -9,9 +9,11 @@ import torch
 from services.model import kernels
 from services.model.layers.linear import (
     AmxLinear,
+    Bf16Linear,
     DenseLinear,
     PackedLinear,
     amx_linear_library,
+    bf16_linear_library,
     make_linear,
     packed_linear_available,
 )
@@ -91,15 +93,17 @@ def test_a_row_does_not_depend_on_the_other_rows(out_f, in_f, dtype, kind):
     reason="oneDNN packs no bfloat16 weights on this CPU (it needs avx512bw/vl/dq or "
     "avx_ne_convert): bfloat16 products stay plain matmuls here",
 )
-def test_amx_products_are_chosen_per_weight_where_the_tiles_run(monkeypatch):
+def test_products_are_chosen_per_weight_and_machine(monkeypatch):
     """bfloat16 weights that fit the tiles take them where a probe ran one (and PDSERVE_AMX is
-    not 0); float32, and shapes off the tiles' grid, stay on oneDNN; a plain matmul when not
-    packed."""
+    not 0), else kernels/bf16_linear.c's products where the CPU has AVX512-BF16; shapes off the
+    tiles' grid beside AMX, and float32, stay on oneDNN; a plain matmul when not packed."""
     weight = torch.randn(64, 64).to(torch.bfloat16)
     amx = amx_linear_library()
+    bf16 = Bf16Linear if bf16_linear_library() is not None else PackedLinear
     chosen = make_linear(weight, packed=True, amx=amx)
-    assert isinstance(chosen, AmxLinear if amx is not None else PackedLinear)
-    assert isinstance(make_linear(weight[:, :48], packed=True, amx=amx), PackedLinear)
+    assert isinstance(chosen, AmxLinear if amx is not None else bf16)
+    off_grid = make_linear(weight[:, :48], packed=True, amx=amx)
+    assert isinstance(off_grid, PackedLinear if amx is not None else bf16)
     assert isinstance(make_linear(weight.float(), packed=True, amx=amx), PackedLinear)
     assert isinstance(make_linear(weight, packed=False, amx=amx), DenseLinear)
     try:
