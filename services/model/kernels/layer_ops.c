@@ -139,3 +139,69 @@ void router_scores(const float *logits, float *out, int64_t rows, int64_t expert
         for (int64_t e = 0; e < experts; e++) y[e] = y[e] / sum;
     }
 }
+
+/* The experts each row of router scores ([rows, experts], float32) chooses, and their
+ * weights: layers/layer_ops.py select_experts, the reference, in one pass a row. choice = score
+ * + bias (when bias is given); with groups > 1 and method 1 (group_limited_greedy) or 2
+ * (noaux_tc), only the experts of the topk_group groups ranked best (by their best choice, or
+ * the sum of their best two) stay, the others set to 0 or -inf; then the top_k choices, best
+ * first (of equals the lower expert); weights = their scores, over (their sum in that order +
+ * 1e-20) when normalize, times scaling. A row's result depends on its row alone. */
+#define MAX_EXPERTS 1024
+#define MAX_GROUPS 64
+void router_select(const float *scores, const float *bias, int64_t rows, int64_t experts,
+                   int64_t groups, int64_t topk_group, int64_t top_k, int method,
+                   int normalize, float scaling, int64_t *ids, float *weights) {
+#pragma omp parallel for schedule(static) if (rows * experts >= PARALLEL_ELEMS)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *s = scores + r * experts;
+        float choice[MAX_EXPERTS];
+        for (int64_t e = 0; e < experts; e++) choice[e] = bias ? s[e] + bias[e] : s[e];
+        if (method && groups > 1) {
+            const int64_t per = experts / groups;
+            float rank[MAX_GROUPS];
+            int keep[MAX_GROUPS] = {0};
+            for (int64_t g = 0; g < groups; g++) {
+                float a = -INFINITY, b = -INFINITY; /* the group's best two */
+                for (int64_t i = 0; i < per; i++) {
+                    const float x = choice[g * per + i];
+                    if (x > a) {
+                        b = a;
+                        a = x;
+                    } else if (x > b) {
+                        b = x;
+                    }
+                }
+                rank[g] = method == 2 ? a + b : a;
+            }
+            for (int64_t t = 0; t < topk_group; t++) {
+                int64_t best = -1;
+                for (int64_t g = 0; g < groups; g++)
+                    if (!keep[g] && (best < 0 || rank[g] > rank[best])) best = g;
+                keep[best] = 1;
+            }
+            const float fill = method == 1 ? 0.0f : -INFINITY;
+            for (int64_t g = 0; g < groups; g++)
+                if (!keep[g])
+                    for (int64_t i = 0; i < per; i++) choice[g * per + i] = fill;
+        }
+        unsigned char taken[MAX_EXPERTS];
+        memset(taken, 0, (size_t)experts);
+        int64_t *id = ids + r * top_k;
+        float *w = weights + r * top_k, sum = 0.0f;
+        for (int64_t j = 0; j < top_k; j++) {
+            int64_t best = -1;
+            for (int64_t e = 0; e < experts; e++)
+                if (!taken[e] && (best < 0 || choice[e] > choice[best])) best = e;
+            taken[best] = 1;
+            id[j] = best;
+            w[j] = s[best];
+        }
+        if (normalize) {
+            for (int64_t j = 0; j < top_k; j++) sum += w[j];
+            const float d = sum + 1e-20f;
+            for (int64_t j = 0; j < top_k; j++) w[j] = w[j] / d;
+        }
+        for (int64_t j = 0; j < top_k; j++) w[j] = w[j] * scaling;
+    }
+}

@@ -16,6 +16,8 @@ Contract of a `LayerOps`:
 - `silu_mul(gate_up)` is silu(gate) * up for gate_up [T, 2 ff] = [gate | up].
 - `router_scores(logits, sigmoid)`: a MoE router's scores, float32 [T, experts]: sigmoid, or
   softmax over each row. Row by row, as the norm.
+- `router_select(scores, bias, shape)`: each row's chosen experts [T, k] (best first) and
+  their weights [T, k] float32, as MoeShape routes (`select_experts`). Row by row.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from services.model.config import ModelConfig
+from services.model.config import ModelConfig, MoeShape
 from services.model.layers.rope import Rotary, apply_rotary
 from services.settings import DEFAULTS
 
@@ -45,6 +47,10 @@ class LayerOps(Protocol):
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
 
     def router_scores(self, logits: torch.Tensor, sigmoid: bool) -> torch.Tensor: ...
+
+    def router_select(
+        self, scores: torch.Tensor, bias: torch.Tensor | None, shape: MoeShape
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -101,6 +107,11 @@ class TorchLayerOps:
     def router_scores(self, logits: torch.Tensor, sigmoid: bool) -> torch.Tensor:
         return logits.sigmoid() if sigmoid else logits.softmax(dim=-1)
 
+    def router_select(
+        self, scores: torch.Tensor, bias: torch.Tensor | None, shape: MoeShape
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return select_experts(scores, bias, shape)
+
 
 KERNEL_LANES = 16  # every row length the C kernels see is a multiple of this
 
@@ -115,6 +126,8 @@ class CpuLayerOps(TorchLayerOps):
         self._rotary = _bind(library.rotary, [p] * 6 + [i64] * 4 + [ctypes.c_int])
         self._silu_mul = _bind(library.silu_mul, [p] * 2 + [i64] * 2 + [ctypes.c_int])
         self._router = _bind(library.router_scores, [p] * 2 + [i64] * 2 + [ctypes.c_int])
+        select: list[type] = [p, p, i64, i64, i64, i64, i64, ctypes.c_int, ctypes.c_int, f32]
+        self._select = _bind(library.router_select, [*select, p, p])
         self.bf16 = int(rotary.cos.dtype == torch.bfloat16)
 
     def add_rms_norm(
@@ -169,6 +182,67 @@ class CpuLayerOps(TorchLayerOps):
         out = torch.empty_like(logits)
         self._router(logits.data_ptr(), out.data_ptr(), *logits.shape, int(sigmoid))
         return out
+
+    def router_select(
+        self, scores: torch.Tensor, bias: torch.Tensor | None, shape: MoeShape
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        method = SELECT_METHODS.get(shape.topk_method)
+        experts = scores.shape[1]
+        if (
+            method is None
+            or experts > 1024
+            or shape.n_group > 64
+            or experts % shape.n_group
+            or scores.dtype != torch.float32
+        ):
+            return super().router_select(scores, bias, shape)
+        scores = _contiguous(scores)
+        rows, k = scores.shape[0], shape.top_k
+        ids = torch.empty(rows, k, dtype=torch.int64)
+        weights = torch.empty(rows, k, dtype=torch.float32)
+        if bias is not None:
+            bias = _contiguous(bias.float())
+        self._select(
+            scores.data_ptr(), None if bias is None else bias.data_ptr(), rows, experts,
+            shape.n_group, shape.topk_group, k, method, int(shape.norm_topk_prob),
+            shape.routed_scaling_factor, ids.data_ptr(), weights.data_ptr(),
+        )  # fmt: skip
+        return weights, ids
+
+
+SELECT_METHODS = {"greedy": 0, "group_limited_greedy": 1, "noaux_tc": 2}  # router_select's
+
+
+def select_experts(
+    scores: torch.Tensor, bias: torch.Tensor | None, shape: MoeShape
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's weights [T, k] (float32) and chosen experts [T, k], best first: the top_k
+    of scores (+ bias, which steers the choice but not the weights), within the topk_group
+    best groups where the method limits them; weights renormalized to sum to 1 where the
+    shape says, times routed_scaling_factor."""
+    s = shape
+    choice = scores if bias is None else scores + bias
+    if s.topk_method in ("group_limited_greedy", "noaux_tc") and s.n_group > 1:
+        choice = best_groups(choice, s)
+    ids = choice.topk(s.top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if s.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * s.routed_scaling_factor, ids
+
+
+def best_groups(choice: torch.Tensor, s: MoeShape) -> torch.Tensor:
+    """`choice` with the experts outside each token's topk_group best groups masked out.
+    A group ranks by its best expert (V2) or the sum of its best two (V3's noaux_tc)."""
+    grouped = choice.view(choice.shape[0], s.n_group, -1)  # [T, groups, per group]
+    if s.topk_method == "noaux_tc":
+        rank = grouped.topk(2, dim=-1).values.sum(dim=-1)
+    else:
+        rank = grouped.amax(dim=-1)
+    best = rank.topk(s.topk_group, dim=-1).indices  # [T, topk_group]
+    keep = torch.zeros_like(rank, dtype=torch.bool).scatter_(1, best, True)
+    fill = 0.0 if s.topk_method == "group_limited_greedy" else float("-inf")
+    return grouped.masked_fill(~keep[..., None], fill).flatten(1)
 
 
 def _bind(fn: Any, argtypes: list[type]) -> Any:

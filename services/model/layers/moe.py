@@ -94,32 +94,11 @@ class Moe:
         return out
 
     def route(self, x: torch.Tensor, ops: LayerOps) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each token's chosen experts [T, k] and their weights [T, k] (float32)."""
+        """Each token's expert weights [T, k] (float32) and chosen experts [T, k]."""
         s = self.shape
         logits = self.gate(x.to(self.router_dtype)).float()  # [T, experts]
         scores = ops.router_scores(logits, sigmoid=s.scoring == "sigmoid")
-        choice = scores if self.correction_bias is None else scores + self.correction_bias
-        if s.topk_method in ("group_limited_greedy", "noaux_tc") and s.n_group > 1:
-            choice = self._best_groups(choice)
-        ids = choice.topk(s.top_k, dim=-1).indices
-        weights = scores.gather(1, ids)
-        if s.norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * s.routed_scaling_factor, ids
-
-    def _best_groups(self, choice: torch.Tensor) -> torch.Tensor:
-        """`choice` with the experts outside each token's topk_group best groups masked out.
-        A group ranks by its best expert (V2) or the sum of its best two (V3's noaux_tc)."""
-        s = self.shape
-        grouped = choice.view(choice.shape[0], s.n_group, -1)  # [T, groups, per group]
-        if s.topk_method == "noaux_tc":
-            rank = grouped.topk(2, dim=-1).values.sum(dim=-1)
-        else:
-            rank = grouped.amax(dim=-1)
-        best = rank.topk(s.topk_group, dim=-1).indices  # [T, topk_group]
-        keep = torch.zeros_like(rank, dtype=torch.bool).scatter_(1, best, True)
-        fill = 0.0 if s.topk_method == "group_limited_greedy" else float("-inf")
-        return grouped.masked_fill(~keep[..., None], fill).flatten(1)
+        return ops.router_select(scores, self.correction_bias, s)
 
     def routed(
         self,

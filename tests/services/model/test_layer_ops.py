@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -171,3 +173,59 @@ def test_kernels_only_for_row_lengths_they_take():
     assert torch.equal(made.add_rms_norm(h, None, weight, 1e-5), rms_norm(h, weight, 1e-5))
     gate_up = torch.randn(7, 2 * 24, generator=g)
     assert torch.equal(made.silu_mul(gate_up), reference.silu_mul(gate_up))
+
+
+ROUTINGS: dict[
+    str, dict[str, Any]
+] = {  # MoeShape fields: Mixtral's, DeepSeek-V2's, DeepSeek-V3's (noaux_tc), Qwen3-MoE's
+    "greedy": dict(num_experts=8, top_k=2),
+    "group_limited_greedy": dict(
+        num_experts=64, top_k=6, topk_method="group_limited_greedy", n_group=8, topk_group=3
+    ),
+    "noaux_tc": dict(
+        num_experts=256,
+        top_k=8,
+        topk_method="noaux_tc",
+        n_group=8,
+        topk_group=4,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        scoring="sigmoid",
+    ),
+    "normalized": dict(num_experts=128, top_k=8, norm_topk_prob=True),
+}
+
+
+@needs_kernel
+@pytest.mark.parametrize("routing", ROUTINGS)
+def test_router_select_chooses_as_the_reference_row_by_row(routing):
+    """The C kernel's experts equal torch's top-k (best first) for every routing, its weights
+    within a float32 rounding of the normalization's sum, and a row's choice and weights are
+    bit for bit the same alone as among 40 rows."""
+    from services.model.config import MoeShape
+    from services.model.layers.layer_ops import select_experts
+
+    shape = MoeShape(intermediate_size=16, layers=(0,), **ROUTINGS[routing])
+    cpu, _ = _ops(torch.float32)
+    logits = _randn(40, shape.num_experts, dtype=torch.float32, scale=3.0)
+    scores = cpu.router_scores(logits, sigmoid=shape.scoring == "sigmoid")
+    bias = _randn(shape.num_experts, dtype=torch.float32) if routing == "noaux_tc" else None
+    calls, kernel = [], cpu._select
+
+    def counted(*args: object) -> None:
+        calls.append(args)
+        kernel(*args)
+
+    cpu._select = counted
+    weights, ids = cpu.router_select(scores, bias, shape)
+    assert calls  # the C kernel's, not the reference's
+    ref_weights, ref_ids = select_experts(scores, bias, shape)
+    assert ids.shape == (40, shape.top_k) and ids.dtype == torch.int64
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_weights, rtol=2e-7, atol=0)
+    if shape.n_group > 1:  # every choice from a kept group: topk_group of them at most
+        groups = ids // (shape.num_experts // shape.n_group)
+        assert all(len(set(row)) <= shape.topk_group for row in groups.tolist())
+    for row in (0, 17, 39):
+        alone_w, alone_ids = cpu.router_select(scores[row : row + 1], bias, shape)
+        assert torch.equal(alone_ids[0], ids[row]) and torch.equal(alone_w[0], weights[row])
