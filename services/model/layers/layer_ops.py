@@ -193,6 +193,8 @@ class CpuLayerOps(TorchLayerOps):
             or experts > 1024
             or shape.n_group > 64
             or experts % shape.n_group
+            or not 0 < shape.top_k <= experts  # (torch's topk says what is wrong)
+            or not 0 < shape.topk_group <= shape.n_group
             or scores.dtype != torch.float32
         ):
             return super().router_select(scores, bias, shape)

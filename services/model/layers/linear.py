@@ -233,15 +233,6 @@ def make_logits_linear(
     return make_linear(weight, None, packed, amx, row_invariant)
 
 
-def make_expert_linear(
-    weight: torch.Tensor, packed: bool, amx: ctypes.CDLL | None, row_invariant: bool
-) -> Linear:
-    """A routed expert's product: in bfloat16 on a CPU with AVX512-BF16 and no AMX tiles in
-    use, packed for kernels/bf16_linear.c, whose grouped call runs a layer's experts at once
-    (moe.run_grouped); elsewhere make_linear's (the same choice as any product's)."""
-    return make_linear(weight, None, packed, amx, row_invariant)
-
-
 def make_linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,

@@ -3,7 +3,7 @@
 One layer serves Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek-V2/V3; config.MoeShape says how
 each routes. The routed experts run grouped: the (token, choice) pairs are sorted by expert and
 each active expert runs one product over its contiguous rows, never a loop over tokens; in
-bfloat16 on AVX512-BF16 CPUs (experts packed by linear.make_expert_linear) the whole layer's
+bfloat16 on AVX512-BF16 CPUs (experts packed by linear.make_linear) the whole layer's
 experts run in one C call (`grouped_bf16`), each expert's weights read once; a dense or shared
 MLP packed the same way takes the same call, as one expert (gate/up, SiLU and down fused).
 
@@ -169,7 +169,7 @@ def _grouped_library(
     modules: Sequence[object], x: torch.Tensor
 ) -> tuple[ctypes.CDLL, list[tuple[Bf16Linear, Bf16Linear]]] | None:
     """kernels/bf16_linear.c and each module's (gate_up, down) where every module is a SwiGLU
-    expert whose products it packed (linear.make_expert_linear) and x is bfloat16, else None."""
+    expert whose products it packed (linear.make_linear) and x is bfloat16, else None."""
     if x.dtype != torch.bfloat16 or not modules:
         return None
     pairs: list[tuple[Bf16Linear, Bf16Linear]] = []

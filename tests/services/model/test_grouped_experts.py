@@ -12,7 +12,7 @@ from services.model.layers.linear import (
     Bf16Linear,
     PackedLinear,
     bf16_linear_library,
-    make_expert_linear,
+    make_linear,
 )
 from services.model.layers.moe import DenseMlp, _grouped_library, run_grouped
 
@@ -88,8 +88,8 @@ class _SiluMul:
 
 def test_experts_are_packed_for_the_grouped_call_only_in_bfloat16():
     weight = torch.randn(64, 32)
-    assert isinstance(make_expert_linear(weight.bfloat16(), True, None, False), Bf16Linear)
-    assert isinstance(make_expert_linear(weight, True, None, False), PackedLinear)
+    assert isinstance(make_linear(weight.bfloat16(), None, True, None, False), Bf16Linear)
+    assert isinstance(make_linear(weight, None, True, None, False), PackedLinear)
     modules, _ = _experts()
     x, _ = _rows(2, 3)
     assert _grouped_library(modules, x.float()) is None  # float32 rows: one by one

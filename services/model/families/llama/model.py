@@ -18,7 +18,6 @@ in the last bits with the batch, and greedy outputs can differ where two logits 
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -35,7 +34,6 @@ from services.model.layers.layer_ops import LayerOps, default_layer_ops, rms_nor
 from services.model.layers.linear import (
     Linear,
     amx_linear_library,
-    make_expert_linear,
     make_linear,
     make_logits_linear,
     packed_linear_available,
@@ -137,11 +135,9 @@ class DecoderModel:
             bias: bool = False,
             missing_bias_ok: bool = False,
             keep_float32: bool = False,
-            expert: bool = False,
         ) -> Linear:
             # several [out, in] matrices stacked into one [sum(out), in]; a matrix without a
-            # bias of its own (where `missing_bias_ok`) adds zeros; `expert`: a routed
-            # expert's, packed for the grouped kernel where it runs
+            # bias of its own (where `missing_bias_ok`) adds zeros
             if fp8 is not None and self.kernels == "triton" and not (keep_float32 or bias):
                 kept = _fp8_linear(weights, names, fp8, self.device)
                 if kept is not None:
@@ -157,8 +153,6 @@ class DecoderModel:
                         for n in names
                     ]
                 )
-            if expert and b is None:
-                return make_expert_linear(weight, packed, amx, self.deterministic)
             return make_linear(weight, b, packed, amx, self.deterministic)
 
         self.embed = w("model.embed_tokens.weight")  # [vocab, hidden]
@@ -211,10 +205,9 @@ class DecoderModel:
 
         def expert(j: int) -> DenseMlp:
             e = f"{p}experts.{j}."
-            routed = functools.partial(linear, expert=True)
             if w1w3w2:
-                return DenseMlp(routed(e + "w1", e + "w3"), routed(e + "w2"))
-            return _mlp(e, routed)
+                return DenseMlp(linear(e + "w1", e + "w3"), linear(e + "w2"))
+            return _mlp(e, linear)
 
         shared = None
         if moe.shared_intermediate_size:
