@@ -1,5 +1,6 @@
 """The model's products by a weight, bfloat16: AMX tiles (ours), oneDNN held to AVX-512, and
-oneDNN on AMX, on the embedded model's shapes at the row counts a server sees.
+oneDNN on AMX, on the embedded model's shapes at the row counts a server sees. On a CPU with
+AVX512-BF16 and no AMX tiles: kernels/bf16_linear.c (ours there) against oneDNN.
 
     python -m bench.linear [--rows 1,8,32,256,512,1024] [--rounds 30]
 
@@ -23,7 +24,13 @@ from collections.abc import Callable
 
 import torch
 
-from services.model.layers.linear import AmxLinear, PackedLinear, amx_linear_library
+from services.model.layers.linear import (
+    AmxLinear,
+    Bf16Linear,
+    PackedLinear,
+    amx_linear_library,
+    bf16_linear_library,
+)
 
 # (out, in) of the embedded model's q/k/v, o, gate/up and down products and its output head
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
@@ -46,16 +53,21 @@ def cases(rows: list[int]) -> list[tuple[int, int, int]]:
 
 def measure(kind: str, rows: list[int], rounds: int) -> dict[str, float]:
     """Seconds per call, by "out,in,rows", for `kind` (tiles or onednn)."""
-    amx = amx_linear_library()
+    amx, bf16 = amx_linear_library(), bf16_linear_library()
     out: dict[str, float] = {}
     for out_f, in_f, m in cases(rows):
         gen = torch.Generator().manual_seed(out_f + in_f)
         weight = (torch.randn(out_f, in_f, generator=gen) / in_f**0.5).to(torch.bfloat16)
         x = torch.randn(m, in_f, generator=gen).to(torch.bfloat16)
+        linear: AmxLinear | Bf16Linear | PackedLinear
         if kind == "tiles":
             if amx is None:
                 continue
-            linear: AmxLinear | PackedLinear = AmxLinear(amx, weight)
+            linear = AmxLinear(amx, weight)
+        elif kind == "bf16":
+            if bf16 is None:
+                continue
+            linear = Bf16Linear(bf16, weight, out_dtype=torch.bfloat16)
         else:
             linear = PackedLinear(weight)
         out[f"{out_f},{in_f},{m}"] = fastest(linear, x, rounds)
@@ -73,8 +85,10 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(measure(args.only, rows, args.rounds)))
         return 0
     if amx_linear_library() is None:
-        print("no AMX tiles here (CPU, compiler or PDSERVE_AMX=0): nothing to compare")
-        return 1
+        if bf16_linear_library() is None:
+            print("neither AMX tiles nor AVX512-BF16 here: nothing to compare")
+            return 1
+        return bf16_table(rows, args.rounds)
     tiles, held = measure("tiles", rows, args.rounds), measure("onednn", rows, args.rounds)
     child = subprocess.run(
         [
@@ -107,6 +121,25 @@ def main(argv: list[str] | None = None) -> int:
             f"| {out_f} x {in_f} | {m} | {seconds * 1e6:.0f} | {flop / seconds / 1e9:.0f} | "
             f"{held[key] * 1e6:.0f} | {onednn_amx[key] * 1e6:.0f} | "
             f"{held[key] / seconds:.2f}x | {onednn_amx[key] / seconds:.2f}x |"
+        )
+    return 0
+
+
+def bf16_table(rows: list[int], rounds: int) -> int:
+    """kernels/bf16_linear.c against oneDNN, where the CPU has AVX512-BF16 and no AMX."""
+    ours, onednn = measure("bf16", rows, rounds), measure("onednn", rows, rounds)
+    print(f"bfloat16 products, {torch.get_num_threads()} threads, fastest of {rounds} calls")
+    print(
+        "\n| out x in | rows | bf16_linear.c us | GFLOP/s | oneDNN us | GFLOP/s | ours vs oneDNN |"
+    )
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for key, seconds in ours.items():
+        out_f, in_f, m = map(int, key.split(","))
+        flop = 2 * out_f * in_f * m
+        print(
+            f"| {out_f} x {in_f} | {m} | {seconds * 1e6:.0f} | {flop / seconds / 1e9:.0f} | "
+            f"{onednn[key] * 1e6:.0f} | {flop / onednn[key] / 1e9:.0f} | "
+            f"{onednn[key] / seconds:.2f}x |"
         )
     return 0
 

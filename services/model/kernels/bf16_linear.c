@@ -10,7 +10,7 @@
  * Every y[r, n] is one lane of one accumulator, summed from zero over k two at a time in
  * order, then the bias added: the same instructions in the same order whatever the number of
  * rows, a row's place among them or the tile it falls in, so a row has the same bits alone or
- * in any batch. Threads split the columns, never a sum.
+ * in any batch. Threads split the columns and the rows, never a sum.
  *
  * The weight is packed once (bf16_linear_pack) into panels of 16 columns with pairs of k
  * interleaved, one 64-byte vector per pair: w[16p + j, 2i + e] at ((p * K/2 + i) * 16 + j) * 2
@@ -67,6 +67,12 @@ static inline __attribute__((always_inline)) void tile(
     __m512 acc[ROWS][PANELS];
     for (int r = 0; r < rows; r++)
         for (int p = 0; p < panels; p++) acc[r][p] = _mm512_setzero_ps();
+    /* the lines this tile writes, asked for now: their reads for ownership go on while it
+     * sums instead of stalling its stores (a tile of a long product writes lines not cached) */
+    const int size = mode == STORE_F32 ? 4 : 2, cols = mode == SWIGLU ? 2 * PANEL : panels * PANEL;
+    for (int r = 0; r < rows; r++)
+        for (int b = 0; b < cols * size; b += 64)
+            _m_prefetchw((char *)yr[r] + c0 * size + b);
     for (int64_t i = 0; i < k / 2; i++) {
         __m512bh b[PANELS];
         for (int p = 0; p < panels; p++)
@@ -143,22 +149,25 @@ int bf16_linear(const uint16_t *x, const uint16_t *packed, const float *bias, vo
                 int64_t rows, int64_t n, int64_t k, int out_bf16) {
 #ifdef HAVE_BF16
     const int64_t groups = ((n + PANEL - 1) / PANEL + PANELS - 1) / PANELS;
-    const int64_t size = out_bf16 ? 2 : 4;
+    const int64_t size = out_bf16 ? 2 : 4, tiles = (rows + ROWS - 1) / ROWS;
 #pragma omp parallel if (rows * n * k >= PARALLEL)
     {
         const uint16_t *xr[ROWS];
         void *yr[ROWS];
+        /* (column group, row tile) pieces in that order, an even share each: a thread's
+         * tiles of one group follow each other (its weights stay in cache), and a product
+         * with few groups (576 columns: 9) still splits evenly. */
 #pragma omp for schedule(static)
-        for (int64_t g = 0; g < groups; g++)
-            for (int64_t r = 0; r < rows; r += ROWS) {
-                const int64_t tile_rows = rows - r < ROWS ? rows - r : ROWS;
-                for (int64_t i = 0; i < tile_rows; i++) {
-                    xr[i] = x + (r + i) * k;
-                    yr[i] = (char *)y + (r + i) * n * size;
-                }
-                column_group(xr, yr, tile_rows, packed, bias, n, k, g,
-                             out_bf16 ? STORE_BF16 : STORE_F32);
+        for (int64_t item = 0; item < groups * tiles; item++) {
+            const int64_t g = item / tiles, r = item % tiles * ROWS;
+            const int64_t tile_rows = rows - r < ROWS ? rows - r : ROWS;
+            for (int64_t i = 0; i < tile_rows; i++) {
+                xr[i] = x + (r + i) * k;
+                yr[i] = (char *)y + (r + i) * n * size;
             }
+            column_group(xr, yr, tile_rows, packed, bias, n, k, g,
+                         out_bf16 ? STORE_BF16 : STORE_F32);
+        }
     }
     return 1;
 #else
@@ -173,8 +182,8 @@ int bf16_linear(const uint16_t *x, const uint16_t *packed, const float *bias, vo
  * gate_up[e] x (float32 sums), y = bfloat16(down[e] a). gate_up[e] [2 ff, hidden] and down[e]
  * [hidden, ff] are packed by bf16_linear_pack; act: bfloat16 [choices, ff]. Each output is
  * summed as bf16_linear sums it, so a choice's bits depend on its row and expert alone.
- * Threads take (expert, column group) pieces, each expert's weights read once a call. ff is
- * a multiple of 32. Returns 0 where built without AVX512-BF16. */
+ * Threads take (expert, column group) pieces, or parts of an expert's rows too where pieces
+ * are few; each expert's weights read once a call. ff is a multiple of 32. Returns 0 where built without AVX512-BF16. */
 int bf16_experts(const uint16_t *x, const int64_t *src, const int64_t *dst,
                  const int64_t *start, int64_t experts, const uint16_t *const *gate_up,
                  const uint16_t *const *down, uint16_t *act, uint16_t *y, int64_t hidden,
@@ -183,6 +192,9 @@ int bf16_experts(const uint16_t *x, const int64_t *src, const int64_t *dst,
     const int64_t choices = start[experts], pairs = ff / (2 * PANEL);
     const int64_t down_groups = ((hidden + PANEL - 1) / PANEL + PANELS - 1) / PANELS;
     const int64_t up_panel = (hidden / 2) * PANEL * 2;
+    /* the down products' rows in parts where its pieces are few (one dense MLP of 576
+     * columns: 9), so the threads' shares stay even */
+    const int64_t parts = experts * down_groups >= 32 ? 1 : 4;
 #pragma omp parallel if (choices * 3 * ff * hidden >= PARALLEL)
     {
         const uint16_t *xr[ROWS], *wp[PANELS];
@@ -205,9 +217,12 @@ int bf16_experts(const uint16_t *x, const int64_t *src, const int64_t *dst,
             }
         }
 #pragma omp for schedule(dynamic)
-        for (int64_t item = 0; item < experts * down_groups; item++) {
-            const int64_t e = item / down_groups, g = item % down_groups;
-            for (int64_t r = start[e]; r < start[e + 1]; r += ROWS) {
+        for (int64_t item = 0; item < experts * down_groups * parts; item++) {
+            const int64_t e = item / (down_groups * parts), g = item / parts % down_groups;
+            const int64_t tiles = (start[e + 1] - start[e] + ROWS - 1) / ROWS, c = item % parts;
+            const int64_t first = start[e] + tiles * c / parts * ROWS;
+            const int64_t end = start[e] + tiles * (c + 1) / parts * ROWS;
+            for (int64_t r = first; r < end && r < start[e + 1]; r += ROWS) {
                 const int64_t rows = start[e + 1] - r < ROWS ? start[e + 1] - r : ROWS;
                 for (int64_t i = 0; i < rows; i++) {
                     xr[i] = act + (r + i) * ff;

@@ -17,8 +17,9 @@ LIBRARY = bf16_linear_library()
 pytestmark = pytest.mark.skipif(
     LIBRARY is None, reason="no AVX512-BF16 here (or no C compiler): the head rounds to bfloat16"
 )
-# (out, in): the embedded model's head, and sizes that leave partial panels and tiles
-SHAPES = [(49152, 576), (37, 64), (100, 96), (16, 2)]
+# (out, in): the embedded model's head and its o product (9 column groups: the threads split
+# the rows too), and sizes that leave partial panels and tiles
+SHAPES = [(49152, 576), (576, 576), (37, 64), (100, 96), (16, 2)]
 
 
 def _inputs(out_f: int, in_f: int, rows: int) -> tuple[torch.Tensor, ...]:

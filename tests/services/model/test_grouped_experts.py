@@ -76,6 +76,7 @@ def test_a_choice_has_the_same_bits_whatever_shares_the_call():
     rows = (keys == 2).nonzero()[:, 0]
     alone = modules[2](x[rows // K], ops=_SiluMul())
     assert alone.shape == (len(rows), HIDDEN)
+    assert torch.equal(alone, every[rows])  # its down product's rows split in parts there
 
 
 class _SiluMul:
