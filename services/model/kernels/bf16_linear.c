@@ -85,12 +85,19 @@ static inline __attribute__((always_inline)) void tile(
         }
     }
     if (mode == SWIGLU) {
+        vf gate[ROWS * 2], e[ROWS * 2]; /* silu(g) = g / (1 + e^-g), the twelve together */
         for (int r = 0; r < rows; r++)
             for (int p = 0; p < 2; p++) {
-                vf gate, up;
-                memcpy(&gate, &acc[r][p], sizeof gate);
+                memcpy(&gate[2 * r + p], &acc[r][p], sizeof(vf));
+                gate[2 * r + p] = -gate[2 * r + p];
+            }
+        vexp_n(e, gate, 2 * rows);
+        for (int r = 0; r < rows; r++)
+            for (int p = 0; p < 2; p++) {
+                vf up;
                 memcpy(&up, &acc[r][p + 2], sizeof up);
-                store(yr[r], c0 + p * PANEL, gate / (1.0f + vexp(-gate)) * up, 1);
+                const vf g = -gate[2 * r + p];
+                store(yr[r], c0 + p * PANEL, g / (1.0f + e[2 * r + p]) * up, 1);
             }
         return;
     }

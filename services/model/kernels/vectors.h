@@ -88,23 +88,33 @@ INLINE vf select(vi mask, vf a, vf b) { return (vf)(((vi)a & ~mask) | ((vi)b & m
 /* e^x to a few ulp for x in [-87, 88] (clamped to it): x = n ln2 + r, |r| <= ln2 / 2 (ln2 in
  * two parts, the first exact in n ln2, so r stays accurate for large n), e^r by its Taylor
  * polynomial to r^7, times 2^n built in the exponent bits. Below -87 it returns about e^-87,
- * not 0: callers zero what must be exactly 0. */
-INLINE vf vexp(vf x) {
+ * not 0: callers zero what must be exactly 0. e[i] = e^x[i] for `count` vectors (at most
+ * EXP_MAX), each step over all of them before the next: their chains side by side, not one
+ * after another (a tile's twelve SiLUs took 8% of a dense MLP one by one). */
+#define EXP_MAX 16
+INLINE void vexp_n(vf *e, const vf *x, int count) {
     const vf lo = (vf){0} - 87.0f, hi = (vf){0} + 88.0f, half = (vf){0} + 0.5f;
-    x = select(x < lo, x, lo);
-    x = select(x > hi, x, hi);
-    vf t = x * 1.44269504f;
-    vi n = __builtin_convertvector(t + select(t < 0, half, -half), vi); /* nearest */
-    const vf nf = __builtin_convertvector(n, vf);
-    vf r = (x - nf * 0.693145752f) - nf * 1.42860677e-6f;
-    vf p = r * (1.0f / 5040) + 1.0f / 720;
-    p = p * r + 1.0f / 120;
-    p = p * r + 1.0f / 24;
-    p = p * r + 1.0f / 6;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    return (vf)((vi)p + (n << 23));
+    static const float taylor[] = {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};
+    vi n[EXP_MAX];
+    vf r[EXP_MAX];
+    for (int i = 0; i < count; i++) {
+        vf v = select(x[i] < lo, x[i], lo);
+        v = select(v > hi, v, hi);
+        const vf t = v * 1.44269504f;
+        n[i] = __builtin_convertvector(t + select(t < 0, half, -half), vi); /* nearest */
+        const vf nf = __builtin_convertvector(n[i], vf);
+        r[i] = (v - nf * 0.693145752f) - nf * 1.42860677e-6f;
+        e[i] = r[i] * (1.0f / 5040) + 1.0f / 720;
+    }
+    for (int step = 0; step < 6; step++)
+        for (int i = 0; i < count; i++) e[i] = e[i] * r[i] + taylor[step];
+    for (int i = 0; i < count; i++) e[i] = (vf)((vi)e[i] + (n[i] << 23));
+}
+
+INLINE vf vexp(vf x) {
+    vf e;
+    vexp_n(&e, &x, 1);
+    return e;
 }
 
 #endif
