@@ -1,5 +1,9 @@
 """Serving, end to end, against the peers, with the same client: each server started alone on
-this machine, the same scenarios run on it, fresh prompts (seeds) per run.
+this machine, the same scenarios run on it. Every server gets the same requests: a scenario's
+prompts and its Poisson arrival times come from one seed per scenario (`--seed` + its place in
+SCENARIOS), the same for each server and different between scenarios (a server never sees a
+prompt twice). With a seed per server, 30 arrivals at 1/s offered each server its own load
+(their span's spread is ~18%), and near capacity that, not the server, decided the TTFT.
 
     python -m bench.serving --out results/serving \\
         [--vllm-python /work/peers/vllm/bin/python --model-dir /work/peers/smollm2] \\
@@ -230,7 +234,8 @@ def run_scenarios(name: str, command: list[str], args: argparse.Namespace) -> di
         )
         for key in args.scenarios.split(","):
             result = args.out / f"{slug}-{key}.json"
-            cmd = client_command(args, url, SCENARIOS[key], random.getrandbits(30), result)
+            seed = args.seed + list(SCENARIOS).index(key)  # the same for every server
+            cmd = client_command(args, url, SCENARIOS[key], seed, result)
             print(f"{name}: {SCENARIOS[key].label}", flush=True)
             subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL, env=client_env)
             results[key] = result
@@ -317,7 +322,14 @@ def main() -> None:
         choices=["float32", "bfloat16"],
         help="every server's dtype (default: each its best on this CPU)",
     )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=random.getrandbits(30),
+        help="the requests' seed (scenario i: seed + i; default: drawn once per invocation)",
+    )
     args = p.parse_args()
+    print(f"seed {args.seed}", flush=True)
     if args.vllm_python and not args.model_dir:
         p.error("--vllm-python needs --model-dir")
     unknown = set(args.scenarios.split(",")) - set(SCENARIOS)
