@@ -88,6 +88,44 @@ def test_a_row_does_not_depend_on_the_other_rows(out_f, in_f, dtype, kind):
         assert torch.equal(linear(x[:m]), every[:m]), f"{m} rows"
 
 
+@pytest.mark.parametrize(("out_f", "in_f"), SHAPES[:4])
+@pytest.mark.parametrize(("dtype", "kind"), [*KINDS, pytest.param("bfloat16", "bf16_linear")])
+def test_a_slice_of_the_columns_gives_the_same_bits(out_f, in_f, dtype, kind):
+    """What exact tensor parallelism stands on (docs/parallel.md): a rank holding some of a
+    weight's output columns computes those columns' bits as the whole weight does, at every
+    row count, so splitting by columns and gathering changes no answer."""
+    dtype = DTYPES[dtype]
+    amx, bf16 = amx_linear_library(), bf16_linear_library()
+    if kind == "onednn" and not packed_linear_available(CPU, dtype):
+        pytest.skip(f"oneDNN does not pack {dtype} here")
+    if kind == "amx" and amx is None:
+        pytest.skip("AMX products: on CPUs whose tiles run")
+    if kind == "bf16_linear" and bf16 is None:
+        pytest.skip("no AVX512-BF16 here (or no C compiler)")
+
+    def product(w: torch.Tensor) -> AmxLinear | Bf16Linear | PackedLinear:
+        if kind == "amx":
+            assert amx is not None
+            return AmxLinear(amx, w)
+        if kind == "bf16_linear":
+            assert bf16 is not None
+            return Bf16Linear(bf16, w, out_dtype=torch.bfloat16)
+        return PackedLinear(w)
+
+    gen = torch.Generator().manual_seed(2)
+    weight = (torch.randn(out_f, in_f, generator=gen) / in_f**0.5).to(dtype)
+    whole = product(weight)
+    for parts in (2, 3):
+        step = out_f // parts  # whole panels of 16 columns: 576 / 3 = 192
+        slices = [product(weight[j * step : (j + 1) * step].contiguous()) for j in range(parts)]
+        for m in (1, 7, 300):
+            x = torch.randn(m, in_f, generator=gen).to(dtype)
+            every = whole(x)
+            for j, piece in enumerate(slices):
+                cols = slice(j * step, (j + 1) * step)
+                assert torch.equal(piece(x), every[:, cols]), f"{parts} parts, {m} rows, {j}"
+
+
 @pytest.mark.skipif(
     not packed_linear_available(torch.device("cpu"), torch.bfloat16),
     reason="oneDNN packs no bfloat16 weights on this CPU (it needs avx512bw/vl/dq or "
