@@ -148,7 +148,52 @@ static void column_group(const uint16_t *const *xr, void *const *yr, int64_t row
         any_tile(xr + r, wp, bias, yr + r, n, k, first * PANEL, tile_rows, used, mode);
     }
 }
+
+/* Phase one of bf16_experts: act row i = bfloat16(silu(gate) * up) of choice i through its
+ * expert (choices [start[e], start[e + 1]) through expert e, reading row src[i] of x, or row
+ * i where src is NULL). Threads take (expert, 32 columns) pieces; called inside a parallel
+ * region. */
+static void swiglu(const uint16_t *x, const int64_t *src, const int64_t *start, int64_t experts,
+                   const uint16_t *const *gate_up, uint16_t *act, int64_t hidden, int64_t ff) {
+    const int64_t pairs = ff / (2 * PANEL), up_panel = (hidden / 2) * PANEL * 2;
+    const uint16_t *xr[ROWS], *wp[PANELS];
+    void *yr[ROWS];
+    /* gate and up panels of the same 32 columns, their SiLU product straight to act */
+#pragma omp for schedule(dynamic)
+    for (int64_t item = 0; item < experts * pairs; item++) {
+        const int64_t e = item / pairs, g = item % pairs;
+        for (int p = 0; p < 2; p++) {
+            wp[p] = gate_up[e] + (2 * g + p) * up_panel;
+            wp[p + 2] = gate_up[e] + (ff / PANEL + 2 * g + p) * up_panel;
+        }
+        for (int64_t r = start[e]; r < start[e + 1]; r += ROWS) {
+            const int rows = (int)(start[e + 1] - r < ROWS ? start[e + 1] - r : ROWS);
+            for (int i = 0; i < rows; i++) {
+                xr[i] = x + (src ? src[r + i] : r + i) * hidden;
+                yr[i] = act + (r + i) * ff;
+            }
+            any_tile(xr, wp, NULL, yr, ff, hidden, g * 2 * PANEL, rows, PANELS, SWIGLU);
+        }
+    }
+}
 #endif
+
+/* act [rows, ff] = bfloat16(silu(gate) * up) of x [rows, hidden], gate | up = gate_up x
+ * (gate_up [2 ff, hidden] packed by bf16_linear_pack, float32 sums): the first half of a
+ * dense MLP as bf16_experts computes it, bit for bit (a tensor-parallel rank's own columns,
+ * docs/parallel.md). ff a multiple of 32. Returns 0 where built without AVX512-BF16. */
+int bf16_swiglu(const uint16_t *x, const uint16_t *gate_up, uint16_t *act, int64_t rows,
+                int64_t hidden, int64_t ff) {
+#ifdef HAVE_BF16
+    const int64_t start[2] = {0, rows};
+#pragma omp parallel if (rows * 2 * ff * hidden >= PARALLEL)
+    swiglu(x, NULL, start, 1, &gate_up, act, hidden, ff);
+    return 1;
+#else
+    (void)x, (void)gate_up, (void)act, (void)rows, (void)hidden, (void)ff;
+    return 0;
+#endif
+}
 
 /* y [rows, n] = x [rows, k] w^T (+ bias [n], float32), float32 or bfloat16 (`out_bf16`);
  * packed by bf16_linear_pack. Returns 0 where the library was built without AVX512-BF16. */
@@ -190,39 +235,23 @@ int bf16_linear(const uint16_t *x, const uint16_t *packed, const float *bias, vo
  * [hidden, ff] are packed by bf16_linear_pack; act: bfloat16 [choices, ff]. Each output is
  * summed as bf16_linear sums it, so a choice's bits depend on its row and expert alone.
  * Threads take (expert, column group) pieces, or parts of an expert's rows too where pieces
- * are few; each expert's weights read once a call. ff is a multiple of 32. Returns 0 where built without AVX512-BF16. */
+ * are few; each expert's weights read once a call. ff is a multiple of 32. Returns 0 where
+ * built without AVX512-BF16. */
 int bf16_experts(const uint16_t *x, const int64_t *src, const int64_t *dst,
                  const int64_t *start, int64_t experts, const uint16_t *const *gate_up,
                  const uint16_t *const *down, uint16_t *act, uint16_t *y, int64_t hidden,
                  int64_t ff) {
 #ifdef HAVE_BF16
-    const int64_t choices = start[experts], pairs = ff / (2 * PANEL);
+    const int64_t choices = start[experts];
     const int64_t down_groups = ((hidden + PANEL - 1) / PANEL + PANELS - 1) / PANELS;
-    const int64_t up_panel = (hidden / 2) * PANEL * 2;
     /* the down products' rows in parts where its pieces are few (one dense MLP of 576
      * columns: 9), so the threads' shares stay even */
     const int64_t parts = experts * down_groups >= 32 ? 1 : 4;
 #pragma omp parallel if (choices * 3 * ff * hidden >= PARALLEL)
     {
-        const uint16_t *xr[ROWS], *wp[PANELS];
+        const uint16_t *xr[ROWS];
         void *yr[ROWS];
-        /* gate and up panels of the same 32 columns, their SiLU product straight to act */
-#pragma omp for schedule(dynamic)
-        for (int64_t item = 0; item < experts * pairs; item++) {
-            const int64_t e = item / pairs, g = item % pairs;
-            for (int p = 0; p < 2; p++) {
-                wp[p] = gate_up[e] + (2 * g + p) * up_panel;
-                wp[p + 2] = gate_up[e] + (ff / PANEL + 2 * g + p) * up_panel;
-            }
-            for (int64_t r = start[e]; r < start[e + 1]; r += ROWS) {
-                const int rows = (int)(start[e + 1] - r < ROWS ? start[e + 1] - r : ROWS);
-                for (int i = 0; i < rows; i++) {
-                    xr[i] = x + src[r + i] * hidden;
-                    yr[i] = act + (r + i) * ff;
-                }
-                any_tile(xr, wp, NULL, yr, ff, hidden, g * 2 * PANEL, rows, PANELS, SWIGLU);
-            }
-        }
+        swiglu(x, src, start, experts, gate_up, act, hidden, ff);
 #pragma omp for schedule(dynamic)
         for (int64_t item = 0; item < experts * down_groups * parts; item++) {
             const int64_t e = item / (down_groups * parts), g = item / parts % down_groups;

@@ -214,6 +214,7 @@ def bf16_linear_library() -> ctypes.CDLL | None:
     library.bf16_linear_pack.argtypes = [pointer, pointer, size, size]
     library.bf16_linear.argtypes = [pointer] * 4 + [size] * 3 + [ctypes.c_int]
     library.bf16_experts.argtypes = [pointer] * 4 + [size] + [pointer] * 4 + [size] * 2
+    library.bf16_swiglu.argtypes = [pointer] * 3 + [size] * 3
     return library
 
 

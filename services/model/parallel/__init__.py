@@ -1,0 +1,1 @@
+"""Splitting one worker's model over several processes (docs/parallel.md)."""

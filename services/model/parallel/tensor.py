@@ -1,0 +1,162 @@
+"""Exact tensor parallelism for the Llama family's dense models (docs/parallel.md).
+
+M ranks (processes) each hold a slice of every product by its output columns: its query and
+KV heads (and their KV cache), its columns of o, of the MLP's gate/up and down, and of the
+head's vocabulary. Where a product needs its whole input (o reads every head's output, down
+every MLP column), the ranks all-gather the input; where the next step needs the whole output
+(the residual stream, the logits), they all-gather the output. No output is ever summed from
+partial sums, so each is one rank's whole sum in the order one process takes
+(tests/services/model/test_linear.py: a slice of the columns gives the same bits), and a
+rank's logits equal one process's bit for bit: greedy and seeded tokens and logprobs do not
+depend on M. The embedding and the norms stay whole on every rank.
+
+Every rank runs the same engine on the same requests (SPMD): their batches, and so their
+collectives, are the same step by step, because their logits are.
+
+`shard(config, weights, rank, size)` cuts a checkpoint's weights for one rank; `parallelize
+(model, group)` puts the exchanges around the products of a model built from them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from services.model.config import ModelConfig
+from services.model.layers.layer_ops import LayerOps
+from services.model.layers.linear import Bf16Linear, Linear, bf16_linear_library
+from services.model.layers.moe import DenseMlp
+
+SWIGLU_COLUMNS = 32  # the grouped kernel's SiLU takes 32 columns at a time
+
+
+@dataclass(frozen=True)
+class TensorGroup:
+    """The ranks of one tensor-parallel group, this process's place among them."""
+
+    group: Any  # a torch.distributed process group (gloo on CPUs, NCCL on GPUs)
+    rank: int
+    size: int
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's x side by side along the last dimension, rank 0's first."""
+        x = x.contiguous()
+        wire = x.view(torch.uint8)  # the bits as they are, in any dtype gloo knows or not
+        parts = [torch.empty_like(wire) for _ in range(self.size)]
+        dist.all_gather(parts, wire, group=self.group)
+        return torch.cat(parts, dim=-1).view(x.dtype)
+
+
+def shard(
+    config: ModelConfig, weights: dict[str, torch.Tensor], rank: int, size: int
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """One rank's config (its heads) and weights (its columns) of a dense Llama-family model;
+    ValueError where the model does not split into `size` exact parts."""
+    c = config
+    ff = c.intermediate_size
+    problems = [
+        f"{name} ({n}) is not a multiple of {size * unit}"
+        for name, n, unit in (
+            ("num_kv_heads", c.num_kv_heads, 1),
+            ("hidden_size", c.hidden_size, 16),
+            ("intermediate_size", ff, SWIGLU_COLUMNS),
+            ("vocab_size", c.vocab_size, 16),
+        )
+        if n % (size * unit)
+    ]
+    if c.moe is not None or c.cache is not None or c.shape is not None:
+        problems.append(f"{c.architecture}: tensor parallelism covers dense Llama-family models")
+    if problems:
+        raise ValueError("--tensor-parallel " + str(size) + ": " + "; ".join(problems))
+
+    def part(t: torch.Tensor, total: int) -> torch.Tensor:
+        step = total // size  # rows of this rank's slice, of `total` along dim 0
+        return t[rank * step : (rank + 1) * step].contiguous()
+
+    local = dict(weights)
+    head = "model.embed_tokens" if c.tie_word_embeddings else "lm_head"
+    local["lm_head.weight"] = part(weights[head + ".weight"], c.vocab_size)
+    for i in range(c.num_layers):
+        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        for x, heads in (("q", c.num_heads), ("k", c.num_kv_heads), ("v", c.num_kv_heads)):
+            for kind in ("weight", "bias"):
+                name = f"{a}{x}_proj.{kind}"
+                if name in weights:
+                    local[name] = part(weights[name], heads * c.head_dim)
+        local[a + "o_proj.weight"] = part(weights[a + "o_proj.weight"], c.hidden_size)
+        for x in ("gate_proj", "up_proj"):
+            local[m + x + ".weight"] = part(weights[m + x + ".weight"], ff)
+        local[m + "down_proj.weight"] = part(weights[m + "down_proj.weight"], c.hidden_size)
+    mine = dataclasses.replace(
+        c,
+        num_heads=c.num_heads // size,
+        num_kv_heads=c.num_kv_heads // size,
+        tie_word_embeddings=False,  # the head: this rank's vocabulary rows, lm_head above
+    )
+    return mine, local
+
+
+class Gathered:
+    """A product by a slice of a weight's output columns between the exchanges it needs."""
+
+    def __init__(self, inner: Linear, group: TensorGroup, whole_input: bool) -> None:
+        self.inner, self.group, self.whole_input = inner, group, whole_input
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.gather(self.inner(self.group.gather(x) if self.whole_input else x))
+
+
+class TensorMlp:
+    """A SwiGLU MLP over a tensor group: this rank's columns of silu(gate) * up, gathered;
+    then its columns of down, gathered. Its SiLU products are the one-process MLP's: the
+    grouped kernel's (float32 sums, one rounding) where that MLP would take it, else
+    gate_up's outputs through silu_mul."""
+
+    def __init__(self, mlp: DenseMlp, group: TensorGroup) -> None:
+        self.gate_up, self.down, self.group = mlp.gate_up, mlp.down, group
+
+    def __call__(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
+        return self.group.gather(self.down(self.group.gather(self._act(x, ops))))
+
+    def _act(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
+        library = bf16_linear_library()
+        gate_up, down = self.gate_up, self.down
+        grouped = (  # what DenseMlp's test picks (moe._grouped_library), for the whole MLP
+            x.dim() == 2
+            and x.dtype == torch.bfloat16
+            and isinstance(gate_up, Bf16Linear)
+            and isinstance(down, Bf16Linear)
+            and gate_up.bias is None
+            and down.bias is None
+            and library is not None
+        )
+        if not grouped:
+            return ops.silu_mul(self.gate_up(x))
+        assert isinstance(gate_up, Bf16Linear) and library is not None
+        x = x.contiguous()
+        ff = gate_up.out_features // 2
+        act = torch.empty(x.shape[0], ff, dtype=torch.bfloat16)
+        if x.shape[0]:
+            library.bf16_swiglu(
+                x.data_ptr(), gate_up.packed.data_ptr(), act.data_ptr(), x.shape[0],
+                x.shape[1], ff,
+            )  # fmt: skip
+        return act
+
+
+def parallelize(model: Any, group: TensorGroup) -> None:
+    """The exchanges around a model built from `shard`'s weights: o and down read gathered
+    inputs, their outputs and the logits are gathered (in place)."""
+    for i, layer in enumerate(model.layers):
+        attention = dataclasses.replace(
+            layer.attention, o=Gathered(layer.attention.o, group, whole_input=True)
+        )
+        assert isinstance(layer.mlp, DenseMlp)
+        model.layers[i] = dataclasses.replace(
+            layer, attention=attention, mlp=TensorMlp(layer.mlp, group)
+        )
+    model.lm_head = Gathered(model.lm_head, group, whole_input=False)

@@ -1,0 +1,87 @@
+"""Exact tensor parallelism (services/model/parallel/tensor.py): the embedded model split over
+3 ranks (its 3 KV heads, one each), processes over gloo, each running the same engine, gives
+one process's tokens, text, finish reasons, logprobs and prompt logprobs exactly, greedy and
+seeded, with stops, penalties and n, in every dtype `--dtype auto` picks here."""
+
+from __future__ import annotations
+
+import multiprocessing
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from services.engine.engine import Engine, EngineConfig
+from services.model import families
+from services.model.loader import DTYPES, load_model
+from services.model.loading import hf_config, hf_dir
+from services.model.parallel.tensor import TensorGroup, parallelize, shard
+from services.tokenizer.tokenizer import Tokenizer
+from tests.services.engine.test_async_scheduling import MIX, outcome
+from tests.services.engine.test_determinism import prompt
+from tests.support.dtypes import COMPUTE_DTYPES
+
+LENGTHS = [3, 17, 33, 40, 49, 64, 65, 81, 100, 111, 16, 31]
+PROMPTS = [prompt(n, seed=300 + i) for i, n in enumerate(LENGTHS)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rank(path: str, dtype: str, rank: int, size: int, port: int, out) -> None:
+    """One rank: its slice of the model between the exchanges, the engine on every prompt."""
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size
+    )
+    try:  # whatever happens, the test hears of it rather than waiting
+        config = hf_config.read_config(Path(path))
+        local_config, weights = shard(config, hf_dir.read_weights(Path(path), config), rank, size)
+        model = families.of(config).model_class()(local_config, weights, DTYPES[dtype], "cpu")
+        parallelize(model, TensorGroup(dist.group.WORLD, rank, size))
+        engine = Engine(model, Tokenizer.from_dir(Path(path)), EngineConfig(num_blocks=128))
+        out.put((rank, outcome(engine.generate(PROMPTS, MIX))))
+    except Exception as e:
+        out.put((rank, f"{type(e).__name__}: {e}"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _tensor_parallel(path: str, dtype: str, size: int) -> list[list[tuple]]:
+    spawn = multiprocessing.get_context("spawn")
+    out = spawn.Queue()
+    port = _free_port()
+    ranks = [
+        spawn.Process(target=_rank, args=(path, dtype, r, size, port, out)) for r in range(size)
+    ]
+    for p in ranks:
+        p.start()
+    results = dict(out.get(timeout=600) for _ in ranks)
+    for p in ranks:
+        p.join(60)
+        assert p.exitcode == 0
+    return [results[r] for r in range(size)]
+
+
+@pytest.mark.parametrize("dtype", COMPUTE_DTYPES)
+def test_ranks_answer_as_one_process(embedded_dir, dtype):
+    size = 3
+    one = load_model(str(embedded_dir), dtype=dtype, device="cpu")
+    expected = outcome(
+        Engine(one.model, one.tokenizer, EngineConfig(num_blocks=128)).generate(PROMPTS, MIX)
+    )
+    for rank, got in enumerate(_tensor_parallel(str(embedded_dir), dtype, size)):
+        assert got == expected, f"rank {rank} of {size}"
+
+
+def test_a_model_that_does_not_split_evenly_is_refused(embedded_dir):
+    config = hf_config.read_config(Path(embedded_dir))  # 3 KV heads, 1,536 MLP columns
+    with pytest.raises(ValueError, match="num_kv_heads \\(3\\) is not a multiple of 2"):
+        shard(config, {}, 0, 2)
+    with pytest.raises(ValueError, match="intermediate_size \\(1536\\) is not a multiple of 1024"):
+        shard(config, {}, 0, 32)
