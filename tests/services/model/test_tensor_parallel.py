@@ -1,7 +1,8 @@
 """Exact tensor parallelism (services/model/parallel/tensor.py): the embedded model split over
-3 ranks (its 3 KV heads, one each), processes over gloo, each running the same engine, gives
-one process's tokens, text, finish reasons, logprobs and prompt logprobs exactly, greedy and
-seeded, with stops, penalties and n, in every dtype `--dtype auto` picks here."""
+3 ranks (its 3 KV heads, one each) and a tiny Qwen3 (q/k norms, a tied head) over 2,
+processes over gloo, each running the same engine, give one process's tokens, text, finish
+reasons, logprobs and prompt logprobs exactly, greedy and seeded, with stops, penalties and n,
+in every dtype `--dtype auto` picks here."""
 
 from __future__ import annotations
 
@@ -69,13 +70,14 @@ def _tensor_parallel(path: str, dtype: str, size: int) -> list[list[tuple]]:
 
 
 @pytest.mark.parametrize("dtype", COMPUTE_DTYPES)
-def test_ranks_answer_as_one_process(embedded_dir, dtype):
-    size = 3
-    one = load_model(str(embedded_dir), dtype=dtype, device="cpu")
+@pytest.mark.parametrize(("checkpoint", "size"), [("embedded", 3), ("qwen3", 2)])
+def test_ranks_answer_as_one_process(embedded_dir, tiny_dir, checkpoint, size, dtype):
+    path = embedded_dir if checkpoint == "embedded" else tiny_dir(checkpoint)
+    one = load_model(str(path), dtype=dtype, device="cpu")
     expected = outcome(
         Engine(one.model, one.tokenizer, EngineConfig(num_blocks=128)).generate(PROMPTS, MIX)
     )
-    for rank, got in enumerate(_tensor_parallel(str(embedded_dir), dtype, size)):
+    for rank, got in enumerate(_tensor_parallel(str(path), dtype, size)):
         assert got == expected, f"rank {rank} of {size}"
 
 
