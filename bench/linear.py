@@ -108,40 +108,61 @@ def main(argv: list[str] | None = None) -> int:
         check=True,
     )
     onednn_amx = json.loads(child.stdout.strip().splitlines()[-1])
-    print(f"bfloat16 products, {torch.get_num_threads()} threads, fastest of {args.rounds} calls")
-    print(
-        "\n| out x in | rows | AMX tiles (ours) us | GFLOP/s | oneDNN AVX-512 us | oneDNN AMX us "
-        "| ours vs AVX-512 | ours vs oneDNN AMX |"
+    table(
+        tiles,
+        args.rounds,
+        [
+            "AMX tiles (ours) us",
+            "GFLOP/s",
+            "oneDNN AVX-512 us",
+            "oneDNN AMX us",
+            "ours vs AVX-512",
+            "ours vs oneDNN AMX",
+        ],
+        lambda key, seconds, flop: [
+            f"{seconds * 1e6:.0f}",
+            f"{flop / seconds / 1e9:.0f}",
+            f"{held[key] * 1e6:.0f}",
+            f"{onednn_amx[key] * 1e6:.0f}",
+            f"{held[key] / seconds:.2f}x",
+            f"{onednn_amx[key] / seconds:.2f}x",
+        ],
     )
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for key, seconds in tiles.items():
-        out_f, in_f, m = map(int, key.split(","))
-        flop = 2 * out_f * in_f * m
-        print(
-            f"| {out_f} x {in_f} | {m} | {seconds * 1e6:.0f} | {flop / seconds / 1e9:.0f} | "
-            f"{held[key] * 1e6:.0f} | {onednn_amx[key] * 1e6:.0f} | "
-            f"{held[key] / seconds:.2f}x | {onednn_amx[key] / seconds:.2f}x |"
-        )
     return 0
 
 
 def bf16_table(rows: list[int], rounds: int) -> int:
     """kernels/bf16_linear.c against oneDNN, where the CPU has AVX512-BF16 and no AMX."""
     ours, onednn = measure("bf16", rows, rounds), measure("onednn", rows, rounds)
-    print(f"bfloat16 products, {torch.get_num_threads()} threads, fastest of {rounds} calls")
-    print(
-        "\n| out x in | rows | bf16_linear.c us | GFLOP/s | oneDNN us | GFLOP/s | ours vs oneDNN |"
+    table(
+        ours,
+        rounds,
+        ["bf16_linear.c us", "GFLOP/s", "oneDNN us", "GFLOP/s", "ours vs oneDNN"],
+        lambda key, seconds, flop: [
+            f"{seconds * 1e6:.0f}",
+            f"{flop / seconds / 1e9:.0f}",
+            f"{onednn[key] * 1e6:.0f}",
+            f"{flop / onednn[key] / 1e9:.0f}",
+            f"{onednn[key] / seconds:.2f}x",
+        ],
     )
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    return 0
+
+
+def table(
+    ours: dict[str, float],
+    rounds: int,
+    head: list[str],
+    cells: Callable[[str, float, int], list[str]],
+) -> None:
+    """A Markdown row per shape and row count: `cells(key, our seconds, FLOPs)` after them."""
+    print(f"bfloat16 products, {torch.get_num_threads()} threads, fastest of {rounds} calls")
+    print("\n| out x in | rows | " + " | ".join(head) + " |")
+    print("| --- | ---: |" + " ---: |" * len(head))
     for key, seconds in ours.items():
         out_f, in_f, m = map(int, key.split(","))
         flop = 2 * out_f * in_f * m
-        print(
-            f"| {out_f} x {in_f} | {m} | {seconds * 1e6:.0f} | {flop / seconds / 1e9:.0f} | "
-            f"{onednn[key] * 1e6:.0f} | {flop / onednn[key] / 1e9:.0f} | "
-            f"{onednn[key] / seconds:.2f}x |"
-        )
-    return 0
+        print(f"| {out_f} x {in_f} | {m} | " + " | ".join(cells(key, seconds, flop)) + " |")
 
 
 if __name__ == "__main__":
