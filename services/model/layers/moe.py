@@ -177,16 +177,40 @@ def _grouped_library(
         if not isinstance(m, DenseMlp):
             return None
         gate_up, down = m.gate_up, m.down
-        if not (isinstance(gate_up, Bf16Linear) and isinstance(down, Bf16Linear)):
+        if not fused_swiglu(gate_up, down):
             return None
-        ff = down.in_features  # the kernel's SiLU takes 32 columns at a time, all experts alike
-        if gate_up.bias is not None or down.bias is not None or ff % 32:
-            return None
+        assert isinstance(gate_up, Bf16Linear) and isinstance(down, Bf16Linear)
+        ff = down.in_features  # all experts alike
         if gate_up.out_features != 2 * ff or (pairs and pairs[0][1].in_features != ff):
             return None
         pairs.append((gate_up, down))
     library = bf16_linear_library()
     return None if library is None else (library, pairs)
+
+
+def fused_swiglu(gate_up: Linear, down: Linear) -> bool:
+    """Whether bf16_linear.c's fused SwiGLU takes these products: both packed for it, no
+    biases, the SiLU's columns in whole groups of 32 (it takes 32 at a time)."""
+    return (
+        isinstance(gate_up, Bf16Linear)
+        and isinstance(down, Bf16Linear)
+        and gate_up.bias is None
+        and down.bias is None
+        and gate_up.out_features // 2 % 32 == 0
+    )
+
+
+def swiglu_bf16(library: ctypes.CDLL, gate_up: Bf16Linear, x: torch.Tensor) -> torch.Tensor:
+    """bfloat16(silu(gate) * up) of x [T, hidden] bfloat16 (bf16_swiglu): the first half of
+    grouped_bf16's MLP alone, bit for bit."""
+    x = x.contiguous()
+    act = torch.empty(x.shape[0], gate_up.out_features // 2, dtype=torch.bfloat16)
+    if x.shape[0]:
+        library.bf16_swiglu(
+            x.data_ptr(), gate_up.packed.data_ptr(), act.data_ptr(), x.shape[0], x.shape[1],
+            act.shape[1],
+        )  # fmt: skip
+    return act
 
 
 def grouped_bf16(

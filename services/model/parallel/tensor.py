@@ -29,7 +29,7 @@ import torch.distributed as dist
 from services.model.config import ModelConfig
 from services.model.layers.layer_ops import LayerOps
 from services.model.layers.linear import Bf16Linear, Linear, bf16_linear_library
-from services.model.layers.moe import DenseMlp
+from services.model.layers.moe import DenseMlp, fused_swiglu, swiglu_bf16
 
 SWIGLU_COLUMNS = 32  # the grouped kernel's SiLU takes 32 columns at a time
 
@@ -123,29 +123,14 @@ class TensorMlp:
         return self.group.gather(self.down(self.group.gather(self._act(x, ops))))
 
     def _act(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
+        # as DenseMlp chooses for the whole MLP (shard keeps the SiLU's columns in whole
+        # groups of 32 on every rank, so the rank's slice is fused where the whole is)
         library = bf16_linear_library()
-        gate_up, down = self.gate_up, self.down
-        grouped = (  # what DenseMlp's test picks (moe._grouped_library), for the whole MLP
-            x.dim() == 2
-            and x.dtype == torch.bfloat16
-            and isinstance(gate_up, Bf16Linear)
-            and isinstance(down, Bf16Linear)
-            and gate_up.bias is None
-            and down.bias is None
-            and library is not None
-        )
-        if not grouped:
-            return ops.silu_mul(self.gate_up(x))
-        assert isinstance(gate_up, Bf16Linear) and library is not None
-        x = x.contiguous()
-        ff = gate_up.out_features // 2
-        act = torch.empty(x.shape[0], ff, dtype=torch.bfloat16)
-        if x.shape[0]:
-            library.bf16_swiglu(
-                x.data_ptr(), gate_up.packed.data_ptr(), act.data_ptr(), x.shape[0],
-                x.shape[1], ff,
-            )  # fmt: skip
-        return act
+        bf16_rows = x.dim() == 2 and x.dtype == torch.bfloat16
+        if bf16_rows and library is not None and fused_swiglu(self.gate_up, self.down):
+            assert isinstance(self.gate_up, Bf16Linear)
+            return swiglu_bf16(library, self.gate_up, x)
+        return ops.silu_mul(self.gate_up(x))
 
 
 def parallelize(model: Any, group: TensorGroup) -> None:
