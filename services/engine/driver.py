@@ -29,7 +29,7 @@ from services.engine.engine import Engine
 from services.engine.kv_connector import KVConnector
 from services.engine.outputs import SequenceDelta
 from services.engine.request import EngineRequest, Status
-from services.model.errors import ExpertRankLost
+from services.model.errors import RankLost
 
 log = logging.getLogger("pdserve.engine")
 T = TypeVar("T")
@@ -209,7 +209,7 @@ class AsyncEngine:
             if self.engine.has_unfinished:
                 try:
                     self._publish(self.engine.step())
-                except ExpertRankLost:  # no pass can finish now: the engine thread dies
+                except RankLost:  # no pass can finish now: the engine thread dies
                     raise
                 except Exception:  # a bug: log it, fail the requests, keep serving
                     log.exception("engine step failed; aborting its requests")

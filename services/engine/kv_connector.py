@@ -26,7 +26,7 @@ import torch
 
 from services.engine.block_manager import BlockManager
 from services.engine.request import Sequence
-from services.model.kv_cache import KVCache, scatter_blocks
+from services.model.kv_cache import KVCache
 
 
 class KVSource(Protocol):
@@ -47,7 +47,7 @@ class TensorKV:
 
     def write(self, cache: KVCache, items: list[tuple[int, int]]) -> None:
         index = [i for i, _ in items]
-        scatter_blocks(cache, [b for _, b in items], self.k[index], self.v[index])
+        cache.scatter([b for _, b in items], self.k[index], self.v[index])
 
 
 @dataclass

@@ -16,9 +16,17 @@ class ModelLoadError(Exception):
         super().__init__(f"{self.path}: {problem}")
 
 
-class ExpertRankLost(RuntimeError):
-    """A rank holding experts stopped answering (expert_parallel.py): the engine cannot finish
-    a forward pass, and its worker leaves service."""
+class RankLost(RuntimeError):
+    """Another process of the model stopped answering: the engine cannot finish a forward
+    pass, and its worker leaves service."""
+
+
+class ExpertRankLost(RankLost):
+    """A rank holding experts stopped answering (expert_parallel.py)."""
+
+
+class TensorRankLost(RankLost):
+    """A rank holding a slice of every layer stopped answering (parallel/ranks.py)."""
 
 
 def read_json_object(path: Path) -> dict[str, Any]:

@@ -159,6 +159,14 @@ class KVCache:
         device = self.k.device
         k = k.to(device, non_blocking=True).flatten(-3, -2)
         v = v.to(device, non_blocking=True).flatten(-3, -2)
+        self.scatter(block_ids, k, v)
+
+    def gather(self, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of whole blocks (gather_blocks); a pool spread over ranks gathers theirs."""
+        return gather_blocks(self, block_ids)
+
+    def scatter(self, block_ids: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        """Blocks shaped as `gather` returns them into the given cache blocks (scatter_blocks)."""
         scatter_blocks(self, block_ids, k, v)
 
     @property

@@ -13,6 +13,7 @@ from services.model.config import ModelConfig
 from services.model.errors import ModelLoadError
 from services.model.layers.attention import resolve_kernels
 from services.model.loading import hf_config, hf_dir, quantize, sources
+from services.model.parallel.tensor import shard
 from services.settings import DEFAULTS
 from services.tokenizer.tokenizer import Tokenizer
 
@@ -24,10 +25,12 @@ class LoadedModel:
     model: CausalLM
     tokenizer: Tokenizer
     path: Path  # the Hugging Face directory the weights came from
+    whole: ModelConfig | None = None  # the checkpoint's config, where the model is a slice
 
     @property
     def config(self) -> ModelConfig:
-        return self.model.config
+        """The checkpoint's config (a tensor-parallel rank's model holds its heads' only)."""
+        return self.whole or self.model.config
 
 
 def resolve_device(name: str = "auto") -> torch.device:
@@ -65,9 +68,12 @@ def load_model(
     quantization: str = DEFAULTS.model.quantization,
     kernels: str = DEFAULTS.model.kernels,
     deterministic: bool = DEFAULTS.model.deterministic,
+    tensor: tuple[int, int] = (0, 1),
 ) -> LoadedModel:
     """`kernels`: auto, c, torch or triton (services/model/layers/attention.py resolve_kernels);
-    `deterministic`: row-invariant products on a GPU (services/model/layers/linear.py)."""
+    `deterministic`: row-invariant products on a GPU (services/model/layers/linear.py);
+    `tensor`: (rank, ranks): one rank's slice of the model (parallel/tensor.py shard), its
+    exchanges not yet in place (parallelize)."""
     if quantization not in quantize.QUANTIZATIONS:  # refused before anything loads
         raise ValueError(
             f"unknown quantization {quantization!r} (choose {', '.join(quantize.QUANTIZATIONS)})"
@@ -85,6 +91,15 @@ def load_model(
         )
     tokenizer = Tokenizer.from_dir(path)
     weights = hf_dir.read_weights(path, config)
+    whole = config
+    if tensor[1] > 1:
+        if quantization != "none":
+            raise ModelLoadError(path, "--tensor-parallel covers unquantized models")
+        try:
+            config, local = shard(config, weights, *tensor)
+        except ValueError as e:
+            raise ModelLoadError(path, str(e)) from None
+        weights.update(local)  # the slices replace the whole tensors
     model: CausalLM = family(
         config,
         weights,
@@ -97,7 +112,7 @@ def load_model(
         calibration = tokenizer.encode(quantize.calibration_text(), add_special_tokens=False)
         quantize.quantize_int8(model, weights, calibration)
     weights.release()  # what the model keeps, it holds; an expert rebuilt later reads its file
-    return LoadedModel(model, tokenizer, path)
+    return LoadedModel(model, tokenizer, path, whole if tensor[1] > 1 else None)
 
 
 def load_mtp(

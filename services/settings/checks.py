@@ -34,6 +34,8 @@ def check(settings: Settings) -> Settings:
     path = check_model(settings.model.model)
     if role in WORKER and settings.experts.expert_parallel > 1:
         _experts(settings, path)
+    if role in WORKER and settings.model.tensor_parallel > 1:
+        _tensor(settings, path)
     if role in WORKER and settings.engine.speculative.method == "mtp":
         from services.model.errors import ModelLoadError
         from services.model.loading.hf_config import read_config
@@ -80,6 +82,26 @@ def _experts(s: Settings, path: Path) -> None:
         )
     except ValueError as e:
         raise SettingsError(f"eplb_policy: {e}") from e
+
+
+def _tensor(s: Settings, path: Path) -> None:
+    """--tensor-parallel: a model that splits exactly, beside nothing it cannot run with."""
+    from services.model.loading import hf_config
+    from services.model.parallel import tensor
+
+    size = s.model.tensor_parallel
+    beside = {
+        "expert_parallel": s.experts.expert_parallel > 1,
+        "quantization": s.model.quantization != "none",
+        "speculative": s.engine.speculative.method == "mtp",
+    }
+    for name, taken in beside.items():
+        if taken:
+            raise SettingsError(f"tensor_parallel: not yet with --{name.replace('_', '-')}")
+    try:
+        tensor.check(hf_config.read_config(path), size)
+    except ValueError as e:
+        raise SettingsError(f"tensor_parallel: {e}") from None
 
 
 def _trace_file(s: Settings) -> None:

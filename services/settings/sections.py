@@ -87,6 +87,11 @@ class ModelSettings(Section):
                                 "products in int8, weights and activations (CPUs; fast with "
                                 "VNNI or AMX; perplexity +0.3%, docs/benchmarks.md)",
                                 (*WORKER, *OFFLINE), choices=("none", "int8"))  # fmt: skip
+    tensor_parallel: int = setting(1, "processes each layer is split over by its output "
+                                   "columns (heads, MLP columns, vocabulary), the worker and "
+                                   "N - 1 ranks it starts; answers equal one process's, bit "
+                                   "for bit (docs/parallel.md; dense Llama-family models)",
+                                   WORKER, minimum=1)  # fmt: skip
 
 
 @dataclass(frozen=True)

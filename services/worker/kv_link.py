@@ -28,7 +28,7 @@ from kvstore.keyfile import read_key
 from kvstore.store import KVStore, StoreUnavailable, Value
 from services.engine.kv_connector import BlockToSave, ImportedKV, KVSource
 from services.engine.request import Sequence
-from services.model.kv_cache import KVCache, gather_blocks
+from services.model.kv_cache import KVCache
 from services.settings import StoreSettings
 from services.worker.fetch_choice import Choice
 
@@ -263,7 +263,7 @@ class KVLink:
         """Blocks a connector hands out (the engine thread): copied and encoded now, written by
         the event loop."""
         assert self._loop is not None
-        k, v = gather_blocks(cache, [b.block_id for b in ready])
+        k, v = cache.gather([b.block_id for b in ready])
         items = self.blocks.encode(
             k, v, [b.block_hash for b in ready], [b.num_tokens for b in ready]
         )

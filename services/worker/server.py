@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -35,6 +36,7 @@ from services.model.experts.expert_rank import start as start_ranks
 from services.model.loader import load_model, load_mtp
 from services.model.loading import sources
 from services.model.openmp import release_this_threads_team
+from services.model.parallel import ranks as tensor_ranks
 from services.rpc import keepalive
 from services.rpc import worker_pb2 as pb
 from services.settings import Settings
@@ -61,9 +63,19 @@ class Worker:
         # before the model loads and any thread starts: every later thread shares one arena
         keep_freed_memory()
         ms, store = settings.model, settings.store
+        ranks = ms.tensor_parallel
+        if ranks > 1:  # the cores shared with the ranks this process starts
+            torch.set_num_threads(tensor_ranks.threads_per_rank(ranks))
         loaded = load_model(
-            ms.model, ms.dtype, ms.device, ms.quantization, ms.kernels, ms.deterministic
-        )
+            ms.model, ms.dtype, ms.device, ms.quantization, ms.kernels, ms.deterministic,
+            tensor=(0, ranks),
+        )  # fmt: skip
+        self.tensor: tensor_ranks.Leader | None = None  # the other ranks, when split
+        if ranks > 1:
+            split = tensor_ranks.start(
+                loaded.model, tensor_ranks.Spec(ms.model, ms.dtype, ms.device, ms.kernels, ranks)
+            )
+            loaded, self.tensor = dataclasses.replace(loaded, model=split), split.leader
         self.experts: ExpertGroup | None = None  # the experts' other processes, when spread
         es = settings.experts
         if es.expert_parallel > 1:
@@ -223,8 +235,10 @@ class Worker:
             await self.driver.abort_all()
             await self.driver.stop()
             await self.link.flush(grace)  # the blocks computed reach the store
-        if self.experts is not None:  # the engine thread is stopped, or dead: kill its ranks
-            self.experts.stop(kill=bool(self.exit_code) or self.driver.failure is not None)
+        dead = bool(self.exit_code) or self.driver.failure is not None
+        for ranks in (self.experts, self.tensor):  # the engine thread is stopped, or dead
+            if ranks is not None:
+                ranks.stop(kill=dead)
         with contextlib.suppress(StoreUnavailable):
             await self.store.close()
         if side_door is not None:
@@ -236,7 +250,11 @@ class Worker:
         `engine_stall_timeout` seconds with work queued, stops the worker (exit code 1)."""
         while True:
             await asyncio.sleep(WATCH_INTERVAL)
-            why = self.driver.failure or (self.experts and self.experts.lost())
+            why = (
+                self.driver.failure
+                or (self.experts and self.experts.lost())
+                or (self.tensor and self.tensor.lost())
+            )
             stalled = self.driver.stalled_for()
             if why is None and stalled > self.settings.worker.engine_stall_timeout:
                 why = f"no engine step for {stalled:.0f}s with requests queued"

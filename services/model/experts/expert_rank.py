@@ -104,7 +104,7 @@ def start(
     return group
 
 
-def _exit_with_parent() -> None:
+def exit_with_parent() -> None:
     """Exit as soon as rank 0's process is gone, whatever this one is doing (loading, joining,
     serving): a rank alone serves nothing."""
     parent = os.getppid()
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument(f"--{name}", type=int, required=True)
     a = p.parse_args(argv)
     logs.configure()
-    _exit_with_parent()
+    exit_with_parent()
     torch.set_num_threads(a.threads)
     spec = Spec(a.model, a.dtype, a.device, a.kernels, a.ranks, a.redundant)
     device = rank_device(resolve_device(a.device), a.rank)

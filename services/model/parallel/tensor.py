@@ -42,28 +42,31 @@ class TensorGroup:
     rank: int
     size: int
 
-    def gather(self, x: torch.Tensor) -> torch.Tensor:
-        """Every rank's x side by side along the last dimension, rank 0's first."""
+    def gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Every rank's x side by side along `dim` (the last by default), rank 0's first."""
         x = x.contiguous()
         wire = x.view(torch.uint8)  # the bits as they are, in any dtype gloo knows or not
         parts = [torch.empty_like(wire) for _ in range(self.size)]
-        dist.all_gather(parts, wire, group=self.group)
-        return torch.cat(parts, dim=-1).view(x.dtype)
+        self.group.allgather([parts], [wire]).wait()
+        return torch.cat([p.view(x.dtype) for p in parts], dim=dim)
+
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's x, on every rank (x: rank 0's tensor, or one of its shape and dtype)."""
+        wire = x.contiguous().view(torch.uint8)
+        self.group.broadcast([wire], dist.BroadcastOptions()).wait()
+        return wire.view(x.dtype)
 
 
-def shard(
-    config: ModelConfig, weights: dict[str, torch.Tensor], rank: int, size: int
-) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """One rank's config (its heads) and weights (its columns) of a dense Llama-family model;
-    ValueError where the model does not split into `size` exact parts."""
+def check(config: ModelConfig, size: int) -> None:
+    """ValueError, naming each size that does not divide, where the model does not split into
+    `size` exact parts."""
     c = config
-    ff = c.intermediate_size
     problems = [
         f"{name} ({n}) is not a multiple of {size * unit}"
         for name, n, unit in (
             ("num_kv_heads", c.num_kv_heads, 1),
             ("hidden_size", c.hidden_size, 16),
-            ("intermediate_size", ff, SWIGLU_COLUMNS),
+            ("intermediate_size", c.intermediate_size, SWIGLU_COLUMNS),
             ("vocab_size", c.vocab_size, 16),
         )
         if n % (size * unit)
@@ -72,6 +75,16 @@ def shard(
         problems.append(f"{c.architecture}: tensor parallelism covers dense Llama-family models")
     if problems:
         raise ValueError("--tensor-parallel " + str(size) + ": " + "; ".join(problems))
+
+
+def shard(
+    config: ModelConfig, weights: dict[str, torch.Tensor], rank: int, size: int
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """One rank's config (its heads) and weights (its columns) of a dense Llama-family model;
+    ValueError where the model does not split into `size` exact parts (`check`)."""
+    check(config, size)
+    c = config
+    ff = c.intermediate_size
 
     def part(t: torch.Tensor, total: int) -> torch.Tensor:
         step = total // size  # rows of this rank's slice, of `total` along dim 0

@@ -15,10 +15,13 @@ import torch
 import torch.distributed as dist
 
 from services.engine.engine import Engine, EngineConfig
+from services.engine.params import SamplingParams
 from services.model import families
 from services.model.loader import DTYPES, load_model
 from services.model.loading import hf_config, hf_dir
+from services.model.parallel import ranks
 from services.model.parallel.tensor import TensorGroup, parallelize, shard
+from services.settings import SettingsError, build, check
 from services.tokenizer.tokenizer import Tokenizer
 from tests.services.engine.test_async_scheduling import MIX, outcome
 from tests.services.engine.test_determinism import prompt
@@ -88,3 +91,51 @@ def test_a_model_that_does_not_split_evenly_is_refused(embedded_dir):
         shard(config, {}, 0, 2)
     with pytest.raises(ValueError, match="intermediate_size \\(1536\\) is not a multiple of 1024"):
         shard(config, {}, 0, 32)
+
+
+@pytest.mark.parametrize(
+    ("family", "values", "message"),
+    [
+        ("embedded", {"tensor_parallel": 2}, "num_kv_heads \\(3\\) is not a multiple of 2"),
+        ("qwen3_moe", {"tensor_parallel": 2}, "covers dense Llama-family models"),
+        ("qwen3", {"tensor_parallel": 2, "quantization": "int8"}, "not yet with --quantization"),
+    ],
+)
+def test_tensor_settings_that_cannot_work_are_refused_before_anything_loads(
+    embedded_dir, tiny_dir, family, values, message
+):
+    model = str(embedded_dir if family == "embedded" else tiny_dir(family))
+    with pytest.raises(SettingsError, match=message):
+        check(build("decode", model=model, **values))
+    check(build("prefill", model=str(embedded_dir), tensor_parallel=3))
+
+
+@pytest.mark.parametrize("dtype", COMPUTE_DTYPES)
+def test_blocks_leave_and_enter_a_split_pool_whole(embedded, embedded_dir, dtype):
+    """The rank processes of a worker (ranks.start): their pools' blocks, gathered, are one
+    process's bytes for the same requests; blocks written whole into a split pool are then
+    read back whole, and decode from them as one process does."""
+    one = embedded if dtype == "float32" else load_model(str(embedded_dir), dtype=dtype)
+    reference = Engine(one.model, one.tokenizer, EngineConfig(num_blocks=64))
+    params = SamplingParams(max_tokens=8, temperature=0, logprobs=1)
+    expected = outcome(reference.generate(PROMPTS[:4], params))
+    torch.set_num_threads(1)
+    mine = load_model(str(embedded_dir), dtype=dtype, tensor=(0, 3))
+    split = ranks.start(mine.model, ranks.Spec(str(embedded_dir), dtype, "cpu", "auto", 3))
+    try:
+        engine = Engine(split, mine.tokenizer, EngineConfig(num_blocks=64))
+        assert outcome(engine.generate(PROMPTS[:4], params)) == expected
+        used = list(range(24))
+        k, v = engine.runner.kv.gather(used)
+        k1, v1 = reference.runner.kv.gather(used)
+        assert k.shape == k1.shape and v.shape == v1.shape
+        assert torch.equal(k.view(torch.uint8), k1.view(torch.uint8))
+        assert torch.equal(v.view(torch.uint8), v1.view(torch.uint8))
+        moved = list(range(40, 64))  # written whole, read back whole, byte for byte
+        engine.runner.kv.scatter(moved, k, v)
+        k2, v2 = engine.runner.kv.gather(moved)
+        assert torch.equal(k2.view(torch.uint8), k.view(torch.uint8))
+        assert torch.equal(v2.view(torch.uint8), v.view(torch.uint8))
+    finally:
+        split.leader.stop()
+    assert split.leader.lost() is not None  # stopped: the ranks exited
