@@ -174,26 +174,12 @@ class ExpertGroup:
         return per_choice
 
     def _slot_of(self, layer: int, experts: torch.Tensor) -> torch.Tensor:
-        """Each choice's slot: the n-th choice of expert e in the batch takes e's copies in
-        turn, so each copy takes its share."""
-        copies, count = self._copies[layer]
-        order = experts.argsort(stable=True)
-        per_expert = torch.bincount(experts, minlength=self.num_experts)
-        first = per_expert.cumsum(0) - per_expert
-        nth = torch.empty_like(experts)
-        nth[order] = torch.arange(len(experts), device=experts.device) - first[experts[order]]
-        return copies[experts, nth % count[experts]]
+        return slot_of(*self._copies[layer], experts)
 
     def _set(self, layer: int, slot_experts: list[int]) -> None:
         """A layer's placement and its table of each expert's copies."""
         self.placement[layer] = list(slot_experts)
-        by_expert: list[list[int]] = [[] for _ in range(self.num_experts)]
-        for s, e in enumerate(slot_experts):
-            by_expert[e].append(s)
-        width = max(len(c) for c in by_expert)
-        copies = torch.tensor([c + c[:1] * (width - len(c)) for c in by_expert], device=self.device)
-        count = torch.tensor([len(c) for c in by_expert], device=self.device)
-        self._copies[layer] = copies, count
+        self._copies[layer] = copies_of(slot_experts, self.num_experts, self.device)
 
     def _send(self, rank: int, command: int, layer: int, *tensors: torch.Tensor) -> list:
         n = len(tensors[0]) if tensors else 0
@@ -312,6 +298,30 @@ class ExpertGroup:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def copies_of(
+    slot_experts: list[int], num_experts: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each expert's slots [experts, most copies] (an expert with fewer repeats its first) and
+    its count of copies [experts]: what `slot_of` reads."""
+    by_expert: list[list[int]] = [[] for _ in range(num_experts)]
+    for s, e in enumerate(slot_experts):
+        by_expert[e].append(s)
+    width = max(len(c) for c in by_expert)
+    copies = torch.tensor([c + c[:1] * (width - len(c)) for c in by_expert], device=device)
+    return copies, torch.tensor([len(c) for c in by_expert], device=device)
+
+
+def slot_of(copies: torch.Tensor, count: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """Each choice's slot: the n-th choice of expert e in the batch takes e's copies in turn,
+    so each copy takes its share."""
+    order = experts.argsort(stable=True)
+    per_expert = torch.bincount(experts, minlength=len(count))
+    first = per_expert.cumsum(0) - per_expert
+    nth = torch.empty_like(experts)
+    nth[order] = torch.arange(len(experts), device=experts.device) - first[experts[order]]
+    return copies[experts, nth % count[experts]]
 
 
 def serve(

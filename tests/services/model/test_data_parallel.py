@@ -1,0 +1,90 @@
+"""Data-parallel ranks of a MoE model (services/model/parallel/data.py): two processes over
+gloo, each a whole engine with its own prompts and half of every MoE layer's experts, keep in
+step by votes and empty passes and exchange rows all-to-all; each rank's tokens, text,
+logprobs and prompt logprobs equal one process's for the same prompts, greedy and seeded, in
+every dtype `--dtype auto` picks here. Rank 1 has fewer prompts: it runs empty passes while
+rank 0 goes on."""
+
+from __future__ import annotations
+
+import multiprocessing
+
+import pytest
+import torch
+
+from services.engine import offline
+from services.engine.engine import Engine, EngineConfig
+from services.launcher import free_port
+from services.model.loader import load_model
+from services.model.parallel import data
+from tests.services.engine.test_async_scheduling import MIX, outcome
+from tests.services.engine.test_determinism import prompt
+from tests.support.dtypes import COMPUTE_DTYPES
+
+LENGTHS = [3, 17, 33, 40, 49, 64, 65, 81, 100, 111, 16, 31]
+PROMPTS = [prompt(n, seed=500 + i) for i, n in enumerate(LENGTHS)]
+SHARES = [(PROMPTS, MIX), (PROMPTS[:3], MIX[:3])]  # rank 1 finishes early
+RANKS = len(SHARES)
+
+
+class _InStep:
+    """An engine whose every step is one round of the ranks' votes (as the worker's driver)."""
+
+    def __init__(self, engine: Engine, lockstep: data.Lockstep) -> None:
+        self.engine, self.lockstep = engine, lockstep
+        self.tokenizer = engine.tokenizer
+
+    @property
+    def requests(self):
+        return self.engine.requests
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.engine.has_unfinished
+
+    def add_request(self, request) -> None:
+        self.engine.add_request(request)
+
+    def step(self):
+        deltas = self.engine.step()
+        self.lockstep.round_done()
+        return deltas
+
+
+def _rank(path: str, dtype: str, rank: int, port: int, out) -> None:
+    torch.set_num_threads(1)
+    try:  # whatever happens, the test hears of it rather than waiting
+        loaded = load_model(path, dtype=dtype, device="cpu")
+        lockstep = data.join(loaded.model, rank, RANKS, "127.0.0.1", port)
+        engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(num_blocks=128))
+        prompts, params = SHARES[rank]
+        got = outcome(offline.generate(_InStep(engine, lockstep), prompts, params, "dp"))
+        while lockstep.idle():  # the other ranks' passes, until none has one
+            pass
+        out.put((rank, got, lockstep.timing.empty_passes))
+    except Exception as e:
+        out.put((rank, f"{type(e).__name__}: {e}", 0))
+
+
+@pytest.mark.parametrize("dtype", COMPUTE_DTYPES)
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "deepseek_v4"])
+def test_ranks_answer_as_one_process(tiny_dir, family, dtype):
+    path = str(tiny_dir(family))
+    one = load_model(path, dtype=dtype, device="cpu")
+    reference = Engine(one.model, one.tokenizer, EngineConfig(num_blocks=128))
+    expected = [outcome(reference.generate(p, params)) for p, params in SHARES]
+    spawn = multiprocessing.get_context("spawn")
+    out = spawn.Queue()
+    port = free_port()
+    ranks = [spawn.Process(target=_rank, args=(path, dtype, r, port, out)) for r in range(RANKS)]
+    for p in ranks:
+        p.start()
+    results = {r: (got, empty) for r, got, empty in (out.get(timeout=600) for _ in ranks)}
+    for p in ranks:
+        p.join(60)
+        assert p.exitcode == 0
+    errors = [got for got, _ in results.values() if isinstance(got, str)]
+    assert not errors
+    for r in range(RANKS):
+        assert results[r][0] == expected[r], f"rank {r}"
+    assert results[1][1] > 0 and results[0][1] == 0  # rank 1 ran empty passes, rank 0 none
