@@ -136,7 +136,10 @@ class Stack:
         return f"http://{self.settings.server.host}:{self.settings.port}"
 
     def topology(self) -> str:
-        u = self.settings.up
+        u, ranks = self.settings.up, self.settings.worker.data_parallel
+        if ranks > 1:
+            roles = "decode" if self.colocated else f"prefill x{u.num_prefill}, decode"
+            return f"{roles} x{u.num_decode}, each {ranks} data-parallel ranks"
         if not self.colocated:
             return f"prefill x{u.num_prefill}, decode x{u.num_decode}"
         shape = f"colocated: decode x{u.num_decode} computing prompts too"
@@ -168,10 +171,17 @@ class Stack:
         shared_cores = shared_host_env(base) if shared else {}
         addresses: dict[str, list[str]] = {"prefill": [], "decode": []}
         workers: list[Child] = []
+        ranks = s.worker.data_parallel  # each worker N processes, each its own target
+        meeting = 0
         for role, count in roles:
-            for i in range(count):
+            for i in range(count * ranks):
                 port = free_port()
                 env = {**base, **child_env(s, role), **secrets_env, **shared_cores}
+                if ranks > 1:  # rank 0 of each group hosts the group's meeting point
+                    if i % ranks == 0:
+                        meeting = free_port()
+                    env[env_name("data_parallel_rank")] = str(i % ranks)
+                    env[env_name("data_parallel_address")] = f"127.0.0.1:{meeting}"
                 metrics_port = (
                     s.worker.metrics_port
                 )  # one port each: prefill workers', then decode's

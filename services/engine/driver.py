@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from services.engine.engine import Engine
 from services.engine.kv_connector import KVConnector
@@ -33,6 +33,7 @@ from services.model.errors import RankLost
 
 log = logging.getLogger("pdserve.engine")
 T = TypeVar("T")
+ROUND_WAIT = 0.002  # seconds an idle rank waits between votes (data-parallel ranks)
 Stream = asyncio.Queue[SequenceDelta | BaseException]
 
 
@@ -73,9 +74,24 @@ class _Command:
             self.future.set_result(result)
 
 
+class Rounds(Protocol):
+    """Other engines this one steps with (services/model/parallel/data.py's Lockstep): each
+    round of the loop is one vote, cast by the step's pass or by `idle`."""
+
+    def idle(self) -> bool:
+        """A round with no step: whether another engine's pass ran one here (an empty pass)."""
+        ...
+
+    def round_done(self) -> None:
+        """After a step (which may have run no pass)."""
+        ...
+
+
 class AsyncEngine:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, rounds: Rounds | None = None) -> None:
+        """`rounds`: the data-parallel ranks this engine keeps in step with (None: alone)."""
         self.engine = engine
+        self.rounds = rounds
         self._commands: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()  # None: kill
         self._wake = threading.Event()
         self._stopping = False
@@ -215,10 +231,15 @@ class AsyncEngine:
                     log.exception("engine step failed; aborting its requests")
                     for request_id in list(self.engine.requests):
                         self._publish(self.engine.abort(request_id))
+                if self.rounds is not None:
+                    self.rounds.round_done()
                 self._refresh_load()
             else:
                 self._refresh_load()
-                self._wake.wait(0.05)
+                if self.rounds is not None and self.rounds.idle():
+                    continue  # another rank's pass ran here: theirs may go on at once
+                # in step with other ranks, a short wait: each of their passes waits for ours
+                self._wake.wait(0.05 if self.rounds is None else ROUND_WAIT)
                 self._wake.clear()
 
     def _run_commands(self) -> None:

@@ -25,6 +25,10 @@ class ExpertRankLost(RankLost):
     """A rank holding experts stopped answering (expert_parallel.py)."""
 
 
+class DataRankLost(RankLost):
+    """A data-parallel rank stopped answering its votes or exchanges (parallel/data.py)."""
+
+
 class TensorRankLost(RankLost):
     """A rank holding a slice of every layer stopped answering (parallel/ranks.py)."""
 

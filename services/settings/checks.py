@@ -36,6 +36,8 @@ def check(settings: Settings) -> Settings:
         _experts(settings, path)
     if role in WORKER and settings.model.tensor_parallel > 1:
         _tensor(settings, path)
+    if role in (*WORKER, "up") and settings.worker.data_parallel > 1:
+        _data(settings, path, given_by_up=role == "up")
     if role in WORKER and settings.engine.speculative.method == "mtp":
         from services.model.errors import ModelLoadError
         from services.model.loading.hf_config import read_config
@@ -102,6 +104,37 @@ def _tensor(s: Settings, path: Path) -> None:
         tensor.check(hf_config.read_config(path), size)
     except ValueError as e:
         raise SettingsError(f"tensor_parallel: {e}") from None
+
+
+def _data(s: Settings, path: Path, given_by_up: bool) -> None:
+    """--data-parallel: a MoE model whose experts divide over the ranks, this rank among them,
+    the address they meet at (`given_by_up`: up gives each worker these two)."""
+    from services.model.loading import hf_config
+
+    w, moe = s.worker, hf_config.read_config(path).moe
+    if moe is None:
+        raise SettingsError(
+            f"data_parallel: {path} is not a mixture-of-experts model (a dense model's ranks "
+            "would share nothing: run more workers, --num-decode)"
+        )
+    if moe.num_experts % w.data_parallel:
+        raise SettingsError(
+            f"data_parallel: {moe.num_experts} experts do not divide over {w.data_parallel} ranks"
+        )
+    if not given_by_up and w.data_parallel_rank >= w.data_parallel:
+        raise SettingsError(
+            f"data_parallel_rank: {w.data_parallel_rank} is not below --data-parallel "
+            f"{w.data_parallel}"
+        )
+    if not given_by_up and not re.fullmatch(r".+:\d+", w.data_parallel_address):
+        raise SettingsError(f"data_parallel_address: {w.data_parallel_address!r} is not host:port")
+    for name, taken in (
+        ("expert_parallel", s.experts.expert_parallel > 1),
+        ("tensor_parallel", s.model.tensor_parallel > 1),
+        ("speculative", s.engine.speculative.method in ("mtp", "draft")),
+    ):
+        if taken:
+            raise SettingsError(f"data_parallel: not yet with --{name.replace('_', '-')}")
 
 
 def _trace_file(s: Settings) -> None:

@@ -1,7 +1,8 @@
 """A worker's HTTP side door (with `--metrics-port`): Prometheus `/metrics` for scrapers and
 autoscalers, `/health` (200 when serving, 503 otherwise) for probes that speak HTTP, and for
 MoE models `/experts` (tokens per expert; with `--expert-parallel`, the placement and the
-ranks' balance) and `POST /experts/rebalance` (plan a new placement at the next pass).
+ranks' balance; with `--data-parallel`, this rank's votes, empty passes and exchanges) and
+`POST /experts/rebalance` (plan a new placement at the next pass).
 
 It runs on a thread of its own and reads what the gRPC side already keeps: the engine's
 load snapshot, the store's counters and the worker's own. It sees the worker as `WorkerView`,
@@ -65,6 +66,10 @@ class _Experts(Protocol):
     def request_rebalance(self) -> None: ...
 
 
+class _Lockstep(Protocol):
+    def snapshot(self) -> dict[str, Any]: ...
+
+
 class _Engine(Protocol):
     @property
     def speculator(self) -> _Speculator | None: ...
@@ -98,6 +103,9 @@ class WorkerView(Protocol):
 
     @property
     def experts(self) -> _Experts | None: ...  # with --expert-parallel
+
+    @property
+    def lockstep(self) -> _Lockstep | None: ...  # with --data-parallel
 
 
 class WorkerCollector:
@@ -200,6 +208,8 @@ def serve_http(worker: WorkerView, host: str, port: int) -> ThreadingHTTPServer:
                 shown: dict[str, Any] = {"role": worker.role, "layers": counts}
                 if worker.experts is not None:
                     shown["parallel"] = worker.experts.snapshot()
+                if worker.lockstep is not None:
+                    shown["data_parallel"] = worker.lockstep.snapshot()
                 self._send(200, json.dumps(shown).encode(), "application/json")
             elif self.path == "/health":
                 ok = worker.ready

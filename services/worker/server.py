@@ -36,6 +36,7 @@ from services.model.experts.expert_rank import start as start_ranks
 from services.model.loader import load_model, load_mtp
 from services.model.loading import sources
 from services.model.openmp import release_this_threads_team
+from services.model.parallel import data as data_ranks
 from services.model.parallel import ranks as tensor_ranks
 from services.rpc import keepalive
 from services.rpc import worker_pb2 as pb
@@ -76,6 +77,13 @@ class Worker:
                 loaded.model, tensor_ranks.Spec(ms.model, ms.dtype, ms.device, ms.kernels, ranks)
             )
             loaded, self.tensor = dataclasses.replace(loaded, model=split), split.leader
+        self.lockstep: data_ranks.Lockstep | None = None  # the other data-parallel ranks
+        w = settings.worker
+        if w.data_parallel > 1:
+            host, _, port = w.data_parallel_address.rpartition(":")
+            self.lockstep = data_ranks.join(
+                loaded.model, w.data_parallel_rank, w.data_parallel, host, int(port)
+            )
         self.experts: ExpertGroup | None = None  # the experts' other processes, when spread
         es = settings.experts
         if es.expert_parallel > 1:
@@ -123,7 +131,7 @@ class Worker:
         )
         self.cache_dtype: torch.dtype = cache_dtype
         release_this_threads_team()  # the engine thread computes from here on (openmp.py)
-        self.driver = AsyncEngine(self.engine)
+        self.driver = AsyncEngine(self.engine, self.lockstep)
         self.store = self.link.store
         self.counters = Counters()
         self.tracer = Tracer(f"pdserve-{self.role}", settings.server.trace_file)  # None: no-ops

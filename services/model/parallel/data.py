@@ -18,8 +18,10 @@ casts it), or an idle one (`idle`), so the ranks' collectives pair up whatever t
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -27,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from services.model.causal_lm import CausalLM
-from services.model.errors import ModelLoadError
+from services.model.errors import DataRankLost, ModelLoadError
 from services.model.experts import eplb
 from services.model.experts.expert_parallel import Group, connect, copies_of, slot_of
 from services.model.layers.layer_ops import LayerOps
@@ -118,12 +120,22 @@ class ExpertExchange:
             self._exchange(i, self.layers[i], rows, none, self.ops)
 
     def _all_to_all(self, x: torch.Tensor, into: list[int], out_of: list[int]) -> torch.Tensor:
-        """x's rows, out_of[r] of them to rank r in order; into[r] rows from rank r back."""
+        """x's rows, out_of[r] of them to rank r in order; into[r] rows from rank r back.
+        DataRankLost where a rank is gone: the ranks cannot step on without it."""
         width = math.prod(x.shape[1:])
         wire = x.contiguous().view(len(x), width).view(torch.uint8)  # rows of bytes, as is
         got = wire.new_empty(sum(into), wire.shape[1])
-        self.pg.alltoall_base(got, wire, into, out_of, dist.AllToAllOptions()).wait()
+        with lost_on_failure():
+            self.pg.alltoall_base(got, wire, into, out_of, dist.AllToAllOptions()).wait()
         return got.view(x.dtype).view(sum(into), *x.shape[1:])
+
+
+@contextlib.contextmanager
+def lost_on_failure() -> Iterator[None]:
+    try:
+        yield
+    except RuntimeError as e:  # gloo's or NCCL's: a peer closed its end, or timed out
+        raise DataRankLost(f"{type(e).__name__}: {e}") from e
 
 
 class Lockstep:
@@ -139,10 +151,20 @@ class Lockstep:
         """Cast a round's vote; whether any rank has a pass to run."""
         start = time.perf_counter_ns()
         flag = torch.tensor([int(working)], dtype=INT64, device=self.exchange.device)
-        self.pg.allreduce([flag]).wait()
+        with lost_on_failure():
+            self.pg.allreduce([flag]).wait()
         self.timing.votes += 1
         self.timing.vote_ns += time.perf_counter_ns() - start
         return bool(flag.item())
+
+    def snapshot(self) -> dict[str, Any]:
+        """This rank's share of the agreement's cost, for /experts."""
+        t, x = self.timing, self.exchange
+        return {
+            "rank": x.rank, "ranks": x.ranks, "votes": t.votes, "vote_ms": t.vote_ns / 1e6,
+            "empty_passes": t.empty_passes, "empty_pass_ms": t.empty_ns / 1e6,
+            "exchanges": t.exchanges, "exchange_ms": t.exchange_ns / 1e6,
+        }  # fmt: skip
 
     def passing(self) -> None:
         """A pass of this rank's own begins (its first MoE layer): its round's vote."""

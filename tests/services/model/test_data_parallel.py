@@ -17,6 +17,7 @@ from services.engine.engine import Engine, EngineConfig
 from services.launcher import free_port
 from services.model.loader import load_model
 from services.model.parallel import data
+from services.settings import SettingsError, build, check
 from tests.services.engine.test_async_scheduling import MIX, outcome
 from tests.services.engine.test_determinism import prompt
 from tests.support.dtypes import COMPUTE_DTYPES
@@ -88,3 +89,27 @@ def test_ranks_answer_as_one_process(tiny_dir, family, dtype):
     for r in range(RANKS):
         assert results[r][0] == expected[r], f"rank {r}"
     assert results[1][1] > 0 and results[0][1] == 0  # rank 1 ran empty passes, rank 0 none
+
+
+@pytest.mark.parametrize(
+    ("family", "values", "message"),
+    [
+        ("qwen3", {"data_parallel": 2}, "is not a mixture-of-experts model"),
+        ("qwen3_moe", {"data_parallel": 3}, "8 experts do not divide over 3 ranks"),
+        ("qwen3_moe", {"data_parallel": 2}, "data_parallel_address: '' is not host:port"),
+        (
+            "qwen3_moe",
+            {"data_parallel": 2, "data_parallel_rank": 2, "data_parallel_address": "h:1"},
+            "data_parallel_rank: 2 is not below --data-parallel 2",
+        ),
+        (
+            "qwen3_moe",
+            {"data_parallel": 2, "data_parallel_address": "h:1", "expert_parallel": 2},
+            "not yet with --expert-parallel",
+        ),
+    ],
+)
+def test_data_parallel_settings_that_cannot_work_are_refused(tiny_dir, family, values, message):
+    with pytest.raises(SettingsError, match=message):
+        check(build("decode", model=str(tiny_dir(family)), **values))
+    check(build("up", model=str(tiny_dir("qwen3_moe")), data_parallel=2))  # up gives the rest

@@ -1,0 +1,69 @@
+"""`pdserve up --data-parallel 2` over a MoE checkpoint made by transformers: the prefill
+worker and the decode worker each become two ranks, whole engines with half the experts each,
+every one a target of the router; concurrent requests, spread over the ranks, answer as one
+process does through the router and the official client (a prompt prefilled by either prefill
+rank is decoded by either decode rank: the store's keys name no rank); a decode rank killed
+mid-stream takes its group out of service (both ranks exit 1, restarted by `up`) and the
+stream completes after the restart, token for token; nothing hangs."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import signal
+
+import httpx
+import openai
+import psutil
+
+from services.engine.engine import Engine, EngineConfig
+from services.engine.params import SamplingParams
+from services.launcher import free_port
+from services.model.loader import load_model
+from tests.support.up import Up, stream_completion
+
+PROMPTS = [f"Story {i}: the lighthouse keeper climbed the stairs and" for i in range(6)]
+NAME = "tiny-moe"
+
+
+def test_ranks_answer_as_one_process_and_a_dead_rank_restarts_its_group(tiny_dir):
+    path = tiny_dir("deepseek_v3")
+    loaded = load_model(str(path), dtype="float32", device="cpu")
+    engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(num_blocks=128))
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    expected = [o.choices[0].text for o in engine.generate(PROMPTS, params)]
+    metrics = free_port()  # worker k's side door on metrics + k: prefill ranks, then decode's
+    out = Up("--port", str(free_port()), "--model", str(path), "--served-model-name", NAME,
+             "--kv-store", "memory://", "--num-blocks", "128", "--dtype", "float32",
+             "--no-colocated", "--data-parallel", "2", "--metrics-port", str(metrics))  # fmt: skip
+    ranks: list[psutil.Process] = []
+    try:
+        client = openai.OpenAI(base_url=out.ready(), api_key="none", max_retries=0)
+
+        def complete(prompt: str) -> str:
+            args = {"model": NAME, "prompt": prompt, "max_tokens": 24, "temperature": 0,
+                    "extra_body": {"ignore_eos": True}}  # fmt: skip
+            return client.completions.create(**args).choices[0].text  # type: ignore[arg-type]
+
+        with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+            assert list(pool.map(complete, PROMPTS)) == expected
+        for k in range(4):  # every rank computed tokens of its own: the router spread them
+            shown = httpx.get(f"http://127.0.0.1:{metrics + k}/experts").json()
+            assert shown["data_parallel"]["rank"] == k % 2 and shown["data_parallel"]["votes"] > 0
+            routed = sum(sum(counts) for counts in shown["layers"].values())
+            assert routed > 0, f"worker {k} computed no tokens"
+
+        pids = [int(out.wait_for(rf"pdserve: decode-{r} started \(pid (\d+)\)", 5).group(1))
+                for r in range(2)]  # fmt: skip
+        ranks = [psutil.Process(pid) for pid in pids]
+        mark = len(out.lines)
+        args = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 24, "temperature": 0,
+                "extra_body": {"ignore_eos": True}}  # fmt: skip
+        kill = lambda: ranks[1].send_signal(signal.SIGKILL)  # noqa: E731  (mid-stream)
+        text, finishes = stream_completion(client, args, 5, kill)
+        for r in range(2):  # rank 0 found its peer gone at its next vote
+            out.wait_for(rf"pdserve: decode-{r} exited with code (1|-9); restarting", 30, mark)
+        assert text == expected[0] and finishes == ["length"]  # completed after the restart
+        assert complete(PROMPTS[1]) == expected[1]
+    finally:
+        out.stop()
+    assert not any(p.is_running() and p.status() != "zombie" for p in ranks)
