@@ -117,9 +117,11 @@ def _data(s: Settings, path: Path, given_by_up: bool) -> None:
             f"data_parallel: {path} is not a mixture-of-experts model (a dense model's ranks "
             "would share nothing: run more workers, --num-decode)"
         )
-    if moe.num_experts % w.data_parallel:
+    slots = moe.num_experts + s.experts.redundant_experts
+    if slots % w.data_parallel:
         raise SettingsError(
-            f"data_parallel: {moe.num_experts} experts do not divide over {w.data_parallel} ranks"
+            f"data_parallel: {moe.num_experts} experts + {s.experts.redundant_experts} "
+            f"redundant slots do not divide over {w.data_parallel} ranks"
         )
     if not given_by_up and w.data_parallel_rank >= w.data_parallel:
         raise SettingsError(

@@ -78,14 +78,16 @@ class Worker:
             )
             loaded, self.tensor = dataclasses.replace(loaded, model=split), split.leader
         self.lockstep: data_ranks.Lockstep | None = None  # the other data-parallel ranks
-        w = settings.worker
+        w, es = settings.worker, settings.experts
         if w.data_parallel > 1:
             host, _, port = w.data_parallel_address.rpartition(":")
+            balance = data_ranks.Balancing(
+                es.redundant_experts, es.eplb_interval, es.eplb_policy, es.eplb_nodes
+            )
             self.lockstep = data_ranks.join(
-                loaded.model, w.data_parallel_rank, w.data_parallel, host, int(port)
+                loaded.model, w.data_parallel_rank, w.data_parallel, host, int(port), balance
             )
         self.experts: ExpertGroup | None = None  # the experts' other processes, when spread
-        es = settings.experts
         if es.expert_parallel > 1:
             spec = Spec(
                 ms.model, ms.dtype, ms.device, ms.kernels, es.expert_parallel, es.redundant_experts

@@ -38,6 +38,17 @@ from services.model.layers.moe import Moe, run_grouped
 INT64 = torch.int64
 
 
+@dataclass(frozen=True)
+class Balancing:
+    """The experts' placement over the ranks: spare slots for second copies of hot experts,
+    and how often to plan a new placement from the load (eplb.py; 0: never)."""
+
+    redundant: int = 0
+    interval: int = 0  # passes between plans
+    policy: str = "auto"
+    nodes: int = 1
+
+
 @dataclass
 class LockstepTiming:
     """Where the ranks' agreement costs time, ns: the votes (waiting for the others included),
@@ -64,23 +75,32 @@ class ExpertExchange:
         hidden: int,
         dtype: torch.dtype,
         device: torch.device,
+        balance: Balancing | None = None,
     ) -> None:
         self.layers, self.pg, self.rank, self.ranks = layers, pg, rank, ranks
         self.ops, self.hidden, self.dtype, self.device = ops, hidden, dtype, device
         some = next(iter(layers.values()))
         self.num_experts = some.shape.num_experts
-        self.slots = self.num_experts  # one slot per expert (redundant copies: not yet)
+        self.balancing = balance or Balancing()
+        self.slots = self.num_experts + self.balancing.redundant
         if self.slots % ranks:
-            raise ValueError(f"{self.num_experts} experts do not divide over {ranks} ranks")
+            raise ValueError(f"{self.slots} expert slots do not divide over {ranks} ranks")
         self.per_rank = self.slots // ranks
+        self.policy = eplb.choose_policy(
+            self.balancing.policy, self.balancing.nodes, max(some.shape.n_group, 1), ranks,
+            self.slots,
+        )  # fmt: skip
         self._index = {id(moe): i for i, moe in layers.items()}
         self._first = min(layers)
-        self._copies = {}
+        self.placement: dict[int, list[int]] = {}
+        self._copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.passes = 0  # the same on every rank: each round with a pass runs one on each
+        self.pending: list[tuple[int, list[int]]] = []  # a plan's layers still to move
+        self.plans = self.experts_loaded = 0
         for i, moe in layers.items():
-            placement = eplb.initial(self.num_experts, self.slots)
-            self._copies[i] = copies_of(placement, self.num_experts, device)
-            moe.hold(placement[rank * self.per_rank :][: self.per_rank])
             moe.dispatch = self
+            self._place(i, eplb.initial(self.num_experts, self.slots))
+        self.counts_at_plan = {i: moe.counts.clone() for i, moe in layers.items()}
         self.timing = LockstepTiming()
         self.lockstep: Lockstep | None = None  # casts a pass's vote at its first MoE layer
 
@@ -88,8 +108,10 @@ class ExpertExchange:
         self, moe: Moe, x: torch.Tensor, experts: torch.Tensor, ops: LayerOps
     ) -> torch.Tensor:
         layer = self._index[id(moe)]
-        if layer == self._first and self.lockstep is not None:
-            self.lockstep.passing()
+        if layer == self._first:
+            if self.lockstep is not None:
+                self.lockstep.passing()
+            self._between_passes()
         return self._exchange(layer, moe, x, experts, ops)
 
     def _exchange(
@@ -116,8 +138,44 @@ class ExpertExchange:
         """Every MoE layer's exchange, in order, with no rows of this rank's own."""
         rows = torch.empty(0, self.hidden, dtype=self.dtype, device=self.device)
         none = torch.empty(0, dtype=INT64, device=self.device)
+        self._between_passes()
         for i in sorted(self.layers):
             self._exchange(i, self.layers[i], rows, none, self.ops)
+
+    # -- the balancer: every rank plans the same placement from the summed loads -------
+
+    def _between_passes(self) -> None:
+        self.passes += 1
+        if self.pending:  # one layer a pass: no pass waits long on moving weights
+            self._place(*self.pending.pop(0))
+        elif self.balancing.interval and self.passes % self.balancing.interval == 0:
+            self._plan()
+
+    def _plan(self) -> None:
+        """Every rank's expert loads since the last plan, summed (one all-reduce), planned
+        from: each rank computes the same plan."""
+        order = sorted(self.layers)
+        load = torch.stack([self.layers[i].counts - self.counts_at_plan[i] for i in order])
+        self.counts_at_plan = {i: self.layers[i].counts.clone() for i in order}
+        with lost_on_failure():
+            self.pg.allreduce([load]).wait()
+        self.plans += 1
+        groups = max(self.layers[order[0]].shape.n_group, 1)
+        for i, row in zip(order, load.tolist(), strict=True):
+            if not any(row):
+                continue
+            new = eplb.plan(row, self.placement[i], self.ranks, self.policy,
+                            self.balancing.nodes, groups)  # fmt: skip
+            if new != self.placement[i]:
+                self.pending.append((i, new))
+
+    def _place(self, layer: int, slot_experts: list[int]) -> None:
+        """A layer's placement: this rank holds its slots' experts (built from the checkpoint
+        where it held none), every rank knows each expert's copies."""
+        p = self.per_rank
+        self.experts_loaded += self.layers[layer].hold(slot_experts[self.rank * p :][:p])
+        self.placement[layer] = list(slot_experts)
+        self._copies[layer] = copies_of(slot_experts, self.num_experts, self.device)
 
     def _all_to_all(self, x: torch.Tensor, into: list[int], out_of: list[int]) -> torch.Tensor:
         """x's rows, out_of[r] of them to rank r in order; into[r] rows from rank r back.
@@ -164,6 +222,8 @@ class Lockstep:
             "rank": x.rank, "ranks": x.ranks, "votes": t.votes, "vote_ms": t.vote_ns / 1e6,
             "empty_passes": t.empty_passes, "empty_pass_ms": t.empty_ns / 1e6,
             "exchanges": t.exchanges, "exchange_ms": t.exchange_ns / 1e6,
+            "passes": x.passes, "rebalances": x.plans, "experts_loaded": x.experts_loaded,
+            "placement": {str(i): p for i, p in x.placement.items()},
         }  # fmt: skip
 
     def passing(self) -> None:
@@ -189,7 +249,14 @@ class Lockstep:
         self.voted = False
 
 
-def join(model: CausalLM, rank: int, ranks: int, host: str, port: int) -> Lockstep:
+def join(
+    model: CausalLM,
+    rank: int,
+    ranks: int,
+    host: str,
+    port: int,
+    balance: Balancing | None = None,
+) -> Lockstep:
     """Join the data-parallel group (rank 0 hosts its rendezvous at host:port), keep this
     rank's share of every MoE layer's experts, and answer the exchanges from here on."""
     layers = model.moe_layers()
@@ -198,6 +265,7 @@ def join(model: CausalLM, rank: int, ranks: int, host: str, port: int) -> Lockst
     pg = connect(host, port, rank, ranks, model.device)
     ops = cast(Any, model).ops
     exchange = ExpertExchange(
-        layers, pg, rank, ranks, ops, model.config.hidden_size, model.dtype, model.device
-    )
+        layers, pg, rank, ranks, ops, model.config.hidden_size, model.dtype, model.device,
+        balance,
+    )  # fmt: skip
     return Lockstep(exchange)

@@ -52,24 +52,46 @@ class _InStep:
         return deltas
 
 
-def _rank(path: str, dtype: str, rank: int, port: int, out) -> None:
+def _rank(path: str, dtype: str, balance: data.Balancing, rank: int, port: int, out) -> None:
     torch.set_num_threads(1)
     try:  # whatever happens, the test hears of it rather than waiting
         loaded = load_model(path, dtype=dtype, device="cpu")
-        lockstep = data.join(loaded.model, rank, RANKS, "127.0.0.1", port)
+        lockstep = data.join(loaded.model, rank, RANKS, "127.0.0.1", port, balance)
         engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(num_blocks=128))
         prompts, params = SHARES[rank]
         got = outcome(offline.generate(_InStep(engine, lockstep), prompts, params, "dp"))
         while lockstep.idle():  # the other ranks' passes, until none has one
             pass
-        out.put((rank, got, lockstep.timing.empty_passes))
+        out.put((rank, got, lockstep.snapshot()))
     except Exception as e:
-        out.put((rank, f"{type(e).__name__}: {e}", 0))
+        out.put((rank, f"{type(e).__name__}: {e}", {}))
+
+
+STILL = data.Balancing()
+MOVING = data.Balancing(redundant=2, interval=3)  # second copies, a new placement often
 
 
 @pytest.mark.parametrize("dtype", COMPUTE_DTYPES)
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "deepseek_v4"])
-def test_ranks_answer_as_one_process(tiny_dir, family, dtype):
+@pytest.mark.parametrize(
+    ("family", "balance"),
+    [
+        ("qwen3_moe", STILL),
+        ("deepseek_v3", STILL),
+        ("deepseek_v4", STILL),
+        ("qwen3_moe", MOVING),
+        ("deepseek_v3", MOVING),
+    ],
+    ids=[
+        "qwen3_moe",
+        "deepseek_v3",
+        "deepseek_v4",
+        "qwen3_moe-rebalanced",
+        "deepseek_v3-rebalanced",
+    ],
+)
+def test_ranks_answer_as_one_process(tiny_dir, family, balance, dtype):
+    """Each rank's answers are one process's; with --redundant-experts 2 and a plan every 3
+    passes from both ranks' loads, the experts move while the ranks serve, answers unchanged."""
     path = str(tiny_dir(family))
     one = load_model(path, dtype=dtype, device="cpu")
     reference = Engine(one.model, one.tokenizer, EngineConfig(num_blocks=128))
@@ -77,7 +99,9 @@ def test_ranks_answer_as_one_process(tiny_dir, family, dtype):
     spawn = multiprocessing.get_context("spawn")
     out = spawn.Queue()
     port = free_port()
-    ranks = [spawn.Process(target=_rank, args=(path, dtype, r, port, out)) for r in range(RANKS)]
+    ranks = [
+        spawn.Process(target=_rank, args=(path, dtype, balance, r, port, out)) for r in range(RANKS)
+    ]
     for p in ranks:
         p.start()
     results = {r: (got, empty) for r, got, empty in (out.get(timeout=600) for _ in ranks)}
@@ -88,14 +112,23 @@ def test_ranks_answer_as_one_process(tiny_dir, family, dtype):
     assert not errors
     for r in range(RANKS):
         assert results[r][0] == expected[r], f"rank {r}"
-    assert results[1][1] > 0 and results[0][1] == 0  # rank 1 ran empty passes, rank 0 none
+    shown = [results[r][1] for r in range(RANKS)]
+    assert shown[1]["empty_passes"] > 0 and shown[0]["empty_passes"] == 0  # rank 1's, not 0's
+    assert shown[0]["passes"] == shown[1]["passes"]  # in step
+    assert shown[0]["placement"] == shown[1]["placement"]  # the same plans
+    if balance.interval:
+        assert all(s["rebalances"] > 0 and s["experts_loaded"] > 0 for s in shown)
 
 
 @pytest.mark.parametrize(
     ("family", "values", "message"),
     [
         ("qwen3", {"data_parallel": 2}, "is not a mixture-of-experts model"),
-        ("qwen3_moe", {"data_parallel": 3}, "8 experts do not divide over 3 ranks"),
+        (
+            "qwen3_moe",
+            {"data_parallel": 3},
+            "8 experts \\+ 0 redundant slots do not divide over 3 ranks",
+        ),
         ("qwen3_moe", {"data_parallel": 2}, "data_parallel_address: '' is not host:port"),
         (
             "qwen3_moe",
