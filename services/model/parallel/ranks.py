@@ -190,10 +190,10 @@ class TensorParallelLM:
         return ShardedKV(local, self.leader)
 
     def moe_layers(self) -> dict[int, Moe]:
-        return {}  # shard takes dense models only
+        return self.inner.moe_layers()
 
     def expert_counts(self) -> dict[int, list[int]]:
-        return {}
+        return self.inner.expert_counts()  # every rank routes every token: rank 0's counts
 
 
 def serve(group: TensorGroup, model: CausalLM) -> None:

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from services.model.config import ModelConfig
 from services.model.layers.layer_ops import LayerOps
 from services.model.layers.linear import Bf16Linear, Linear, bf16_linear_library
-from services.model.layers.moe import DenseMlp, fused_swiglu, swiglu_bf16
+from services.model.layers.moe import DenseMlp, Moe, fused_swiglu, run_grouped, swiglu_bf16
 
 SWIGLU_COLUMNS = 32  # the grouped kernel's SiLU takes 32 columns at a time
 
@@ -60,19 +60,28 @@ class TensorGroup:
 def check(config: ModelConfig, size: int) -> None:
     """ValueError, naming each size that does not divide, where the model does not split into
     `size` exact parts."""
+    from services.model import families
+
     c = config
+    sizes = [
+        ("num_kv_heads", c.num_kv_heads, 1),
+        ("hidden_size", c.hidden_size, 16),
+        ("vocab_size", c.vocab_size, 16),
+    ]
+    if any(not c.is_moe_layer(i) for i in range(c.num_layers)):
+        sizes.append(("intermediate_size", c.intermediate_size, SWIGLU_COLUMNS))
+    if c.moe is not None and c.moe.layers:
+        sizes.append(("num_experts", c.moe.num_experts, 1))
     problems = [
         f"{name} ({n}) is not a multiple of {size * unit}"
-        for name, n, unit in (
-            ("num_kv_heads", c.num_kv_heads, 1),
-            ("hidden_size", c.hidden_size, 16),
-            ("intermediate_size", c.intermediate_size, SWIGLU_COLUMNS),
-            ("vocab_size", c.vocab_size, 16),
-        )
+        for name, n, unit in sizes
         if n % (size * unit)
     ]
-    if c.moe is not None or c.cache is not None or c.shape is not None:
-        problems.append(f"{c.architecture}: tensor parallelism covers dense Llama-family models")
+    if not families.of(c).model.endswith(":DecoderModel"):
+        problems.append(
+            f"{c.architecture}: tensor parallelism covers the Llama family's decoder "
+            "(Llama, Mistral, Qwen2/3, Qwen MoE, Mixtral)"
+        )
     if problems:
         raise ValueError("--tensor-parallel " + str(size) + ": " + "; ".join(problems))
 
@@ -101,6 +110,8 @@ def shard(
                 if name in weights:
                     local[name] = part(weights[name], heads * c.head_dim)
         local[a + "o_proj.weight"] = part(weights[a + "o_proj.weight"], c.hidden_size)
+        if c.is_moe_layer(i):
+            continue  # the experts whole here: parallelize keeps this rank's share
         for x in ("gate_proj", "up_proj"):
             local[m + x + ".weight"] = part(weights[m + x + ".weight"], ff)
         local[m + "down_proj.weight"] = part(weights[m + "down_proj.weight"], c.hidden_size)
@@ -146,13 +157,49 @@ class TensorMlp:
         return ops.silu_mul(self.gate_up(x))
 
 
+class TensorExperts:
+    """A MoE layer's routed experts over a tensor group (a Dispatch): rank j holds experts
+    [j E/M, (j+1) E/M). Every rank has the same rows and routes them alike, so each knows
+    which rank computes which choice: it computes its own and the ranks all-gather the
+    outputs. Each choice is computed once, by one rank, with one process's bits (moe.py)."""
+
+    def __init__(self, moe: Moe, group: TensorGroup) -> None:
+        self.group, self.per_rank = group, moe.shape.num_experts // group.size
+        moe.hold(range(group.rank * self.per_rank, (group.rank + 1) * self.per_rank))
+        moe.dispatch = self
+
+    def compute(
+        self, moe: Moe, x: torch.Tensor, experts: torch.Tensor, ops: LayerOps
+    ) -> torch.Tensor:
+        g, k = self.group, len(experts) // len(x) if len(x) else 1
+        order = experts.argsort(stable=True)  # the choices by expert, so by rank
+        counts = torch.bincount(experts // self.per_rank, minlength=g.size).tolist()
+        start = sum(counts[: g.rank])
+        mine = order[start : start + counts[g.rank]]
+        out = run_grouped(
+            x.index_select(0, mine // k), 1, experts[mine] - g.rank * self.per_rank,
+            moe.slots, ops,
+        )  # fmt: skip
+        widest = max(counts)  # the gather takes equal parts: each padded to the widest
+        padded = torch.cat([out, out.new_zeros(widest - len(out), *out.shape[1:])])
+        parts = g.gather(padded, dim=0).split(widest)
+        per_choice = torch.empty(len(experts), *out.shape[1:], dtype=out.dtype, device=out.device)
+        per_choice[order] = torch.cat([p[:n] for p, n in zip(parts, counts, strict=True)])
+        return per_choice
+
+
 def parallelize(model: Any, group: TensorGroup) -> None:
     """The exchanges around a model built from `shard`'s weights: o and down read gathered
-    inputs, their outputs and the logits are gathered (in place)."""
+    inputs, their outputs and the logits are gathered, each MoE layer keeps this rank's
+    experts (in place)."""
     for i, layer in enumerate(model.layers):
         attention = dataclasses.replace(
             layer.attention, o=Gathered(layer.attention.o, group, whole_input=True)
         )
+        if isinstance(layer.mlp, Moe):  # its router and shared experts whole on every rank
+            TensorExperts(layer.mlp, group)
+            model.layers[i] = dataclasses.replace(layer, attention=attention)
+            continue
         assert isinstance(layer.mlp, DenseMlp)
         model.layers[i] = dataclasses.replace(
             layer, attention=attention, mlp=TensorMlp(layer.mlp, group)

@@ -1,8 +1,9 @@
 """Exact tensor parallelism (services/model/parallel/tensor.py): the embedded model split over
-3 ranks (its 3 KV heads, one each) and a tiny Qwen3 (q/k norms, a tied head) over 2,
-processes over gloo, each running the same engine, give one process's tokens, text, finish
-reasons, logprobs and prompt logprobs exactly, greedy and seeded, with stops, penalties and n,
-in every dtype `--dtype auto` picks here."""
+3 ranks (its 3 KV heads, one each), a tiny Qwen3 (q/k norms, a tied head) and a tiny Qwen3-MoE
+(its experts spread over the ranks) over 2, processes over gloo, each running the same
+engine, give one process's tokens, text, finish reasons, logprobs and prompt logprobs
+exactly, greedy and seeded, with stops, penalties and n, in every dtype `--dtype auto` picks
+here."""
 
 from __future__ import annotations
 
@@ -73,7 +74,7 @@ def _tensor_parallel(path: str, dtype: str, size: int) -> list[list[tuple]]:
 
 
 @pytest.mark.parametrize("dtype", COMPUTE_DTYPES)
-@pytest.mark.parametrize(("checkpoint", "size"), [("embedded", 3), ("qwen3", 2)])
+@pytest.mark.parametrize(("checkpoint", "size"), [("embedded", 3), ("qwen3", 2), ("qwen3_moe", 2)])
 def test_ranks_answer_as_one_process(embedded, embedded_dir, tiny_dir, checkpoint, size, dtype):
     path = embedded_dir if checkpoint == "embedded" else tiny_dir(checkpoint)
     shared = checkpoint == "embedded" and dtype == "float32"  # the session's model, not a copy
@@ -97,7 +98,8 @@ def test_a_model_that_does_not_split_evenly_is_refused(embedded_dir):
     ("family", "values", "message"),
     [
         ("embedded", {"tensor_parallel": 2}, "num_kv_heads \\(3\\) is not a multiple of 2"),
-        ("qwen3_moe", {"tensor_parallel": 2}, "covers dense Llama-family models"),
+        ("deepseek_v3", {"tensor_parallel": 2}, "covers the Llama family's decoder"),
+        ("qwen3_moe", {"tensor_parallel": 16}, "num_experts \\(8\\) is not a multiple of 16"),
         ("qwen3", {"tensor_parallel": 2, "quantization": "int8"}, "not yet with --quantization"),
     ],
 )
