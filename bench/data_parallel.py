@@ -65,7 +65,7 @@ def run(engine: Engine, batch: list[list[int]], params: SamplingParams, lockstep
 def _rank(path: str, dtype: str, rank: int, port: int, busy: bool, args, out) -> None:
     torch.set_num_threads(1)
     loaded = load_model(path, dtype=dtype, device="cpu")
-    lockstep = data.join(loaded.model, rank, 2, "127.0.0.1", port)
+    lockstep = data.join(loaded.model, data.Grid(rank, 2, f"127.0.0.1:{port}"))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(num_blocks=1024))
     warm = prompts(2, args.prompt_len, 99)

@@ -132,7 +132,6 @@ def _data(s: Settings, path: Path, given_by_up: bool) -> None:
         raise SettingsError(f"data_parallel_address: {w.data_parallel_address!r} is not host:port")
     for name, taken in (
         ("expert_parallel", s.experts.expert_parallel > 1),
-        ("tensor_parallel", s.model.tensor_parallel > 1),
         ("speculative", s.engine.speculative.method in ("mtp", "draft")),
     ):
         if taken:

@@ -33,7 +33,7 @@ from services.model.causal_lm import CausalLM, MtpLayer
 from services.model.experts.expert_parallel import ExpertGroup
 from services.model.experts.expert_rank import Spec
 from services.model.experts.expert_rank import start as start_ranks
-from services.model.loader import load_model, load_mtp
+from services.model.loader import LoadedModel, load_model, load_mtp
 from services.model.loading import sources
 from services.model.openmp import release_this_threads_team
 from services.model.parallel import data as data_ranks
@@ -63,30 +63,8 @@ class Worker:
         self.settings = settings
         # before the model loads and any thread starts: every later thread shares one arena
         keep_freed_memory()
-        ms, store = settings.model, settings.store
-        ranks = ms.tensor_parallel
-        if ranks > 1:  # the cores shared with the ranks this process starts
-            torch.set_num_threads(tensor_ranks.threads_per_rank(ranks))
-        loaded = load_model(
-            ms.model, ms.dtype, ms.device, ms.quantization, ms.kernels, ms.deterministic,
-            tensor=(0, ranks),
-        )  # fmt: skip
-        self.tensor: tensor_ranks.Leader | None = None  # the other ranks, when split
-        if ranks > 1:
-            split = tensor_ranks.start(
-                loaded.model, tensor_ranks.Spec(ms.model, ms.dtype, ms.device, ms.kernels, ranks)
-            )
-            loaded, self.tensor = dataclasses.replace(loaded, model=split), split.leader
-        self.lockstep: data_ranks.Lockstep | None = None  # the other data-parallel ranks
-        w, es = settings.worker, settings.experts
-        if w.data_parallel > 1:
-            host, _, port = w.data_parallel_address.rpartition(":")
-            balance = data_ranks.Balancing(
-                es.redundant_experts, es.eplb_interval, es.eplb_policy, es.eplb_nodes
-            )
-            self.lockstep = data_ranks.join(
-                loaded.model, w.data_parallel_rank, w.data_parallel, host, int(port), balance
-            )
+        ms, store, es = settings.model, settings.store, settings.experts
+        loaded = self._load_ranks(settings)
         self.experts: ExpertGroup | None = None  # the experts' other processes, when spread
         if es.expert_parallel > 1:
             spec = Spec(
@@ -140,6 +118,40 @@ class Worker:
         self.serving = False  # between start and drain
         self.exit_code = 0  # 1 once the engine is found dead or stalled
         self._loop: asyncio.AbstractEventLoop | None = None
+
+    def _load_ranks(self, settings: Settings) -> LoadedModel:
+        """The model, and the processes it spans: this worker's tensor ranks (the model is
+        then rank 0's slice, each pass sent to them) and the data-parallel ranks it steps
+        with (a grid of both where both are set)."""
+        ms, w, es = settings.model, settings.worker, settings.experts
+        ranks = ms.tensor_parallel
+        if ranks > 1:  # the cores shared with the ranks this process starts
+            torch.set_num_threads(tensor_ranks.threads_per_rank(ranks))
+        loaded = load_model(
+            ms.model, ms.dtype, ms.device, ms.quantization, ms.kernels, ms.deterministic,
+            tensor=(0, ranks),
+        )  # fmt: skip
+        grid = None
+        if w.data_parallel > 1:
+            balance = data_ranks.Balancing(
+                es.redundant_experts, es.eplb_interval, es.eplb_policy, es.eplb_nodes
+            )
+            grid = data_ranks.Grid(
+                w.data_parallel_rank, w.data_parallel, w.data_parallel_address, balance
+            )
+        self.tensor: tensor_ranks.Leader | None = None  # the other tensor ranks, when split
+        self.lockstep: data_ranks.Lockstep | None = None  # the other data-parallel ranks
+        if ranks > 1:
+            spec = tensor_ranks.Spec(ms.model, ms.dtype, ms.device, ms.kernels, ranks, grid)
+            split = tensor_ranks.start(loaded.model, spec)
+            self.tensor = split.leader
+            if grid is not None:
+                self.lockstep = data_ranks.join(split.inner, grid, split.leader.group,
+                                                split.leader.empty)  # fmt: skip
+            return dataclasses.replace(loaded, model=split)
+        if grid is not None:
+            self.lockstep = data_ranks.join(loaded.model, grid)
+        return loaded
 
     @property
     def ready(self) -> bool:

@@ -371,14 +371,20 @@ def connect(
     device: torch.device,
     timeout: float = 3600.0,
     check: Callable[[], None] = lambda: None,
+    hosts: bool | None = None,
+    prefix: str = "",
 ) -> Group:
-    """Join the group (rank 0 hosts its rendezvous store at host:port) within `timeout`
-    seconds (ranks load the model first). `check` runs every half second while rank 0 waits
-    for the others, to raise if one has died."""
-    from torch.distributed import TCPStore
+    """Join the group (rank 0 hosts its rendezvous store at host:port, or the process told
+    it `hosts`; groups meeting at one store each have a `prefix`) within `timeout` seconds
+    (ranks load the model first). `check` runs every half second while rank 0 waits for the
+    others, to raise if one has died."""
+    from torch.distributed import PrefixStore, TCPStore
 
     limit = datetime.timedelta(seconds=timeout)
-    store = TCPStore(host, port, ranks, rank == 0, limit, wait_for_workers=False)
+    hosts = rank == 0 if hosts is None else hosts
+    store: Any = TCPStore(host, port, ranks, hosts, limit, wait_for_workers=False)
+    if prefix:
+        store = PrefixStore(prefix, store)
     # no timeout on the exchanges: a rank waits for rank 0's next command as long as it is
     # idle; a rank or rank 0 that dies closes its sockets (and ranks watch their parent)
     forever = datetime.timedelta(days=365)

@@ -21,7 +21,8 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -34,6 +35,7 @@ from services.model.experts import eplb
 from services.model.experts.expert_parallel import Group, connect, copies_of, slot_of
 from services.model.layers.layer_ops import LayerOps
 from services.model.layers.moe import Moe, run_grouped
+from services.model.parallel.tensor import TensorGroup
 
 INT64 = torch.int64
 
@@ -63,7 +65,15 @@ class LockstepTiming:
 
 
 class ExpertExchange:
-    """One rank's side of the all-to-all: a Dispatch for its MoE layers."""
+    """One process's side of the all-to-all: a Dispatch for its MoE layers.
+
+    With tensor ranks inside each data-parallel rank (`tp`: a DP x TP grid), the experts'
+    slots spread over all N x M processes, process (d, j) holding the (d M + j)-th share.
+    Every tensor rank of a DP rank has the same rows and routes them alike; tensor rank j
+    takes the choices bound for column j's slots and exchanges them all-to-all with the
+    j-th tensor ranks of the other DP ranks (`pg`: that column's group); the tensor ranks
+    then all-gather their columns' outputs. Without tensor ranks, one column: the exchange
+    above."""
 
     def __init__(
         self,
@@ -76,18 +86,23 @@ class ExpertExchange:
         dtype: torch.dtype,
         device: torch.device,
         balance: Balancing | None = None,
+        tp: TensorGroup | None = None,
     ) -> None:
         self.layers, self.pg, self.rank, self.ranks = layers, pg, rank, ranks
         self.ops, self.hidden, self.dtype, self.device = ops, hidden, dtype, device
+        self.tp = tp
+        self.columns, self.column = (tp.size, tp.rank) if tp is not None else (1, 0)
         some = next(iter(layers.values()))
         self.num_experts = some.shape.num_experts
         self.balancing = balance or Balancing()
         self.slots = self.num_experts + self.balancing.redundant
-        if self.slots % ranks:
-            raise ValueError(f"{self.slots} expert slots do not divide over {ranks} ranks")
-        self.per_rank = self.slots // ranks
+        owners = ranks * self.columns
+        if self.slots % owners:
+            raise ValueError(f"{self.slots} expert slots do not divide over {owners} processes")
+        self.per_rank = self.slots // owners
+        self.owner = rank * self.columns + self.column  # this process's share of the slots
         self.policy = eplb.choose_policy(
-            self.balancing.policy, self.balancing.nodes, max(some.shape.n_group, 1), ranks,
+            self.balancing.policy, self.balancing.nodes, max(some.shape.n_group, 1), owners,
             self.slots,
         )  # fmt: skip
         self._index = {id(moe): i for i, moe in layers.items()}
@@ -120,19 +135,40 @@ class ExpertExchange:
         start = time.perf_counter_ns()
         k = len(experts) // len(x) if len(x) else 1
         slot = slot_of(*self._copies[layer], experts)
-        order = slot.argsort(stable=True)  # the choices grouped by slot, so by rank
-        sent = torch.bincount(slot // self.per_rank, minlength=self.ranks)
+        owner = slot // self.per_rank
+        columns = [torch.nonzero(owner % self.columns == c).flatten() for c in range(self.columns)]
+        mine = columns[self.column]  # the choices this column computes
+        order = slot[mine].argsort(stable=True)  # by slot, so by DP rank
+        picked = mine[order]
+        sent = torch.bincount(owner[picked] // self.columns, minlength=self.ranks)
         got = self._all_to_all(sent, [1] * self.ranks, [1] * self.ranks)
         sent_n, got_n = sent.tolist(), got.tolist()
-        rows = self._all_to_all(x.index_select(0, order // k), got_n, sent_n)
-        local = self._all_to_all(slot[order] % self.per_rank, got_n, sent_n)
+        rows = self._all_to_all(x.index_select(0, picked // k), got_n, sent_n)
+        local = self._all_to_all(slot[picked] % self.per_rank, got_n, sent_n)
         out = run_grouped(rows, 1, local, moe.slots, ops)
-        back = self._all_to_all(out, sent_n, got_n)  # each rank's rows, computed
-        per_choice = torch.empty_like(back)
-        per_choice[order] = back  # back in (token, choice) order
+        back = self._all_to_all(out, sent_n, got_n)  # this column's rows, computed
+        per_choice = back.new_empty(len(experts), self.hidden)
+        per_choice[picked] = back  # in (token, choice) order
+        if self.tp is not None:  # every column's, from its tensor rank
+            self._gather_columns(per_choice, columns)
         self.timing.exchanges += 1
         self.timing.exchange_ns += time.perf_counter_ns() - start
         return per_choice
+
+    def _gather_columns(self, per_choice: torch.Tensor, columns: list[torch.Tensor]) -> None:
+        """Fill in the other columns' choices from their tensor ranks (all-gathered: every
+        tensor rank knows each column's choices, having routed the same rows)."""
+        assert self.tp is not None
+        counts = [len(c) for c in columns]
+        widest = max(counts)
+        if widest == 0:
+            return
+        mine = per_choice[columns[self.column]]
+        padded = torch.cat([mine, mine.new_zeros(widest - len(mine), self.hidden)])
+        parts = self.tp.gather(padded, dim=0).split(widest)
+        for c, (part, n) in enumerate(zip(parts, counts, strict=True)):
+            if c != self.column:
+                per_choice[columns[c]] = part[:n]
 
     def empty_pass(self) -> None:
         """Every MoE layer's exchange, in order, with no rows of this rank's own."""
@@ -164,7 +200,7 @@ class ExpertExchange:
         for i, row in zip(order, load.tolist(), strict=True):
             if not any(row):
                 continue
-            new = eplb.plan(row, self.placement[i], self.ranks, self.policy,
+            new = eplb.plan(row, self.placement[i], self.ranks * self.columns, self.policy,
                             self.balancing.nodes, groups)  # fmt: skip
             if new != self.placement[i]:
                 self.pending.append((i, new))
@@ -173,7 +209,7 @@ class ExpertExchange:
         """A layer's placement: this rank holds its slots' experts (built from the checkpoint
         where it held none), every rank knows each expert's copies."""
         p = self.per_rank
-        self.experts_loaded += self.layers[layer].hold(slot_experts[self.rank * p :][:p])
+        self.experts_loaded += self.layers[layer].hold(slot_experts[self.owner * p :][:p])
         self.placement[layer] = list(slot_experts)
         self._copies[layer] = copies_of(slot_experts, self.num_experts, self.device)
 
@@ -197,11 +233,18 @@ def lost_on_failure() -> Iterator[None]:
 
 
 class Lockstep:
-    """The ranks' agreement before each pass: see the module's docstring."""
+    """The ranks' agreement before each pass: see the module's docstring. With tensor ranks,
+    the data-parallel rank's first (its worker) votes, and `around_empty` brings its tensor
+    ranks into each empty pass."""
 
-    def __init__(self, exchange: ExpertExchange) -> None:
+    def __init__(
+        self,
+        exchange: ExpertExchange,
+        around_empty: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
+    ) -> None:
         self.exchange, self.pg = exchange, exchange.pg
         self.timing = exchange.timing
+        self.around_empty = around_empty
         self.voted = False  # this round's vote is cast (a pass ran)
         exchange.lockstep = self
 
@@ -237,7 +280,8 @@ class Lockstep:
         if not self.vote(working=False):
             return False
         start = time.perf_counter_ns()
-        self.exchange.empty_pass()
+        with self.around_empty():
+            self.exchange.empty_pass()
         self.timing.empty_passes += 1
         self.timing.empty_ns += time.perf_counter_ns() - start
         return True
@@ -249,23 +293,54 @@ class Lockstep:
         self.voted = False
 
 
-def join(
-    model: CausalLM,
-    rank: int,
-    ranks: int,
-    host: str,
-    port: int,
-    balance: Balancing | None = None,
-) -> Lockstep:
-    """Join the data-parallel group (rank 0 hosts its rendezvous at host:port), keep this
-    rank's share of every MoE layer's experts, and answer the exchanges from here on."""
+@dataclass(frozen=True)
+class Grid:
+    """A process's place among the data-parallel ranks: its rank's, the count, where they
+    meet (host:port, hosted by rank 0's first process), and the experts' balancing."""
+
+    rank: int
+    ranks: int
+    address: str
+    balance: Balancing = Balancing()
+
+    def args(self) -> list[str]:
+        b = self.balance
+        return [
+            "--dp-rank", str(self.rank), "--dp-ranks", str(self.ranks), "--dp-address",
+            self.address, "--dp-balance", f"{b.redundant},{b.interval},{b.policy},{b.nodes}",
+        ]  # fmt: skip
+
+    @classmethod
+    def parse(cls, rank: int, ranks: int, address: str, balance: str) -> Grid:
+        redundant, interval, policy, nodes = balance.split(",")
+        return cls(rank, ranks, address, Balancing(int(redundant), int(interval), policy,
+                                                   int(nodes)))  # fmt: skip
+
+
+def exchange(model: CausalLM, grid: Grid, tp: TensorGroup | None = None) -> ExpertExchange:
+    """Join this process's column of the grid (tensor rank j of every data-parallel rank:
+    one group each, meeting at grid.address) and keep its share of every MoE layer's
+    experts: the exchanges answer from here on."""
     layers = model.moe_layers()
     if not layers:
         raise ModelLoadError(model.config.name, "data-parallel ranks exchange a MoE model's rows")
-    pg = connect(host, port, rank, ranks, model.device)
+    column = tp.rank if tp is not None else 0
+    host, _, port = grid.address.rpartition(":")
+    pg = connect(host, int(port), grid.rank, grid.ranks, model.device,
+                 hosts=grid.rank == 0 and column == 0, prefix=f"column-{column}/")  # fmt: skip
     ops = cast(Any, model).ops
-    exchange = ExpertExchange(
-        layers, pg, rank, ranks, ops, model.config.hidden_size, model.dtype, model.device,
-        balance,
+    return ExpertExchange(
+        layers, pg, grid.rank, grid.ranks, ops, model.config.hidden_size, model.dtype,
+        model.device, grid.balance, tp,
     )  # fmt: skip
-    return Lockstep(exchange)
+
+
+def join(
+    model: CausalLM,
+    grid: Grid,
+    tp: TensorGroup | None = None,
+    around_empty: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
+) -> Lockstep:
+    """A data-parallel rank's first process: its exchange and the votes (`tp`, `around_empty`:
+    its tensor ranks, and how it brings them into an empty pass)."""
+    return Lockstep(exchange(model, grid, tp), around_empty)

@@ -15,6 +15,7 @@ broadcast, then the command's tensors:
     FORWARD n int64s    the batch's wire form (batch.py); the pass's own exchanges follow
     LOAD n blocks       the block ids, then K and V with every head: each rank keeps its own
     SAVE n blocks       the block ids; then each rank's heads of them, all-gathered
+    EMPTY               an empty pass of the data-parallel grid's exchanges (data.py)
     STOP
 
 Rank 0's engine thread runs the passes and its apply thread may save blocks meanwhile: a lock
@@ -46,10 +47,11 @@ from services.model.experts.expert_parallel import connect
 from services.model.experts.expert_rank import exit_with_parent, rank_device
 from services.model.kv_cache import KVCache
 from services.model.layers.moe import Moe
+from services.model.parallel import data
 from services.model.parallel.tensor import TensorGroup, parallelize
 
 log = logging.getLogger("pdserve.tensor")
-POOL, FORWARD, LOAD, SAVE, STOP = range(1, 6)
+POOL, FORWARD, LOAD, SAVE, EMPTY, STOP = range(1, 7)
 INT64 = torch.int64
 
 
@@ -62,11 +64,13 @@ class Spec:
     device: str
     kernels: str
     ranks: int
+    grid: data.Grid | None = None  # the data-parallel ranks this worker is one of
 
     def args(self) -> list[str]:
         return [
             "--model", self.model, "--dtype", self.dtype, "--device", self.device,
             "--kernels", self.kernels, "--ranks", str(self.ranks),
+            *(self.grid.args() if self.grid is not None else []),
         ]  # fmt: skip
 
 
@@ -90,6 +94,12 @@ class Leader:
             except Exception as e:
                 self.broken = f"{type(e).__name__}: {e}"
                 raise TensorRankLost(self.broken) from e
+
+    @contextlib.contextmanager
+    def empty(self) -> Iterator[None]:
+        """The ranks in an empty pass of the grid's exchanges, run in the block."""
+        with self.command(EMPTY, 0):
+            yield
 
     def ints(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=INT64, device=self.device)
@@ -196,8 +206,9 @@ class TensorParallelLM:
         return self.inner.expert_counts()  # every rank routes every token: rank 0's counts
 
 
-def serve(group: TensorGroup, model: CausalLM) -> None:
-    """A rank's loop: rank 0's commands until STOP (RuntimeError if rank 0 is gone)."""
+def serve(group: TensorGroup, model: CausalLM, grid: data.ExpertExchange | None = None) -> None:
+    """A rank's loop: rank 0's commands until STOP (RuntimeError if rank 0 is gone); `grid`:
+    its exchange with the other data-parallel ranks, for empty passes."""
     device = model.device
 
     def ints(n: int) -> torch.Tensor:
@@ -210,6 +221,10 @@ def serve(group: TensorGroup, model: CausalLM) -> None:
             return
         if command == POOL:
             kv = model.new_kv_cache(n, int(ints(1).item()))
+            continue
+        if command == EMPTY:
+            assert grid is not None, "an empty pass outside a data-parallel grid"
+            grid.empty_pass()
             continue
         assert kv is not None, "a pass before the pool"
         if command == FORWARD:
@@ -252,7 +267,7 @@ def start(model: CausalLM, spec: Spec, timeout: float = 3600.0) -> TensorParalle
             proc.kill()
         raise
     group = TensorGroup(pg, 0, spec.ranks)
-    parallelize(model, group)
+    parallelize(model, group, experts=spec.grid is None)  # in a grid, the grid's exchange
     log.info("tensor parallel", extra={"fields": {"ranks": spec.ranks}})
     return TensorParallelLM(model, Leader(group, model.device, processes))
 
@@ -271,7 +286,14 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument(f"--{name}", required=True)
     for name in ("ranks", "rank", "port", "threads"):
         p.add_argument(f"--{name}", type=int, required=True)
+    p.add_argument("--dp-rank", type=int)
+    p.add_argument("--dp-ranks", type=int)
+    p.add_argument("--dp-address")
+    p.add_argument("--dp-balance")
     a = p.parse_args(argv)
+    grid = None
+    if a.dp_ranks is not None:
+        grid = data.Grid.parse(a.dp_rank, a.dp_ranks, a.dp_address, a.dp_balance)
     logs.configure()
     exit_with_parent()
     torch.set_num_threads(a.threads)
@@ -280,8 +302,8 @@ def main(argv: list[str] | None = None) -> int:
                        tensor=(a.rank, a.ranks)).model  # fmt: skip
     try:
         group = TensorGroup(connect("127.0.0.1", a.port, a.rank, a.ranks, device), a.rank, a.ranks)
-        parallelize(model, group)
-        serve(group, model)
+        parallelize(model, group, experts=grid is None)
+        serve(group, model, data.exchange(model, grid, group) if grid else None)
     except RuntimeError as e:  # rank 0 is gone: nothing to serve
         why = {"rank": a.rank, "why": str(e)[:200]}
         log.warning("tensor rank: rank 0 gone", extra={"fields": why})

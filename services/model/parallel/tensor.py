@@ -181,6 +181,8 @@ class TensorExperts:
             moe.slots, ops,
         )  # fmt: skip
         widest = max(counts)  # the gather takes equal parts: each padded to the widest
+        if widest == 0:  # no rows (every rank knows)
+            return out
         padded = torch.cat([out, out.new_zeros(widest - len(out), *out.shape[1:])])
         parts = g.gather(padded, dim=0).split(widest)
         per_choice = torch.empty(len(experts), *out.shape[1:], dtype=out.dtype, device=out.device)
@@ -188,16 +190,18 @@ class TensorExperts:
         return per_choice
 
 
-def parallelize(model: Any, group: TensorGroup) -> None:
+def parallelize(model: Any, group: TensorGroup, experts: bool = True) -> None:
     """The exchanges around a model built from `shard`'s weights: o and down read gathered
     inputs, their outputs and the logits are gathered, each MoE layer keeps this rank's
-    experts (in place)."""
+    experts (in place; `experts` False: the layers are left whole, for a data-parallel
+    grid's exchange to spread, parallel/data.py)."""
     for i, layer in enumerate(model.layers):
         attention = dataclasses.replace(
             layer.attention, o=Gathered(layer.attention.o, group, whole_input=True)
         )
         if isinstance(layer.mlp, Moe):  # its router and shared experts whole on every rank
-            TensorExperts(layer.mlp, group)
+            if experts:
+                TensorExperts(layer.mlp, group)
             model.layers[i] = dataclasses.replace(layer, attention=attention)
             continue
         assert isinstance(layer.mlp, DenseMlp)

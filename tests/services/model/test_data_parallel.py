@@ -8,6 +8,7 @@ rank 0 goes on."""
 from __future__ import annotations
 
 import multiprocessing
+from typing import Any
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from services.engine import offline
 from services.engine.engine import Engine, EngineConfig
 from services.launcher import free_port
 from services.model.loader import load_model
-from services.model.parallel import data
+from services.model.parallel import data, ranks
 from services.settings import SettingsError, build, check
 from tests.services.engine.test_async_scheduling import MIX, outcome
 from tests.services.engine.test_determinism import prompt
@@ -52,16 +53,27 @@ class _InStep:
         return deltas
 
 
-def _rank(path: str, dtype: str, balance: data.Balancing, rank: int, port: int, out) -> None:
+def _rank(
+    path: str, dtype: str, balance: data.Balancing, tp: int, rank: int, port: int, out
+) -> None:
+    """Data-parallel rank `rank`: alone, or the first of `tp` tensor ranks it starts."""
     torch.set_num_threads(1)
     try:  # whatever happens, the test hears of it rather than waiting
-        loaded = load_model(path, dtype=dtype, device="cpu")
-        lockstep = data.join(loaded.model, rank, RANKS, "127.0.0.1", port, balance)
-        engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(num_blocks=128))
+        grid = data.Grid(rank, RANKS, f"127.0.0.1:{port}", balance)
+        loaded = load_model(path, dtype=dtype, device="cpu", tensor=(0, tp))
+        model: Any = loaded.model
+        if tp > 1:
+            model = ranks.start(model, ranks.Spec(path, dtype, "cpu", "auto", tp, grid))
+            lockstep = data.join(model.inner, grid, model.leader.group, model.leader.empty)
+        else:
+            lockstep = data.join(model, grid)
+        engine = Engine(model, loaded.tokenizer, EngineConfig(num_blocks=128))
         prompts, params = SHARES[rank]
         got = outcome(offline.generate(_InStep(engine, lockstep), prompts, params, "dp"))
         while lockstep.idle():  # the other ranks' passes, until none has one
             pass
+        if tp > 1:
+            model.leader.stop()
         out.put((rank, got, lockstep.snapshot()))
     except Exception as e:
         out.put((rank, f"{type(e).__name__}: {e}", {}))
@@ -92,20 +104,34 @@ MOVING = data.Balancing(redundant=2, interval=3)  # second copies, a new placeme
 def test_ranks_answer_as_one_process(tiny_dir, family, balance, dtype):
     """Each rank's answers are one process's; with --redundant-experts 2 and a plan every 3
     passes from both ranks' loads, the experts move while the ranks serve, answers unchanged."""
-    path = str(tiny_dir(family))
+    _grid_answers_as_one_process(str(tiny_dir(family)), dtype, balance, tp=1)
+
+
+@pytest.mark.parametrize("dtype", COMPUTE_DTYPES)
+@pytest.mark.parametrize(
+    "balance", [STILL, data.Balancing(redundant=4, interval=3)], ids=["still", "rebalanced"]
+)
+def test_a_grid_of_data_and_tensor_ranks_answers_as_one_process(tiny_dir, balance, dtype):
+    """DP 2 x TP 2 (four processes): each data-parallel rank's heads split over its two
+    tensor ranks, the experts over all four (rebalanced too), its answers one process's."""
+    _grid_answers_as_one_process(str(tiny_dir("qwen3_moe")), dtype, balance, tp=2)
+
+
+def _grid_answers_as_one_process(path: str, dtype: str, balance: data.Balancing, tp: int) -> None:
     one = load_model(path, dtype=dtype, device="cpu")
     reference = Engine(one.model, one.tokenizer, EngineConfig(num_blocks=128))
     expected = [outcome(reference.generate(p, params)) for p, params in SHARES]
     spawn = multiprocessing.get_context("spawn")
     out = spawn.Queue()
     port = free_port()
-    ranks = [
-        spawn.Process(target=_rank, args=(path, dtype, balance, r, port, out)) for r in range(RANKS)
+    procs = [
+        spawn.Process(target=_rank, args=(path, dtype, balance, tp, r, port, out))
+        for r in range(RANKS)
     ]
-    for p in ranks:
+    for p in procs:
         p.start()
-    results = {r: (got, empty) for r, got, empty in (out.get(timeout=600) for _ in ranks)}
-    for p in ranks:
+    results = {r: (got, empty) for r, got, empty in (out.get(timeout=600) for _ in procs)}
+    for p in procs:
         p.join(60)
         assert p.exitcode == 0
     errors = [got for got, _ in results.values() if isinstance(got, str)]
