@@ -14,6 +14,7 @@ import signal
 import httpx
 import openai
 import psutil
+import pytest
 
 from services.engine.engine import Engine, EngineConfig
 from services.engine.params import SamplingParams
@@ -25,8 +26,13 @@ PROMPTS = [f"Story {i}: the lighthouse keeper climbed the stairs and" for i in r
 NAME = "tiny-moe"
 
 
-def test_ranks_answer_as_one_process_and_a_dead_rank_restarts_its_group(tiny_dir):
-    path = tiny_dir("deepseek_v3")
+@pytest.mark.parametrize(
+    ("family", "tensor"), [("deepseek_v3", 1), ("qwen3_moe", 2)], ids=["dp2", "dp2xtp2"]
+)
+def test_ranks_answer_as_one_process_and_a_dead_rank_restarts_its_group(tiny_dir, family, tensor):
+    """DP 2 of a DeepSeek-V3; DP 2 x TP 2 of a Qwen3-MoE (each worker eight processes over
+    the two roles, a rank's tensor ranks its children: the one killed is a tensor rank)."""
+    path = tiny_dir(family)
     loaded = load_model(str(path), dtype="float32", device="cpu")
     engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(num_blocks=128))
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -34,7 +40,8 @@ def test_ranks_answer_as_one_process_and_a_dead_rank_restarts_its_group(tiny_dir
     metrics = free_port()  # worker k's side door on metrics + k: prefill ranks, then decode's
     out = Up("--port", str(free_port()), "--model", str(path), "--served-model-name", NAME,
              "--kv-store", "memory://", "--num-blocks", "128", "--dtype", "float32",
-             "--no-colocated", "--data-parallel", "2", "--metrics-port", str(metrics))  # fmt: skip
+             "--no-colocated", "--data-parallel", "2", "--tensor-parallel", str(tensor),
+             "--metrics-port", str(metrics))  # fmt: skip
     ranks: list[psutil.Process] = []
     try:
         client = openai.OpenAI(base_url=out.ready(), api_key="none", max_retries=0)
@@ -55,13 +62,15 @@ def test_ranks_answer_as_one_process_and_a_dead_rank_restarts_its_group(tiny_dir
         pids = [int(out.wait_for(rf"pdserve: decode-{r} started \(pid (\d+)\)", 5).group(1))
                 for r in range(2)]  # fmt: skip
         ranks = [psutil.Process(pid) for pid in pids]
+        if tensor > 1:  # rank 1's tensor rank
+            ranks += [p for p in ranks[1].children() if "parallel.ranks" in p.cmdline()[2]]
         mark = len(out.lines)
         args = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 24, "temperature": 0,
                 "extra_body": {"ignore_eos": True}}  # fmt: skip
-        kill = lambda: ranks[1].send_signal(signal.SIGKILL)  # noqa: E731  (mid-stream)
+        kill = lambda: ranks[-1].send_signal(signal.SIGKILL)  # noqa: E731  (mid-stream)
         text, finishes = stream_completion(client, args, 5, kill)
         for r in range(2):  # rank 0 found its peer gone at its next vote
-            out.wait_for(rf"pdserve: decode-{r} exited with code (1|-9); restarting", 30, mark)
+            out.wait_for(rf"pdserve: decode-{r} exited with code -?[1-9]\d*; restarting", 30, mark)
         assert text == expected[0] and finishes == ["length"]  # completed after the restart
         assert complete(PROMPTS[1]) == expected[1]
     finally:
