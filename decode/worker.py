@@ -29,7 +29,7 @@ from services.rpc import worker_pb2 as pb
 from services.rpc import worker_pb2_grpc
 from services.settings import Settings
 from services.tracing import Span
-from services.worker import convert
+from services.worker import convert, siblings
 from services.worker.server import Worker, refuse, trace_steps
 
 log = logging.getLogger("pdserve.decode")
@@ -209,4 +209,7 @@ class DecodeWorker(Worker, worker_pb2_grpc.DecodeWorkerServicer):
 
 def run(settings: Settings) -> int:
     """The `decode` role's entry point (pyproject.toml)."""
-    return asyncio.run(DecodeWorker(settings).serve())
+    settings, ranks = siblings.start(settings, "decode")  # --data-parallel's other ranks
+    worker = DecodeWorker(settings)
+    worker.siblings = ranks
+    return asyncio.run(worker.serve())

@@ -25,7 +25,7 @@ from services.engine.request import EngineRequest, FinishReason
 from services.rpc import worker_pb2 as pb
 from services.rpc import worker_pb2_grpc
 from services.settings import Settings
-from services.worker import convert
+from services.worker import convert, siblings
 from services.worker.server import Worker, refuse, trace_steps
 
 log = logging.getLogger("pdserve.prefill")
@@ -103,4 +103,7 @@ class PrefillWorker(Worker, worker_pb2_grpc.PrefillWorkerServicer):
 
 def run(settings: Settings) -> int:
     """The `prefill` role's entry point (pyproject.toml)."""
-    return asyncio.run(PrefillWorker(settings).serve())
+    settings, ranks = siblings.start(settings, "prefill")  # --data-parallel's other ranks
+    worker = PrefillWorker(settings)
+    worker.siblings = ranks
+    return asyncio.run(worker.serve())

@@ -128,8 +128,10 @@ def _data(s: Settings, path: Path, given_by_up: bool) -> None:
             f"data_parallel_rank: {w.data_parallel_rank} is not below --data-parallel "
             f"{w.data_parallel}"
         )
-    if not given_by_up and not re.fullmatch(r".+:\d+", w.data_parallel_address):
-        raise SettingsError(f"data_parallel_address: {w.data_parallel_address!r} is not host:port")
+    address = w.data_parallel_address  # none on rank 0: it starts the others (siblings.py)
+    needed = address or (w.data_parallel_rank and not given_by_up)
+    if needed and not re.fullmatch(r".+:\d+", address):
+        raise SettingsError(f"data_parallel_address: {address!r} is not host:port")
     for name, taken in (
         ("expert_parallel", s.experts.expert_parallel > 1),
         ("speculative", s.engine.speculative.method in ("mtp", "draft")),

@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import os
 import signal
+import subprocess
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -115,6 +116,7 @@ class Worker:
         self.store = self.link.store
         self.counters = Counters()
         self.tracer = Tracer(f"pdserve-{self.role}", settings.server.trace_file)  # None: no-ops
+        self.siblings: list[subprocess.Popen[bytes]] = []  # data-parallel ranks started here
         self.serving = False  # between start and drain
         self.exit_code = 0  # 1 once the engine is found dead or stalled
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -276,7 +278,9 @@ class Worker:
                 self.driver.failure
                 or (self.experts and self.experts.lost())
                 or (self.tensor and self.tensor.lost())
-            )
+                or next((f"data-parallel rank {r} exited" for r, p in
+                         enumerate(self.siblings, start=1) if p.poll() is not None), None)
+            )  # fmt: skip
             stalled = self.driver.stalled_for()
             if why is None and stalled > self.settings.worker.engine_stall_timeout:
                 why = f"no engine step for {stalled:.0f}s with requests queued"

@@ -18,7 +18,7 @@ import pytest
 
 from services.engine.engine import Engine, EngineConfig
 from services.engine.params import SamplingParams
-from services.launcher import free_port
+from services.launcher import RouterProcess, WorkerProcess, free_port, wait_for_port
 from services.model.loader import load_model
 from tests.support.up import Up, stream_completion
 
@@ -76,3 +76,50 @@ def test_ranks_answer_as_one_process_and_a_dead_rank_restarts_its_group(tiny_dir
     finally:
         out.stop()
     assert not any(p.is_running() and p.status() != "zombie" for p in ranks)
+
+
+def test_one_command_starts_its_group_and_each_rank_is_a_target(tiny_dir, tmp_path):
+    """`pdserve decode --data-parallel 2` alone (as in a container): it starts rank 1 on the
+    next port itself; the router lists both ports (colocated: the decode ranks compute the
+    prompts); concurrent requests answer as one process, both ranks computing; the whole
+    group goes when rank 0 is stopped."""
+    path = str(tiny_dir("qwen3_moe"))
+    loaded = load_model(path, dtype="float32", device="cpu")
+    engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(num_blocks=128))
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    expected = [o.choices[0].text for o in engine.generate(PROMPTS, params)]
+    metrics = free_port()
+    decode = WorkerProcess("decode", path, "memory://", tmp_path, "--data-parallel", "2",
+                           "--num-blocks", "128", "--metrics-port", str(metrics),
+                           dtype="float32").start()  # fmt: skip
+    rank_1 = f"127.0.0.1:{decode.port + 1}"
+    router = None
+    try:
+        wait_for_port(decode.port + 1, timeout=60)
+        router = RouterProcess(tmp_path, [], [decode.address, rank_1], "--model", path,
+                               "--served-model-name", NAME, "--disagg-threshold",
+                               str(1 << 30)).start()  # fmt: skip
+        client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="none", max_retries=0)
+
+        def complete(prompt: str) -> str:
+            reply = client.completions.create(
+                model=NAME,
+                prompt=prompt,
+                max_tokens=16,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
+            return reply.choices[0].text  # fmt: skip
+
+        with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+            assert list(pool.map(complete, PROMPTS)) == expected
+        for r in range(2):
+            shown = httpx.get(f"http://127.0.0.1:{metrics + r}/experts").json()
+            assert shown["data_parallel"]["rank"] == r
+            assert sum(sum(c) for c in shown["layers"].values()) > 0, f"rank {r} computed none"
+        (sibling,) = psutil.Process(decode.process.pid).children()  # type: ignore[union-attr]
+    finally:
+        if router is not None:
+            router.stop()
+        decode.stop()
+    sibling.wait(30)  # the group went with its rank 0

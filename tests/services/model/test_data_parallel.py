@@ -155,7 +155,16 @@ def _grid_answers_as_one_process(path: str, dtype: str, balance: data.Balancing,
             {"data_parallel": 3},
             "8 experts \\+ 0 redundant slots do not divide over 3 ranks",
         ),
-        ("qwen3_moe", {"data_parallel": 2}, "data_parallel_address: '' is not host:port"),
+        (
+            "qwen3_moe",
+            {"data_parallel": 2, "data_parallel_rank": 1},
+            "data_parallel_address: '' is not host:port",
+        ),
+        (
+            "qwen3_moe",
+            {"data_parallel": 2, "data_parallel_address": "nowhere"},
+            "data_parallel_address: 'nowhere' is not host:port",
+        ),
         (
             "qwen3_moe",
             {"data_parallel": 2, "data_parallel_rank": 2, "data_parallel_address": "h:1"},
@@ -172,3 +181,4 @@ def test_data_parallel_settings_that_cannot_work_are_refused(tiny_dir, family, v
     with pytest.raises(SettingsError, match=message):
         check(build("decode", model=str(tiny_dir(family)), **values))
     check(build("up", model=str(tiny_dir("qwen3_moe")), data_parallel=2))  # up gives the rest
+    check(build("decode", model=str(tiny_dir("qwen3_moe")), data_parallel=2))  # starts the rest
