@@ -236,3 +236,28 @@ def test_the_gpu_file_gives_each_worker_a_device_of_its_own():
         engine = settings.load(role, None, environ).settings.engine
         assert engine.kv_cache_gb is None and engine.gpu_memory_utilization == 0.9
     assert ids == ["0", "1", "2", "3"]
+
+
+def test_the_grid_file_makes_each_worker_a_data_parallel_group_the_router_sees():
+    """docker-compose.grid.yml over the base file: each worker service one data-parallel group
+    with a device per rank (none shared), whose settings parse; the router lists every
+    rank's port of every service."""
+    from services import settings
+
+    base = yaml.safe_load(interpolate(COMPOSE.read_text(), {}))["services"]
+    grid = yaml.safe_load(interpolate((COMPOSE.parent / "docker-compose.grid.yml").read_text(), {}))
+    ids, targets = [], {"prefill": [], "decode": []}
+    for name in ("prefill-1", "prefill-2", "decode-1", "decode-2"):
+        (device,) = grid["services"][name]["deploy"]["resources"]["reservations"]["devices"]
+        env = {k: str(v) for k, v in {**base[name]["environment"],
+                                      **grid["services"][name]["environment"]}.items()}  # fmt: skip
+        role = base[name]["command"][1]
+        loaded = settings.load(role, None, env).settings
+        ranks = loaded.worker.data_parallel * loaded.model.tensor_parallel
+        assert loaded.model.device == "cuda" and len(device["device_ids"]) == ranks == 2
+        ids += device["device_ids"]
+        targets[role] += [f"{name}:{loaded.port + r}" for r in range(loaded.worker.data_parallel)]
+    assert sorted(ids) == [str(i) for i in range(8)]
+    router = grid["services"]["router"]["environment"]
+    assert router["PDSERVE_PREFILL"].split(",") == targets["prefill"]
+    assert router["PDSERVE_DECODE"].split(",") == targets["decode"]

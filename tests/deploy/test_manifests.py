@@ -154,3 +154,21 @@ def test_dashboard_queries_only_metrics_the_router_exposes(router):
         "pdserve_kv_store_hit_tokens_total",
     } <= queried  # TTFT, TPOT, throughput, queue depth, per-worker load, hit ratios
     assert queried - exposed == set()
+
+
+def test_the_grid_overlay_makes_each_worker_pod_a_grid_the_router_sees_rank_by_rank():
+    grid = {key(d): d for d in kustomize(DEPLOY / "k8s" / "gpu-grid")}
+    for document in grid.values():
+        kubernetes_validate.validate(document, "1.30.0", strict=True)
+    config = grid["ConfigMap", "pdserve"]["data"]
+    for role, port in (("prefill", 50051), ("decode", 50052)):
+        (container,) = grid["Deployment", f"pdserve-{role}"]["spec"]["template"]["spec"][
+            "containers"
+        ]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        ranks, tensor = int(env["PDSERVE_DATA_PARALLEL"]), int(env["PDSERVE_TENSOR_PARALLEL"])
+        assert env["PDSERVE_DEVICE"] == "cuda" and int(env["PDSERVE_PORT"]) == port
+        for kind in ("requests", "limits"):  # a GPU for every process of the grid
+            assert container["resources"][kind]["nvidia.com/gpu"] == str(ranks * tensor)
+        listed = config[f"PDSERVE_{role.upper()}"].split(",")  # every rank's port, by DNS
+        assert listed == [f"dns:pdserve-{role}:{port + r}" for r in range(ranks)]
