@@ -46,6 +46,8 @@ bf16 units) is recorded first.
    two layers (DeepSeek-V3's widths), made on the device: batch-1 decode against the
    memory-bound limit (bytes a step reads over the measured copy bandwidth), batch 64 tok/s,
    and a 4,096-token prefill against transformers'. Pass: everything measured.
+7. parallel (parallel.py): a tiny Qwen3-MoE's tensor-parallel and data-parallel ranks over
+   NCCL (GPUs 0 and 1) against one process. Pass: tokens equal. Skip: one GPU (said so).
 
 Sizes (check.py): all the kernel tests; parity 8 prompts x 64 tokens; decode at batch 1, 32
 and 256 (32-token prompts, 4 warm steps, 64 timed); a 4,096-token prefill; 4 served prompts
@@ -77,7 +79,15 @@ from typing import Any, NamedTuple
 
 import torch
 
-from bench.gpu_check import disaggregated, families, kernel_tests, parity, realistic, throughput
+from bench.gpu_check import (
+    disaggregated,
+    families,
+    kernel_tests,
+    parallel,
+    parity,
+    realistic,
+    throughput,
+)
 from bench.gpu_check.check import DRY, FULL, Check, Skip
 from bench.offline import log
 from services.model.loader import cpu_has_bf16_units
@@ -110,6 +120,7 @@ SECTIONS = {
     "disaggregated": Steps(disaggregated.run, disaggregated.summary),
     "families": Steps(families.run, families.summary),
     "realistic": Steps(realistic.run, realistic.summary),
+    "parallel": Steps(parallel.run, parallel.summary),
 }
 
 
