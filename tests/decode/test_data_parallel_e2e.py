@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import signal
+import time
 
 import httpx
 import openai
@@ -20,6 +21,7 @@ from services.engine.engine import Engine, EngineConfig
 from services.engine.params import SamplingParams
 from services.launcher import RouterProcess, WorkerProcess, free_port, wait_for_port
 from services.model.loader import load_model
+from tests.support.cluster import metrics
 from tests.support.up import Up, stream_completion
 
 PROMPTS = [f"Story {i}: the lighthouse keeper climbed the stairs and" for i in range(6)]
@@ -27,11 +29,12 @@ NAME = "tiny-moe"
 
 
 @pytest.mark.parametrize(
-    ("family", "tensor"), [("deepseek_v3", 1), ("qwen3_moe", 2)], ids=["dp2", "dp2xtp2"]
+    ("family", "tensor"), [("qwen3_moe", 1), ("deepseek_v3", 2)], ids=["dp2", "dp2xtp2"]
 )
 def test_ranks_answer_as_one_process_and_a_dead_rank_restarts_its_group(tiny_dir, family, tensor):
-    """DP 2 of a DeepSeek-V3; DP 2 x TP 2 of a Qwen3-MoE (each worker eight processes over
-    the two roles, a rank's tensor ranks its children: the one killed is a tensor rank)."""
+    """DP 2 of a Qwen3-MoE; DP 2 x TP 2 of a DeepSeek-V3 (its latent cache whole on each
+    tensor rank, moved through the store from rank 0's; each role four processes, a rank's
+    tensor rank its child: the one killed is a tensor rank)."""
     path = tiny_dir(family)
     loaded = load_model(str(path), dtype="float32", device="cpu")
     engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(num_blocks=128))
@@ -44,7 +47,9 @@ def test_ranks_answer_as_one_process_and_a_dead_rank_restarts_its_group(tiny_dir
              "--metrics-port", str(metrics))  # fmt: skip
     ranks: list[psutil.Process] = []
     try:
-        client = openai.OpenAI(base_url=out.ready(), api_key="none", max_retries=0)
+        base = out.ready()
+        _every_rank_healthy(base.removesuffix("/v1"), 4)  # or a rank ready late gets nothing
+        client = openai.OpenAI(base_url=base, api_key="none", max_retries=0)
 
         def complete(prompt: str) -> str:
             args = {"model": NAME, "prompt": prompt, "max_tokens": 24, "temperature": 0,
@@ -78,6 +83,19 @@ def test_ranks_answer_as_one_process_and_a_dead_rank_restarts_its_group(tiny_dir
     assert not any(p.is_running() and p.status() != "zombie" for p in ranks)
 
 
+def _every_rank_healthy(router: str, ranks: int, timeout: float = 60) -> None:
+    """Wait until the router has found every rank healthy (up says ready at the first)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        healthy = [
+            v for (name, _), v in metrics(router).items() if name == "pdserve_worker_healthy"
+        ]
+        if len(healthy) == ranks and all(healthy):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"not every one of {ranks} ranks healthy in {timeout}s")
+
+
 def test_one_command_starts_its_group_and_each_rank_is_a_target(tiny_dir, tmp_path):
     """`pdserve decode --data-parallel 2` alone (as in a container): it starts rank 1 on the
     next port itself; the router lists both ports (colocated: the decode ranks compute the
@@ -99,6 +117,7 @@ def test_one_command_starts_its_group_and_each_rank_is_a_target(tiny_dir, tmp_pa
         router = RouterProcess(tmp_path, [], [decode.address, rank_1], "--model", path,
                                "--served-model-name", NAME, "--disagg-threshold",
                                str(1 << 30)).start()  # fmt: skip
+        _every_rank_healthy(router.url, 2)
         client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="none", max_retries=0)
 
         def complete(prompt: str) -> str:

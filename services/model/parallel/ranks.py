@@ -11,7 +11,7 @@ whatever M (a TP 2 prefill worker's blocks feed a TP 1 decode worker).
 The wire: collectives over the tensor group, rank 0 the root. A header [command, n] is
 broadcast, then the command's tensors:
 
-    POOL n blocks       [block_size]; every rank makes its pool of n blocks
+    POOL n blocks       [block_size, replicated]; every rank makes its pool of n blocks
     FORWARD n int64s    the batch's wire form (batch.py); the pass's own exchanges follow
     LOAD n blocks       the block ids, then K and V with every head: each rank keeps its own
     SAVE n blocks       the block ids; then each rank's heads of them, all-gathered
@@ -45,6 +45,7 @@ from services.model.config import ModelConfig
 from services.model.errors import ModelLoadError, TensorRankLost
 from services.model.experts.expert_parallel import connect
 from services.model.experts.expert_rank import exit_with_parent, rank_device
+from services.model.families.deepseek.config import MlaShape
 from services.model.kv_cache import KVCache
 from services.model.layers.moe import Moe
 from services.model.parallel import data
@@ -130,22 +131,25 @@ class Leader:
 class ShardedKV(KVCache):
     """Rank 0's pool: its heads of every block, which its passes read and write; a block
     moved in or out of the engine is moved whole, every rank's heads of it (the store holds
-    blocks as one process would)."""
+    blocks as one process would). A `replicated` pool (latent attention's: one latent for all
+    heads) is the same on every rank: saved from rank 0's alone, loaded into every rank's."""
 
-    def __init__(self, local: KVCache, leader: Leader) -> None:
+    def __init__(self, local: KVCache, leader: Leader, replicated: bool) -> None:
         self.__dict__.update(local.__dict__)  # the pool's own tensors and groups
-        self.local, self.leader = local, leader
+        self.local, self.leader, self.replicated = local, leader, replicated
 
     @property
     def plain(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        return None  # a stored block holds every rank's heads: written through write_blocks
+        return None  # a stored block goes to every rank: written through write_blocks
 
     def block_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         (layers, heads, *k), (_, _, *v) = self.local.block_shapes()
-        every = heads * self.leader.group.size
+        every = heads if self.replicated else heads * self.leader.group.size
         return (layers, every, *k), (layers, every, *v)
 
     def gather(self, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.replicated:  # rank 0's copy is every rank's: no exchange
+            return self.local.gather(block_ids)
         with self.leader.command(SAVE, len(block_ids)) as group:
             group.broadcast(self.leader.ints(block_ids))
             k, v = self.local.gather(block_ids)  # [n, layers, heads, ...]: this rank's heads
@@ -157,13 +161,22 @@ class ShardedKV(KVCache):
             group.broadcast(self.leader.ints(block_ids))
             group.broadcast(k)
             group.broadcast(v)
-            _keep_mine(self.local, group, block_ids, k, v)
+            _keep_mine(self.local, group, block_ids, k, v, self.replicated)
 
 
 def _keep_mine(
-    kv: KVCache, group: TensorGroup, block_ids: list[int], k: torch.Tensor, v: torch.Tensor
+    kv: KVCache,
+    group: TensorGroup,
+    block_ids: list[int],
+    k: torch.Tensor,
+    v: torch.Tensor,
+    replicated: bool,
 ) -> None:
-    """This rank's heads of whole blocks (K [n, layers, heads, ...], V alike) into its pool."""
+    """This rank's heads of whole blocks (K [n, layers, heads, ...], V alike) into its pool:
+    all of them where the pool is `replicated`."""
+    if replicated:
+        kv.scatter(block_ids, k, v)
+        return
     heads = kv.spec.heads
     mine = slice(group.rank * heads, (group.rank + 1) * heads)
     kv.scatter(block_ids, k[:, :, mine], v[:, :, mine])
@@ -195,9 +208,10 @@ class TensorParallelLM:
         self, num_blocks: int, block_size: int, group_blocks: Mapping[str, int] | None = None
     ) -> KVCache:
         local = self.inner.new_kv_cache(num_blocks, block_size, group_blocks)
+        replicated = isinstance(self.config.shape, MlaShape)  # one latent for every head
         with self.leader.command(POOL, num_blocks) as group:
-            group.broadcast(self.leader.ints([block_size]))
-        return ShardedKV(local, self.leader)
+            group.broadcast(self.leader.ints([block_size, int(replicated)]))
+        return ShardedKV(local, self.leader, replicated)
 
     def moe_layers(self) -> dict[int, Moe]:
         return self.inner.moe_layers()
@@ -215,12 +229,14 @@ def serve(group: TensorGroup, model: CausalLM, grid: data.ExpertExchange | None 
         return group.broadcast(torch.empty(n, dtype=INT64, device=device))
 
     kv: KVCache | None = None
+    replicated = False
     while True:
         command, n = ints(2).tolist()
         if command == STOP:
             return
         if command == POOL:
-            kv = model.new_kv_cache(n, int(ints(1).item()))
+            block_size, replicated = ints(2).tolist()
+            kv = model.new_kv_cache(n, block_size)
             continue
         if command == EMPTY:
             assert grid is not None, "an empty pass outside a data-parallel grid"
@@ -232,11 +248,11 @@ def serve(group: TensorGroup, model: CausalLM, grid: data.ExpertExchange | None 
         elif command == LOAD:
             block_ids = ints(n).tolist()
             s, bs = kv.spec, kv.block_size
-            every = (n, s.layers, s.heads * group.size)  # K [.., D, bs], V [.., bs, D]
+            every = (n, s.layers, s.heads * (1 if replicated else group.size))  # K, V blocks
             k_all = torch.empty(*every, s.k_dim, bs, dtype=kv.dtype, device=device)
             v_all = torch.empty(*every, bs, s.v_dim, dtype=kv.dtype, device=device)
             k_all, v_all = group.broadcast(k_all), group.broadcast(v_all)
-            _keep_mine(kv, group, block_ids, k_all, v_all)
+            _keep_mine(kv, group, block_ids, k_all, v_all, bool(replicated))
         elif command == SAVE:
             k_mine, v_mine = kv.gather(ints(n).tolist())
             group.gather(k_mine, dim=2)

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from services.model.config import ModelConfig
+from services.model.families.deepseek.config import MlaShape
 from services.model.layers.layer_ops import LayerOps
 from services.model.layers.linear import Bf16Linear, Linear, bf16_linear_library
 from services.model.layers.moe import DenseMlp, Moe, fused_swiglu, run_grouped, swiglu_bf16
@@ -77,10 +78,10 @@ def check(config: ModelConfig, size: int) -> None:
         for name, n, unit in sizes
         if n % (size * unit)
     ]
-    if not families.of(c).model.endswith(":DecoderModel"):
+    if not families.of(c).model.endswith((":DecoderModel", ":DeepseekModel")):
         problems.append(
             f"{c.architecture}: tensor parallelism covers the Llama family's decoder "
-            "(Llama, Mistral, Qwen2/3, Qwen MoE, Mixtral)"
+            "(Llama, Mistral, Qwen2/3, Qwen MoE, Mixtral) and DeepSeek-V2/V3"
         )
     if problems:
         raise ValueError("--tensor-parallel " + str(size) + ": " + "; ".join(problems))
@@ -102,13 +103,12 @@ def shard(
     local = dict(weights)
     head = "model.embed_tokens" if c.tie_word_embeddings else "lm_head"
     local["lm_head.weight"] = part(weights[head + ".weight"], c.vocab_size)
+    heads_of = _mla_heads(c) if isinstance(c.shape, MlaShape) else _gqa_heads(c)
     for i in range(c.num_layers):
         a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
-        for x, heads in (("q", c.num_heads), ("k", c.num_kv_heads), ("v", c.num_kv_heads)):
-            for kind in ("weight", "bias"):
-                name = f"{a}{x}_proj.{kind}"
-                if name in weights:
-                    local[name] = part(weights[name], heads * c.head_dim)
+        for name, total in heads_of(a):
+            if name in weights:
+                local[name] = part(weights[name], total)
         local[a + "o_proj.weight"] = part(weights[a + "o_proj.weight"], c.hidden_size)
         if c.is_moe_layer(i):
             continue  # the experts whole here: parallelize keeps this rank's share
@@ -122,6 +122,36 @@ def shard(
         tie_word_embeddings=False,  # the head: this rank's vocabulary rows, lm_head above
     )
     return mine, local
+
+
+def _gqa_heads(c: ModelConfig) -> Any:
+    """Each query and KV head's rows of q, k and v (weights and biases): (name, rows)."""
+
+    def of(a: str) -> list[tuple[str, int]]:
+        heads = {"q": c.num_heads, "k": c.num_kv_heads, "v": c.num_kv_heads}
+        return [
+            (f"{a}{x}_proj.{kind}", n * c.head_dim)
+            for x, n in heads.items()
+            for kind in ("weight", "bias")
+        ]
+
+    return of
+
+
+def _mla_heads(c: ModelConfig) -> Any:
+    """Latent attention split as vLLM splits it: each head's rows of the query's up-projection
+    (q_b, or q without LoRA) and of kv_b (its keys' and values' up-projection); the latent
+    (q_a, kv_a and their norms) whole on every rank, and so its cache."""
+    m = c.shape
+    assert isinstance(m, MlaShape)
+    qk, kv = m.nope_dim + m.rope_dim, m.nope_dim + m.v_dim
+    query = "q_b_proj" if m.q_lora_rank is not None else "q_proj"
+
+    def of(a: str) -> list[tuple[str, int]]:
+        heads = c.num_heads
+        return [(f"{a}{query}.weight", heads * qk), (f"{a}kv_b_proj.weight", heads * kv)]
+
+    return of
 
 
 class Gathered:

@@ -109,12 +109,15 @@ def test_ranks_answer_as_one_process(tiny_dir, family, balance, dtype):
 
 @pytest.mark.parametrize("dtype", COMPUTE_DTYPES)
 @pytest.mark.parametrize(
-    "balance", [STILL, data.Balancing(redundant=4, interval=3)], ids=["still", "rebalanced"]
+    ("family", "balance"),
+    [("qwen3_moe", STILL), ("deepseek_v3", data.Balancing(redundant=4, interval=3))],
+    ids=["qwen3_moe", "deepseek_v3-rebalanced"],
 )
-def test_a_grid_of_data_and_tensor_ranks_answers_as_one_process(tiny_dir, balance, dtype):
+def test_a_grid_of_data_and_tensor_ranks_answers_as_one_process(tiny_dir, family, balance, dtype):
     """DP 2 x TP 2 (four processes): each data-parallel rank's heads split over its two
-    tensor ranks, the experts over all four (rebalanced too), its answers one process's."""
-    _grid_answers_as_one_process(str(tiny_dir("qwen3_moe")), dtype, balance, tp=2)
+    tensor ranks (DeepSeek's latent whole on both), the experts over all four (rebalanced
+    too), its answers one process's."""
+    _grid_answers_as_one_process(str(tiny_dir(family)), dtype, balance, tp=2)
 
 
 def _grid_answers_as_one_process(path: str, dtype: str, balance: data.Balancing, tp: int) -> None:

@@ -74,7 +74,9 @@ def _tensor_parallel(path: str, dtype: str, size: int) -> list[list[tuple]]:
 
 
 @pytest.mark.parametrize("dtype", COMPUTE_DTYPES)
-@pytest.mark.parametrize(("checkpoint", "size"), [("embedded", 3), ("qwen3", 2), ("qwen3_moe", 2)])
+@pytest.mark.parametrize(
+    ("checkpoint", "size"), [("embedded", 3), ("qwen3", 2), ("qwen3_moe", 2), ("deepseek_v3", 2)]
+)
 def test_ranks_answer_as_one_process(embedded, embedded_dir, tiny_dir, checkpoint, size, dtype):
     path = embedded_dir if checkpoint == "embedded" else tiny_dir(checkpoint)
     shared = checkpoint == "embedded" and dtype == "float32"  # the session's model, not a copy
@@ -98,7 +100,7 @@ def test_a_model_that_does_not_split_evenly_is_refused(embedded_dir):
     ("family", "values", "message"),
     [
         ("embedded", {"tensor_parallel": 2}, "num_kv_heads \\(3\\) is not a multiple of 2"),
-        ("deepseek_v3", {"tensor_parallel": 2}, "covers the Llama family's decoder"),
+        ("deepseek_v4", {"tensor_parallel": 2}, "covers the Llama family's decoder"),
         ("qwen3_moe", {"tensor_parallel": 16}, "num_experts \\(8\\) is not a multiple of 16"),
         ("qwen3", {"tensor_parallel": 2, "quantization": "int8"}, "not yet with --quantization"),
     ],
