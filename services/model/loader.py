@@ -13,7 +13,8 @@ from services.model.config import ModelConfig
 from services.model.errors import ModelLoadError
 from services.model.layers.attention import resolve_kernels
 from services.model.loading import hf_config, hf_dir, quantize, sources
-from services.model.parallel.tensor import shard
+from services.model.parallel.plan import slices
+from services.model.parallel.tensor import sliced
 from services.settings import DEFAULTS
 from services.tokenizer.tokenizer import Tokenizer
 
@@ -90,16 +91,17 @@ def load_model(
             path, "--quantization int8 covers dense Llama-family and Gemma 3 models only"
         )
     tokenizer = Tokenizer.from_dir(path)
-    weights = hf_dir.read_weights(path, config)
-    whole = config
-    if tensor[1] > 1:
-        if quantization != "none":
+    whole, rows = config, None
+    if tensor[1] > 1:  # a rank reads its slices only
+        if quantization != "none" or config.fp8_block is not None:
             raise ModelLoadError(path, "--tensor-parallel covers unquantized models")
         try:
-            config, local = shard(config, weights, *tensor)
+            rows = slices(config, *tensor)
         except ValueError as e:
             raise ModelLoadError(path, str(e)) from None
-        weights.update(local)  # the slices replace the whole tensors
+    weights = hf_dir.read_weights(path, config, rows)
+    if tensor[1] > 1:
+        config, _ = sliced(config, weights, *tensor)
     model: CausalLM = family(
         config,
         weights,

@@ -89,7 +89,7 @@ def _experts(s: Settings, path: Path) -> None:
 def _tensor(s: Settings, path: Path) -> None:
     """--tensor-parallel: a model that splits exactly, beside nothing it cannot run with."""
     from services.model.loading import hf_config
-    from services.model.parallel import tensor
+    from services.model.parallel import plan
 
     size = s.model.tensor_parallel
     beside = {
@@ -101,7 +101,7 @@ def _tensor(s: Settings, path: Path) -> None:
         if taken:
             raise SettingsError(f"tensor_parallel: not yet with --{name.replace('_', '-')}")
     try:
-        tensor.check(hf_config.read_config(path), size)
+        plan.check(hf_config.read_config(path), size)
     except ValueError as e:
         raise SettingsError(f"tensor_parallel: {e}") from None
 

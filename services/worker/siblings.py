@@ -47,7 +47,7 @@ def start(settings: Settings, role: str) -> tuple[Settings, list[subprocess.Pope
             env[env_name("device")] = device
         argv = [PDSERVE, role, "--host", settings.server.host, "--port", str(settings.port + r)]
         siblings.append(subprocess.Popen(argv, env=env, preexec_fn=_die_with_parent))
-    worker = dataclasses.replace(w, data_parallel_rank=0, data_parallel_address=address)
+    worker = dataclasses.replace(w, data_parallel_address=address)  # rank 0 (checked)
     return dataclasses.replace(settings, worker=worker), siblings
 
 

@@ -4,6 +4,7 @@ hf_config.py)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -63,10 +64,14 @@ class Weights(dict[str, torch.Tensor]):
         return default
 
 
-def read_weights(path: Path, config: ModelConfig) -> Weights:
+def read_weights(
+    path: Path, config: ModelConfig, rows: Mapping[str, slice] | None = None
+) -> Weights:
     """Every tensor the config calls for, as stored (dtype unchanged: an FP8 checkpoint's
     weights stay e4m3 beside their block scales, `<name>_scale_inv`, checked here; the model
-    dequantizes them or keeps them, as its kernels can use them), shape-checked."""
+    dequantizes them or keeps them, as its kernels can use them), shape-checked. `rows`: the
+    tensors of which only these rows are read (a tensor-parallel rank's slices: the rest of
+    the tensor never reaches memory)."""
     from safetensors import safe_open
 
     family = families.of(config)
@@ -82,11 +87,18 @@ def read_weights(path: Path, config: ModelConfig) -> Weights:
             with safe_open(str(file), framework="pt") as f:
                 # e.g. rotary inv_freq buffers, a tied lm_head copy or MTP layers are skipped
                 names = {canonical(name): name for name in f.keys()}  # noqa: SIM118
-                tensors = {n: f.get_tensor(names[n]) for n in names if n in wanted}
+                shapes = {n: f.get_slice(names[n]).get_shape() for n in names if n in wanted}
+                check_shapes(file, config, shapes)
+                tensors = {
+                    n: f.get_slice(names[n])[rows[n]] if rows and n in rows else
+                    f.get_tensor(names[n])
+                    for n in shapes
+                }  # fmt: skip
                 out.files |= {n: (file, names[n]) for n in tensors}
+        except ModelLoadError:
+            raise
         except Exception as e:  # safetensors raises several types for a bad header
             raise ModelLoadError(file, f"not a valid safetensors file: {e}") from e
-        check_shapes(file, config, {name: t.shape for name, t in tensors.items()})
         out |= tensors
     check_complete(path, config, out)
     if config.fp8_block is not None and family.own_scales is None:  # else the family's

@@ -8,7 +8,8 @@ every MLP column), the ranks all-gather the input; where the next step needs the
 partial sums, so each is one rank's whole sum in the order one process takes
 (tests/services/model/test_linear.py: a slice of the columns gives the same bits), and a
 rank's logits equal one process's bit for bit: greedy and seeded tokens and logprobs do not
-depend on M. The embedding and the norms stay whole on every rank.
+depend on M. The embedding is split by vocabulary too (each id's row from the rank holding
+it: VocabularySlice); the norms stay whole on every rank.
 
 Every rank runs the same engine on the same requests (SPMD): their batches, and so their
 collectives, are the same step by step, because their logits are.
@@ -27,12 +28,10 @@ import torch
 import torch.distributed as dist
 
 from services.model.config import ModelConfig
-from services.model.families.deepseek.config import MlaShape
 from services.model.layers.layer_ops import LayerOps
 from services.model.layers.linear import Bf16Linear, Linear, bf16_linear_library
 from services.model.layers.moe import DenseMlp, Moe, fused_swiglu, run_grouped, swiglu_bf16
-
-SWIGLU_COLUMNS = 32  # the grouped kernel's SiLU takes 32 columns at a time
+from services.model.parallel.plan import slices
 
 
 @dataclass(frozen=True)
@@ -58,100 +57,34 @@ class TensorGroup:
         return wire.view(x.dtype)
 
 
-def check(config: ModelConfig, size: int) -> None:
-    """ValueError, naming each size that does not divide, where the model does not split into
-    `size` exact parts."""
-    from services.model import families
-
-    c = config
-    sizes = [
-        ("num_kv_heads", c.num_kv_heads, 1),
-        ("hidden_size", c.hidden_size, 16),
-        ("vocab_size", c.vocab_size, 16),
-    ]
-    if any(not c.is_moe_layer(i) for i in range(c.num_layers)):
-        sizes.append(("intermediate_size", c.intermediate_size, SWIGLU_COLUMNS))
-    if c.moe is not None and c.moe.layers:
-        sizes.append(("num_experts", c.moe.num_experts, 1))
-    problems = [
-        f"{name} ({n}) is not a multiple of {size * unit}"
-        for name, n, unit in sizes
-        if n % (size * unit)
-    ]
-    if not families.of(c).model.endswith((":DecoderModel", ":DeepseekModel")):
-        problems.append(
-            f"{c.architecture}: tensor parallelism covers the Llama family's decoder "
-            "(Llama, Mistral, Qwen2/3, Qwen MoE, Mixtral) and DeepSeek-V2/V3"
-        )
-    if problems:
-        raise ValueError("--tensor-parallel " + str(size) + ": " + "; ".join(problems))
-
-
 def shard(
     config: ModelConfig, weights: dict[str, torch.Tensor], rank: int, size: int
 ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """One rank's config (its heads) and weights (its columns) of a dense Llama-family model;
-    ValueError where the model does not split into `size` exact parts (`check`)."""
-    check(config, size)
-    c = config
-    ff = c.intermediate_size
-
-    def part(t: torch.Tensor, total: int) -> torch.Tensor:
-        step = total // size  # rows of this rank's slice, of `total` along dim 0
-        return t[rank * step : (rank + 1) * step].contiguous()
-
+    """One rank's config (its heads) and weights (its columns) of a model read whole;
+    ValueError where the model does not split into `size` exact parts (`check`). The loader
+    reads only the rows `slices` names instead (`sliced`)."""
     local = dict(weights)
-    head = "model.embed_tokens" if c.tie_word_embeddings else "lm_head"
-    local["lm_head.weight"] = part(weights[head + ".weight"], c.vocab_size)
-    heads_of = _mla_heads(c) if isinstance(c.shape, MlaShape) else _gqa_heads(c)
-    for i in range(c.num_layers):
-        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
-        for name, total in heads_of(a):
-            if name in weights:
-                local[name] = part(weights[name], total)
-        local[a + "o_proj.weight"] = part(weights[a + "o_proj.weight"], c.hidden_size)
-        if c.is_moe_layer(i):
-            continue  # the experts whole here: parallelize keeps this rank's share
-        for x in ("gate_proj", "up_proj"):
-            local[m + x + ".weight"] = part(weights[m + x + ".weight"], ff)
-        local[m + "down_proj.weight"] = part(weights[m + "down_proj.weight"], c.hidden_size)
+    for name, rows in slices(config, rank, size).items():
+        if name in weights:
+            local[name] = weights[name][rows].contiguous()
+    return sliced(config, local, rank, size)
+
+
+def sliced(
+    config: ModelConfig, weights: dict[str, torch.Tensor], rank: int, size: int
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """A rank's config, and its weights from its slices (`slices`' rows, read or cut): a
+    tied head is the embedding's rows, this rank's vocabulary."""
+    c = config
+    if c.tie_word_embeddings:
+        weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
     mine = dataclasses.replace(
         c,
         num_heads=c.num_heads // size,
         num_kv_heads=c.num_kv_heads // size,
         tie_word_embeddings=False,  # the head: this rank's vocabulary rows, lm_head above
     )
-    return mine, local
-
-
-def _gqa_heads(c: ModelConfig) -> Any:
-    """Each query and KV head's rows of q, k and v (weights and biases): (name, rows)."""
-
-    def of(a: str) -> list[tuple[str, int]]:
-        heads = {"q": c.num_heads, "k": c.num_kv_heads, "v": c.num_kv_heads}
-        return [
-            (f"{a}{x}_proj.{kind}", n * c.head_dim)
-            for x, n in heads.items()
-            for kind in ("weight", "bias")
-        ]
-
-    return of
-
-
-def _mla_heads(c: ModelConfig) -> Any:
-    """Latent attention split as vLLM splits it: each head's rows of the query's up-projection
-    (q_b, or q without LoRA) and of kv_b (its keys' and values' up-projection); the latent
-    (q_a, kv_a and their norms) whole on every rank, and so its cache."""
-    m = c.shape
-    assert isinstance(m, MlaShape)
-    qk, kv = m.nope_dim + m.rope_dim, m.nope_dim + m.v_dim
-    query = "q_b_proj" if m.q_lora_rank is not None else "q_proj"
-
-    def of(a: str) -> list[tuple[str, int]]:
-        heads = c.num_heads
-        return [(f"{a}{query}.weight", heads * qk), (f"{a}kv_b_proj.weight", heads * kv)]
-
-    return of
+    return mine, weights
 
 
 class Gathered:
@@ -220,6 +153,25 @@ class TensorExperts:
         return per_choice
 
 
+class VocabularySlice:
+    """The embedding over a tensor group: rank j holds the rows of vocabulary [j V/M,
+    (j+1) V/M); each rank looks up the ids it holds (zeros for the others), the ranks
+    all-gather their rows, and each id takes its owner's row: the bits one process looks up,
+    never a sum."""
+
+    def __init__(self, embed: torch.Tensor, group: TensorGroup, vocab: int) -> None:
+        self.embed, self.group, self.per_rank = embed, group, vocab // group.size
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        g, hidden = self.group, self.embed.shape[1]
+        owner = ids // self.per_rank
+        mine = owner == g.rank
+        rows = self.embed.new_zeros(len(ids), hidden)
+        rows[mine] = self.embed.index_select(0, ids[mine] - g.rank * self.per_rank)
+        every = g.gather(rows, dim=0).view(g.size, len(ids), hidden)
+        return every[owner, torch.arange(len(ids), device=ids.device)]
+
+
 def parallelize(model: Any, group: TensorGroup, experts: bool = True) -> None:
     """The exchanges around a model built from `shard`'s weights: o and down read gathered
     inputs, their outputs and the logits are gathered, each MoE layer keeps this rank's
@@ -239,3 +191,4 @@ def parallelize(model: Any, group: TensorGroup, experts: bool = True) -> None:
             layer, attention=attention, mlp=TensorMlp(layer.mlp, group)
         )
     model.lm_head = Gathered(model.lm_head, group, whole_input=False)
+    model.lookup = VocabularySlice(model.embed, group, model.config.vocab_size)

@@ -21,6 +21,7 @@ from services.model import families
 from services.model.loader import DTYPES, load_model
 from services.model.loading import hf_config, hf_dir
 from services.model.parallel import ranks
+from services.model.parallel.plan import slices
 from services.model.parallel.tensor import TensorGroup, parallelize, shard
 from services.settings import SettingsError, build, check
 from services.tokenizer.tokenizer import Tokenizer
@@ -143,3 +144,19 @@ def test_blocks_leave_and_enter_a_split_pool_whole(embedded, embedded_dir, dtype
     finally:
         split.leader.stop()
     assert split.leader.lost() is not None  # stopped: the ranks exited
+
+
+def test_a_rank_reads_only_its_rows_of_each_split_tensor(embedded_dir):
+    """load_model(tensor=(rank, M)) reads each split tensor's rows of this rank alone from the
+    checkpoint (safetensors slices): the rows equal the whole tensor's, and the split tensors
+    a rank holds are a third of the whole ones' elements over 3 ranks."""
+    path = Path(embedded_dir)
+    config = hf_config.read_config(path)
+    whole = hf_dir.read_weights(path, config)
+    rows = slices(config, 1, 3)
+    mine = hf_dir.read_weights(path, config, rows)
+    split = [name for name in rows if name in whole]
+    assert len(split) == 30 * 7 + 1  # q, k, v, o, gate, up, down; the embedding (the head)
+    for name in split:
+        assert torch.equal(mine[name], whole[name][rows[name]])
+    assert 3 * sum(mine[n].numel() for n in split) == sum(whole[n].numel() for n in split)

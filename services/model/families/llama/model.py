@@ -156,6 +156,8 @@ class DecoderModel:
             return make_linear(weight, b, packed, amx, self.deterministic)
 
         self.embed = w("model.embed_tokens.weight")  # [vocab, hidden]
+        # ids -> rows [T, hidden]; tensor ranks hold a slice of the vocabulary (parallel/)
+        self.lookup: Callable[[torch.Tensor], torch.Tensor] = self._lookup
         head = "model.embed_tokens" if config.tie_word_embeddings else "lm_head"
         fp8_head = (  # an FP8 head stays FP8 for the Triton kernel (gpu/fp8.py)
             _fp8_linear(weights, (head,), fp8, self.device)
@@ -260,7 +262,7 @@ class DecoderModel:
         """
         c, ops = self.config, self.ops
         plan, at = self._plan(batch)
-        rows = self.embed.index_select(0, batch.token_ids) if embeds is None else embeds
+        rows = self.lookup(batch.token_ids) if embeds is None else embeds
         h = rows.to(torch.float32, copy=True)  # [T, hidden]
         x = ops.add_rms_norm(h, None, self.layers[0].input_norm, c.rms_norm_eps)
         for i, layer in enumerate(self.layers):
@@ -272,6 +274,9 @@ class DecoderModel:
             x = ops.add_rms_norm(h, mlp, norm, c.rms_norm_eps)
         self.hidden = x if self.keep_hidden else None
         return self.lm_head(x[batch.logits_rows]).float()
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed.index_select(0, ids)
 
     def _plan(self, batch: ForwardBatch) -> tuple[object, object]:
         """What every layer's attention reads of the batch: its kernel's plan, and the rotary
