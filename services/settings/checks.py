@@ -107,20 +107,17 @@ def _tensor(s: Settings, path: Path) -> None:
 
 
 def _data(s: Settings, path: Path, given_by_up: bool) -> None:
-    """--data-parallel: a MoE model whose experts divide over the ranks, this rank among them,
-    the address they meet at (`given_by_up`: up gives each worker these two)."""
+    """--data-parallel: a MoE model's experts divide over the ranks (a dense model's ranks are
+    replicas: nothing to divide), this rank is among them, they meet at an address
+    (`given_by_up`: up gives each worker these two)."""
     from services.model.loading import hf_config
 
     w, moe = s.worker, hf_config.read_config(path).moe
-    if moe is None:
-        raise SettingsError(
-            f"data_parallel: {path} is not a mixture-of-experts model (a dense model's ranks "
-            "would share nothing: run more workers, --num-decode)"
-        )
-    slots = moe.num_experts + s.experts.redundant_experts
+    slots = moe.num_experts + s.experts.redundant_experts if moe and moe.layers else 0
     if slots % w.data_parallel:
         raise SettingsError(
-            f"data_parallel: {moe.num_experts} experts + {s.experts.redundant_experts} "
+            f"data_parallel: {slots - s.experts.redundant_experts} experts + "
+            f"{s.experts.redundant_experts} "
             f"redundant slots do not divide over {w.data_parallel} ranks"
         )
     if not given_by_up and w.data_parallel_rank >= w.data_parallel:

@@ -227,11 +227,12 @@ class WorkerSettings(Section):
     metrics_port: int | None = setting(None, "workers: serve Prometheus /metrics and /health "
                                        "over HTTP on this port (up: worker k on this port + "
                                        "k, prefill workers first)", WORKER)  # fmt: skip
-    data_parallel: int = setting(1, "a MoE model's data-parallel ranks: N workers, each a "
-                                 "whole engine with its own requests, the routed experts spread "
-                                 "over all of them and exchanged all-to-all at every MoE layer "
-                                 "(docs/parallel.md; up: each worker becomes N ranks)", WORKER,
-                                 minimum=1)  # fmt: skip
+    data_parallel: int = setting(1, "data-parallel ranks: N workers, each a whole engine "
+                                 "with its own requests and a routing target; a MoE model's "
+                                 "routed experts spread over all of them and exchanged "
+                                 "all-to-all at every MoE layer, a dense model's ranks "
+                                 "replicas (docs/parallel.md; up: each worker becomes N ranks)",
+                                 WORKER, minimum=1)  # fmt: skip
     data_parallel_rank: int = setting(0, "this worker's rank among --data-parallel N (up sets "
                                       "it)", WORKER, minimum=0)  # fmt: skip
     data_parallel_address: str = setting("", "host:port where rank 0 of the data-parallel "

@@ -141,6 +141,8 @@ class Worker:
             grid = data_ranks.Grid(
                 w.data_parallel_rank, w.data_parallel, w.data_parallel_address, balance
             )
+        if grid is not None and not loaded.model.moe_layers():
+            grid = None  # a dense model's ranks are replicas: no exchange, no votes
         self.tensor: tensor_ranks.Leader | None = None  # the other tensor ranks, when split
         self.lockstep: data_ranks.Lockstep | None = None  # the other data-parallel ranks
         if ranks > 1:

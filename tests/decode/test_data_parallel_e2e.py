@@ -142,3 +142,40 @@ def test_one_command_starts_its_group_and_each_rank_is_a_target(tiny_dir, tmp_pa
             router.stop()
         decode.stop()
     sibling.wait(30)  # the group went with its rank 0
+
+
+def test_a_dense_models_ranks_are_replicas_behind_the_router(tiny_dir, tmp_path):
+    """`pdserve decode --data-parallel 2` of a dense model: two replicas (no exchange, no
+    votes), both targets of the router, answering as one process."""
+    path = str(tiny_dir("qwen3"))
+    loaded = load_model(path, dtype="float32", device="cpu")
+    engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(num_blocks=128))
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    expected = [o.choices[0].text for o in engine.generate(PROMPTS, params)]
+    decode = WorkerProcess("decode", path, "memory://", tmp_path, "--data-parallel", "2",
+                           "--num-blocks", "128", dtype="float32").start()  # fmt: skip
+    router = None
+    try:
+        wait_for_port(decode.port + 1, timeout=60)
+        router = RouterProcess(tmp_path, [], [decode.address, f"127.0.0.1:{decode.port + 1}"],
+                               "--model", path, "--served-model-name", NAME,
+                               "--disagg-threshold", str(1 << 30)).start()  # fmt: skip
+        _every_rank_healthy(router.url, 2)
+        client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="none", max_retries=0)
+
+        def complete(prompt: str) -> str:
+            reply = client.completions.create(
+                model=NAME,
+                prompt=prompt,
+                max_tokens=16,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
+            return reply.choices[0].text  # fmt: skip
+
+        with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+            assert list(pool.map(complete, PROMPTS)) == expected
+    finally:
+        if router is not None:
+            router.stop()
+        decode.stop()

@@ -152,7 +152,6 @@ def _grid_answers_as_one_process(path: str, dtype: str, balance: data.Balancing,
 @pytest.mark.parametrize(
     ("family", "values", "message"),
     [
-        ("qwen3", {"data_parallel": 2}, "is not a mixture-of-experts model"),
         (
             "qwen3_moe",
             {"data_parallel": 3},
@@ -185,3 +184,4 @@ def test_data_parallel_settings_that_cannot_work_are_refused(tiny_dir, family, v
         check(build("decode", model=str(tiny_dir(family)), **values))
     check(build("up", model=str(tiny_dir("qwen3_moe")), data_parallel=2))  # up gives the rest
     check(build("decode", model=str(tiny_dir("qwen3_moe")), data_parallel=2))  # starts the rest
+    check(build("decode", model=str(tiny_dir("qwen3")), data_parallel=3))  # dense: replicas
