@@ -167,7 +167,7 @@ class Stack:
             if self.colocated
             else (("prefill", s.up.num_prefill), ("decode", s.up.num_decode))
         )
-        shared = sum(count for _, count in roles) > 1
+        shared = sum(count for _, count in roles) * s.worker.data_parallel > 1
         shared_cores = shared_host_env(base) if shared else {}
         addresses: dict[str, list[str]] = {"prefill": [], "decode": []}
         workers: list[Child] = []

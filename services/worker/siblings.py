@@ -20,7 +20,7 @@ import subprocess
 
 import torch
 
-from services.launcher import PDSERVE, free_port
+from services.launcher import PDSERVE, free_port, shared_host_env
 from services.settings import Settings, child_env, env_name
 
 
@@ -37,6 +37,7 @@ def start(settings: Settings, role: str) -> tuple[Settings, list[subprocess.Pope
         return settings, []
     address = f"127.0.0.1:{free_port()}"
     base = {**os.environ, **child_env(settings, role)}
+    base |= shared_host_env(base)  # the ranks share the host's cores (launcher.py)
     base[env_name("data_parallel_address")] = address
     siblings = []
     for r in range(1, ranks):

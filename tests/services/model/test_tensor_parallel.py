@@ -116,17 +116,22 @@ def test_tensor_settings_that_cannot_work_are_refused_before_anything_loads(
 
 
 @pytest.mark.parametrize("dtype", COMPUTE_DTYPES)
-def test_blocks_leave_and_enter_a_split_pool_whole(embedded, embedded_dir, dtype):
+@pytest.mark.parametrize(("checkpoint", "size"), [("embedded", 3), ("deepseek_v3", 2)])
+def test_blocks_leave_and_enter_a_split_pool_whole(
+    embedded, embedded_dir, tiny_dir, checkpoint, size, dtype
+):
     """The rank processes of a worker (ranks.start): their pools' blocks, gathered, are one
-    process's bytes for the same requests; blocks written whole into a split pool are then
-    read back whole, and decode from them as one process does."""
-    one = embedded if dtype == "float32" else load_model(str(embedded_dir), dtype=dtype)
+    process's bytes for the same requests (split by KV heads; DeepSeek's latent whole on
+    every rank); blocks written whole into a split pool are then read back whole."""
+    path = embedded_dir if checkpoint == "embedded" else tiny_dir(checkpoint)
+    shared = checkpoint == "embedded" and dtype == "float32"
+    one = embedded if shared else load_model(str(path), dtype=dtype)
     reference = Engine(one.model, one.tokenizer, EngineConfig(num_blocks=64))
     params = SamplingParams(max_tokens=8, temperature=0, logprobs=1)
     expected = outcome(reference.generate(PROMPTS[:4], params))
     torch.set_num_threads(1)
-    mine = load_model(str(embedded_dir), dtype=dtype, tensor=(0, 3))
-    split = ranks.start(mine.model, ranks.Spec(str(embedded_dir), dtype, "cpu", "auto", 3))
+    mine = load_model(str(path), dtype=dtype, tensor=(0, size))
+    split = ranks.start(mine.model, ranks.Spec(str(path), dtype, "cpu", "auto", size))
     try:
         engine = Engine(split, mine.tokenizer, EngineConfig(num_blocks=64))
         assert outcome(engine.generate(PROMPTS[:4], params)) == expected
