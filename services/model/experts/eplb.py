@@ -25,6 +25,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
+import torch
+
 POLICIES = ("auto", "hierarchical", "global")
 
 
@@ -139,3 +141,27 @@ def _keep_in_place(current: Sequence[int], held: list[int]) -> list[int]:
             out.append(None)
     rest = iter(sorted(left.elements()))
     return [e if e is not None else next(rest) for e in out]
+
+
+def copies_of(
+    slot_experts: list[int], num_experts: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each expert's slots [experts, most copies] (an expert with fewer repeats its first) and
+    its count of copies [experts]: what `slot_of` reads."""
+    by_expert: list[list[int]] = [[] for _ in range(num_experts)]
+    for s, e in enumerate(slot_experts):
+        by_expert[e].append(s)
+    width = max(len(c) for c in by_expert)
+    copies = torch.tensor([c + c[:1] * (width - len(c)) for c in by_expert], device=device)
+    return copies, torch.tensor([len(c) for c in by_expert], device=device)
+
+
+def slot_of(copies: torch.Tensor, count: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """Each choice's slot: the n-th choice of expert e in the batch takes e's copies in turn,
+    so each copy takes its share."""
+    order = experts.argsort(stable=True)
+    per_expert = torch.bincount(experts, minlength=len(count))
+    first = per_expert.cumsum(0) - per_expert
+    nth = torch.empty_like(experts)
+    nth[order] = torch.arange(len(experts), device=experts.device) - first[experts[order]]
+    return copies[experts, nth % count[experts]]
