@@ -26,14 +26,11 @@ its sockets: rank 0's next exchange raises ExpertRankLost and the worker leaves 
 from __future__ import annotations
 
 import contextlib
-import datetime
 import logging
 import subprocess
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -42,10 +39,10 @@ from services.model.experts import eplb
 from services.model.experts.eplb import copies_of, slot_of
 from services.model.layers.layer_ops import LayerOps
 from services.model.layers.moe import Moe, run_grouped
+from services.model.parallel.group import Group
 
 log = logging.getLogger("pdserve.experts")
 RUN, PLACE, STATS, STOP = 1, 2, 3, 4
-Group = Any  # a torch.distributed backend made directly: ProcessGroupGloo or ProcessGroupNCCL
 TAG = 0
 
 
@@ -338,51 +335,3 @@ def serve(
             pg.send([ints(layers[layer].hold(share.tolist()))], 0, TAG).wait()
         elif command == STATS:
             pg.send([ints(compute_ns, rows_done)], 0, TAG).wait()
-
-
-def connect(
-    host: str,
-    port: int,
-    rank: int,
-    ranks: int,
-    device: torch.device,
-    timeout: float = 3600.0,
-    check: Callable[[], None] = lambda: None,
-    hosts: bool | None = None,
-    prefix: str = "",
-) -> Group:
-    """Join the group (rank 0 hosts its rendezvous store at host:port, or the process told
-    it `hosts`; groups meeting at one store each have a `prefix`) within `timeout` seconds
-    (ranks load the model first). `check` runs every half second while rank 0 waits for the
-    others, to raise if one has died."""
-    from torch.distributed import PrefixStore, TCPStore
-
-    limit = datetime.timedelta(seconds=timeout)
-    hosts = rank == 0 if hosts is None else hosts
-    store: Any = TCPStore(host, port, ranks, hosts, limit, wait_for_workers=False)
-    if prefix:
-        store = PrefixStore(prefix, store)
-    # no timeout on the exchanges: a rank waits for rank 0's next command as long as it is
-    # idle; a rank or rank 0 that dies closes its sockets (and ranks watch their parent)
-    forever = datetime.timedelta(days=365)
-    made: list[Group | BaseException] = []
-
-    def make() -> None:
-        try:
-            if device.type == "cuda":
-                options = torch.distributed.ProcessGroupNCCL.Options()
-                options._timeout = forever
-                made.append(torch.distributed.ProcessGroupNCCL(store, rank, ranks, options))
-            else:
-                made.append(torch.distributed.ProcessGroupGloo(store, rank, ranks, forever))
-        except BaseException as e:
-            made.append(e)
-
-    joiner = threading.Thread(target=make, name="expert-group-join", daemon=True)
-    joiner.start()
-    while joiner.is_alive():
-        joiner.join(0.5)
-        check()
-    if isinstance(made[0], BaseException):
-        raise made[0]
-    return made[0]

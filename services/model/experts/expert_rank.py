@@ -20,7 +20,8 @@ import torch
 from services.model.causal_lm import CausalLM
 from services.model.errors import ModelLoadError
 from services.model.experts import eplb
-from services.model.experts.expert_parallel import ExpertGroup, connect, serve
+from services.model.experts.expert_parallel import ExpertGroup, serve
+from services.model.parallel.group import connect
 
 log = logging.getLogger("pdserve.experts")
 

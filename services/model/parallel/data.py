@@ -33,9 +33,9 @@ from services.model.causal_lm import CausalLM
 from services.model.errors import DataRankLost, ModelLoadError
 from services.model.experts import eplb
 from services.model.experts.eplb import copies_of, slot_of
-from services.model.experts.expert_parallel import Group, connect
 from services.model.layers.layer_ops import LayerOps
 from services.model.layers.moe import Moe, run_grouped
+from services.model.parallel.group import Group, connect
 from services.model.parallel.tensor import TensorGroup
 
 INT64 = torch.int64

@@ -43,12 +43,12 @@ from services.model.batch import ForwardBatch
 from services.model.causal_lm import CausalLM
 from services.model.config import ModelConfig
 from services.model.errors import ModelLoadError, TensorRankLost
-from services.model.experts.expert_parallel import connect
 from services.model.experts.expert_rank import exit_with_parent, rank_device
 from services.model.families.deepseek.config import MlaShape
 from services.model.kv_cache import KVCache
 from services.model.layers.moe import Moe
 from services.model.parallel import data
+from services.model.parallel.group import connect
 from services.model.parallel.tensor import TensorGroup, parallelize
 
 log = logging.getLogger("pdserve.tensor")
