@@ -55,7 +55,8 @@ class Balancing:
 @dataclass
 class LockstepTiming:
     """Where the ranks' agreement costs time, ns: the votes (waiting for the others included),
-    the empty passes, and the exchanges inside real passes."""
+    the empty passes, and the exchanges inside real passes; and the bytes this rank's
+    exchanges sent to the other ranks (rows, their slots and counts; none to itself)."""
 
     votes: int = 0
     vote_ns: int = 0
@@ -63,6 +64,7 @@ class LockstepTiming:
     empty_ns: int = 0
     exchanges: int = 0
     exchange_ns: int = 0
+    sent_bytes: int = 0
 
 
 class ExpertExchange:
@@ -220,6 +222,7 @@ class ExpertExchange:
         width = math.prod(x.shape[1:])
         wire = x.contiguous().view(len(x), width).view(torch.uint8)  # rows of bytes, as is
         got = wire.new_empty(sum(into), wire.shape[1])
+        self.timing.sent_bytes += (sum(out_of) - out_of[self.rank]) * wire.shape[1]
         with lost_on_failure():
             self.pg.alltoall_base(got, wire, into, out_of, dist.AllToAllOptions()).wait()
         return got.view(x.dtype).view(sum(into), *x.shape[1:])
@@ -266,6 +269,7 @@ class Lockstep:
             "rank": x.rank, "ranks": x.ranks, "votes": t.votes, "vote_ms": t.vote_ns / 1e6,
             "empty_passes": t.empty_passes, "empty_pass_ms": t.empty_ns / 1e6,
             "exchanges": t.exchanges, "exchange_ms": t.exchange_ns / 1e6,
+            "sent_bytes": t.sent_bytes,
             "passes": x.passes, "rebalances": x.plans, "experts_loaded": x.experts_loaded,
             "placement": {str(i): p for i, p in x.placement.items()},
         }  # fmt: skip
