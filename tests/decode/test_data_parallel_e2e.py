@@ -8,10 +8,14 @@ stream completes after the restart, token for token; nothing hangs."""
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
+import contextlib
 import signal
 import time
+from collections.abc import Callable, Iterator
 
+import grpc
 import httpx
 import openai
 import psutil
@@ -21,8 +25,13 @@ from services.engine.engine import Engine, EngineConfig
 from services.engine.params import SamplingParams
 from services.launcher import RouterProcess, WorkerProcess, free_port, wait_for_port
 from services.model.loader import load_model
+from services.rpc import worker_pb2 as pb
+from services.rpc import worker_pb2_grpc as pbg
+from services.worker.convert import to_proto_params
+from tests.services.engine.test_determinism import prompt
 from tests.support.cluster import metrics
 from tests.support.up import Up, stream_completion
+from tests.support.workers import disaggregated
 
 PROMPTS = [f"Story {i}: the lighthouse keeper climbed the stairs and" for i in range(6)]
 NAME = "tiny-moe"
@@ -100,64 +109,21 @@ def _every_rank_healthy(
     raise AssertionError(f"not every one of {ranks} ranks healthy in {timeout}s:\n{shown}")
 
 
-def test_one_command_starts_its_group_and_each_rank_is_a_target(tiny_dir, tmp_path):
-    """`pdserve decode --data-parallel 2` alone (as in a container): it starts rank 1 on the
-    next port itself; the router lists both ports (colocated: the decode ranks compute the
-    prompts); concurrent requests answer as one process, both ranks computing; the whole
-    group goes when rank 0 is stopped."""
-    path = str(tiny_dir("qwen3_moe"))
+def _expected(path: str, max_tokens: int = 16) -> list[str]:
     loaded = load_model(path, dtype="float32", device="cpu")
     engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(num_blocks=128))
-    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    expected = [o.choices[0].text for o in engine.generate(PROMPTS, params)]
-    metrics = free_port()
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    return [o.choices[0].text for o in engine.generate(PROMPTS, params)]
+
+
+@contextlib.contextmanager
+def _group_behind_router(path: str, tmp_path, *args: str) -> Iterator[Callable[[str], str]]:
+    """`pdserve decode --data-parallel 2 ARGS` alone (as in a container: it starts rank 1 on
+    the next port itself) and a router listing both ports (colocated: the decode ranks
+    compute the prompts); yields a prompt's completion through the official client; the
+    whole group stopped after, rank 1 waited for (it goes with its rank 0)."""
     decode = WorkerProcess("decode", path, "memory://", tmp_path, "--data-parallel", "2",
-                           "--num-blocks", "128", "--metrics-port", str(metrics),
-                           dtype="float32").start()  # fmt: skip
-    rank_1 = f"127.0.0.1:{decode.port + 1}"
-    router = None
-    try:
-        wait_for_port(decode.port + 1, timeout=60)
-        router = RouterProcess(tmp_path, [], [decode.address, rank_1], "--model", path,
-                               "--served-model-name", NAME, "--disagg-threshold",
-                               str(1 << 30)).start()  # fmt: skip
-        _every_rank_healthy(router.url, 2)
-        client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="none", max_retries=0)
-
-        def complete(prompt: str) -> str:
-            reply = client.completions.create(
-                model=NAME,
-                prompt=prompt,
-                max_tokens=16,
-                temperature=0,
-                extra_body={"ignore_eos": True},
-            )
-            return reply.choices[0].text  # fmt: skip
-
-        with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
-            assert list(pool.map(complete, PROMPTS)) == expected
-        for r in range(2):
-            shown = httpx.get(f"http://127.0.0.1:{metrics + r}/experts").json()
-            assert shown["data_parallel"]["rank"] == r
-            assert sum(sum(c) for c in shown["layers"].values()) > 0, f"rank {r} computed none"
-        (sibling,) = psutil.Process(decode.process.pid).children()  # type: ignore[union-attr]
-    finally:
-        if router is not None:
-            router.stop()
-        decode.stop()
-    sibling.wait(30)  # the group went with its rank 0
-
-
-def test_a_dense_models_ranks_are_replicas_behind_the_router(tiny_dir, tmp_path):
-    """`pdserve decode --data-parallel 2` of a dense model: two replicas (no exchange, no
-    votes), both targets of the router, answering as one process."""
-    path = str(tiny_dir("qwen3"))
-    loaded = load_model(path, dtype="float32", device="cpu")
-    engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(num_blocks=128))
-    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    expected = [o.choices[0].text for o in engine.generate(PROMPTS, params)]
-    decode = WorkerProcess("decode", path, "memory://", tmp_path, "--data-parallel", "2",
-                           "--num-blocks", "128", dtype="float32").start()  # fmt: skip
+                           "--num-blocks", "128", *args, dtype="float32").start()  # fmt: skip
     router = None
     try:
         wait_for_port(decode.port + 1, timeout=60)
@@ -167,19 +133,99 @@ def test_a_dense_models_ranks_are_replicas_behind_the_router(tiny_dir, tmp_path)
         _every_rank_healthy(router.url, 2)
         client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="none", max_retries=0)
 
-        def complete(prompt: str) -> str:
+        def complete(text: str) -> str:
+            extra = {"ignore_eos": True}
             reply = client.completions.create(
-                model=NAME,
-                prompt=prompt,
-                max_tokens=16,
-                temperature=0,
-                extra_body={"ignore_eos": True},
+                model=NAME, prompt=text, max_tokens=16, temperature=0, extra_body=extra
             )
-            return reply.choices[0].text  # fmt: skip
+            return reply.choices[0].text
 
-        with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
-            assert list(pool.map(complete, PROMPTS)) == expected
+        (sibling,) = psutil.Process(decode.process.pid).children()  # type: ignore[union-attr]
+        yield complete
     finally:
         if router is not None:
             router.stop()
         decode.stop()
+    sibling.wait(30)
+
+
+def test_one_command_starts_its_group_and_each_rank_is_a_target(tiny_dir, tmp_path):
+    """A MoE model's group: concurrent requests answer as one process, both ranks
+    computing; the whole group goes when rank 0 is stopped."""
+    path = str(tiny_dir("qwen3_moe"))
+    expected = _expected(path)
+    metrics = free_port()
+    with _group_behind_router(path, tmp_path, "--metrics-port", str(metrics)) as complete:
+        with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+            assert list(pool.map(complete, PROMPTS)) == expected
+        for r in range(2):
+            shown = httpx.get(f"http://127.0.0.1:{metrics + r}/experts").json()
+            assert shown["data_parallel"]["rank"] == r
+            assert sum(sum(c) for c in shown["layers"].values()) > 0, f"rank {r} computed none"
+
+
+def test_a_dense_models_ranks_are_replicas_behind_the_router(tiny_dir, tmp_path):
+    """A dense model's group: two replicas (no exchange, no votes), both targets of the
+    router, answering as one process."""
+    path = str(tiny_dir("qwen3"))
+    expected = _expected(path)
+    with (
+        _group_behind_router(path, tmp_path) as complete,
+        concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool,
+    ):
+        assert list(pool.map(complete, PROMPTS)) == expected
+
+
+def test_a_prompt_prefilled_by_one_rank_is_decoded_by_another(tiny_dir, redis_server, tmp_path):
+    """`pdserve prefill --data-parallel 2` and `pdserve decode --data-parallel 2` over one
+    Redis: a prompt prefilled by prefill rank i is decoded by decode rank j (i != j), its
+    blocks read from the store (the store's keys name no rank), tokens as one process's."""
+    path = str(tiny_dir("qwen3_moe"))
+    loaded = load_model(path, dtype="float32", device="cpu")
+    engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(num_blocks=128))
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    args = ["--data-parallel", "2", "--num-blocks", "128"]
+    groups = [
+        WorkerProcess(role, path, redis_server.url, tmp_path, *args, dtype="float32").launch()
+        for role in ("prefill", "decode")
+    ]
+    try:
+        for group in groups:
+            group.wait_ready(120)
+            wait_for_port(group.port + 1, timeout=60)
+        prefill, decode = ([f"127.0.0.1:{g.port + r}" for r in range(2)] for g in groups)
+
+        async def one(i: int, j: int, ids: list[int]) -> tuple[list[int], int]:
+            async with (
+                grpc.aio.insecure_channel(prefill[i]) as pch,
+                grpc.aio.insecure_channel(decode[j]) as dch,
+            ):
+                prefiller, decoder = pbg.PrefillWorkerStub(pch), pbg.DecodeWorkerStub(dch)
+                await _ready(prefiller)
+                await _ready(decoder)
+                hits = (await decoder.Load(pb.LoadRequest())).store_hits
+                rid, wire = f"p{i}-d{j}", to_proto_params(params)
+                tokens, _, _ = await disaggregated(prefiller, decoder, rid, ids, wire, 0)
+                return tokens, (await decoder.Load(pb.LoadRequest())).store_hits - hits
+
+        for n, (i, j) in enumerate(((0, 1), (1, 0))):
+            ids = prompt(40, seed=700 + n)  # 2 full blocks and a partial one
+            tokens, read = asyncio.run(one(i, j, ids))
+            assert tokens == engine.generate([ids], params)[0].choices[0].token_ids
+            assert read == 3, (i, j)
+    finally:
+        for group in groups:
+            group.stop()
+
+
+async def _ready(stub: pbg.PrefillWorkerStub | pbg.DecodeWorkerStub, timeout: float = 60) -> None:
+    """Until the rank answers Health ready (rank 1 may come up after rank 0)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if (await stub.Health(pb.HealthRequest())).ready:
+                return
+        except grpc.aio.AioRpcError:
+            pass
+        assert time.monotonic() < deadline, "rank not serving"
+        await asyncio.sleep(0.2)
