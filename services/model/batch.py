@@ -139,36 +139,46 @@ class ForwardBatch:
 
     def to_wire(self) -> torch.Tensor:
         """The batch as one int64 tensor on its device, for another process to rebuild
-        (from_wire): the sizes, then every field, flat."""
-        if self.group_slots:
-            raise ValueError("a batch with cache groups' own tables has no wire form")
-        sizes = [self.num_tokens, len(self.logits_rows), len(self.seqs),
-                 self.block_tables.shape[1], self.block_size]  # fmt: skip
+        (from_wire): the sizes, then every field, flat; then, with cache groups of their own,
+        each group's row slots and each sequence's table in it (padded as block_tables)."""
+        groups = len(self.group_slots)
+        width = self.block_tables.shape[1]
+        sizes = [self.num_tokens, len(self.logits_rows), len(self.seqs), width,
+                 self.block_size, groups]  # fmt: skip
         fields = (self.token_ids, self.positions, self.slot_mapping, self.logits_rows,
                   self.seq_rows, self.query_lens, self.context_lens)  # fmt: skip
         head = torch.tensor(sizes, dtype=torch.int64, device=self.token_ids.device)
-        return torch.cat([head, *fields, self.block_tables.flatten()])
+        tables = [
+            torch.nn.functional.pad(span.tables[g], (0, width - len(span.tables[g])))
+            for g in range(groups)
+            for span in self.seqs
+        ]
+        return torch.cat([head, *fields, self.block_tables.flatten(), *self.group_slots, *tables])
 
     @classmethod
     def from_wire(cls, wire: torch.Tensor) -> ForwardBatch:
         """The batch `to_wire` gave, its tensors views of `wire` (on wire's device)."""
-        tokens, logits, seqs, width, block_size = wire[:WIRE_SIZES].tolist()
+        tokens, logits, seqs, width, block_size, groups = wire[:WIRE_SIZES].tolist()
         parts = wire[WIRE_SIZES:].split([tokens, tokens, tokens, logits, seqs, seqs, seqs,
-                                         seqs * width])  # fmt: skip
-        token_t, position_t, slot_t, logits_t, row_t, qlen_t, len_t, table_t = parts
+                                         seqs * width, groups * tokens,
+                                         groups * seqs * width])  # fmt: skip
+        token_t, position_t, slot_t, logits_t, row_t, qlen_t, len_t, table_t, gs, gt = parts
         table_t = table_t.view(seqs, width)
+        group_tables = gt.view(groups, seqs, width)
         rows, qlens, lens = row_t.tolist(), qlen_t.tolist(), len_t.tolist()
-        spans = tuple(
-            SeqSpan(row, n, length, table_t[i, : -(-length // block_size)])
-            for i, (row, n, length) in enumerate(zip(rows, qlens, lens, strict=True))
-        )
+        spans = []
+        for i, (row, n, length) in enumerate(zip(rows, qlens, lens, strict=True)):
+            used = -(-length // block_size)
+            own = tuple(group_tables[g, i, :used] for g in range(groups))
+            spans.append(SeqSpan(row, n, length, table_t[i, :used], own))
         return cls(
-            token_t, position_t, slot_t, spans, logits_t, block_size, table_t, row_t, qlen_t,
-            len_t, max(qlens, default=0), max(lens, default=0),
+            token_t, position_t, slot_t, tuple(spans), logits_t, block_size, table_t, row_t,
+            qlen_t, len_t, max(qlens, default=0), max(lens, default=0),
+            tuple(gs.view(groups, tokens)),
         )  # fmt: skip
 
 
-WIRE_SIZES = 5  # the int64s heading a batch's wire form: its sizes
+WIRE_SIZES = 6  # the int64s heading a batch's wire form: its sizes
 
 
 def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -42,6 +42,10 @@ class Family:
     # (ModelLoadError where the checkpoint has none) and `load_mtp(path, config, dtype,
     # device, kernels, deterministic)` -> a causal_lm.MtpLayer; None: the family has none
     mtp: str | None = None
+    # the module splitting the family's model over tensor ranks (parallel/plan.py asks it:
+    # `sizes`, `rows`, `sliced`, `cache_whole`, `parallelize`); None: the Llama family's
+    # decoder and DeepSeek-V2/V3 split as plan.py and tensor.py do, other models refused
+    tensor: str | None = None
 
     @property
     def model_types(self) -> tuple[str, ...]:
@@ -52,6 +56,9 @@ class Family:
 
     def mtp_module(self) -> Any:
         return None if self.mtp is None else importlib.import_module(self.mtp)
+
+    def tensor_module(self) -> Any:
+        return None if self.tensor is None else importlib.import_module(self.tensor)
 
 
 def load_symbol(spec: str) -> Any:

@@ -16,34 +16,50 @@ def check(config: ModelConfig, size: int) -> None:
     `size` exact parts."""
     from services.model import families
 
-    c = config
-    sizes = [
-        ("num_kv_heads", c.num_kv_heads, 1),
-        ("hidden_size", c.hidden_size, 16),
-        ("vocab_size", c.vocab_size, 16),
-    ]
-    if any(not c.is_moe_layer(i) for i in range(c.num_layers)):
-        sizes.append(("intermediate_size", c.intermediate_size, SWIGLU_COLUMNS))
-    if c.moe is not None and c.moe.layers:
-        sizes.append(("num_experts", c.moe.num_experts, 1))
-    problems = [
+    c, family = config, families.of(config)
+    own = family.tensor_module()
+    problems = []
+    if own is not None:
+        sizes = own.sizes(c)
+    else:
+        sizes = [
+            ("num_kv_heads", c.num_kv_heads, 1),
+            ("hidden_size", c.hidden_size, 16),
+            ("vocab_size", c.vocab_size, 16),
+        ]
+        if any(not c.is_moe_layer(i) for i in range(c.num_layers)):
+            sizes.append(("intermediate_size", c.intermediate_size, SWIGLU_COLUMNS))
+        if c.moe is not None and c.moe.layers:
+            sizes.append(("num_experts", c.moe.num_experts, 1))
+        if not family.model.endswith((":DecoderModel", ":DeepseekModel")):
+            problems.append(
+                f"{c.architecture}: tensor parallelism covers the Llama family's decoder "
+                "(Llama, Mistral, Qwen2/3, Qwen MoE, Mixtral), DeepSeek-V2/V3 and V4"
+            )
+    problems[:0] = [
         f"{name} ({n}) is not a multiple of {size * unit}"
         for name, n, unit in sizes
         if n % (size * unit)
     ]
-    if not families.of(c).model.endswith((":DecoderModel", ":DeepseekModel")):
-        problems.append(
-            f"{c.architecture}: tensor parallelism covers the Llama family's decoder "
-            "(Llama, Mistral, Qwen2/3, Qwen MoE, Mixtral) and DeepSeek-V2/V3"
-        )
     if problems:
         raise ValueError("--tensor-parallel " + str(size) + ": " + "; ".join(problems))
+
+
+def cache_whole(config: ModelConfig) -> bool:
+    """Whether every rank's pool holds every block whole (one latent, or one K=V head, for
+    every query head) rather than its own heads' part."""
+    from services.model import families
+
+    own = families.of(config).tensor_module()
+    return own.cache_whole if own is not None else isinstance(config.shape, MlaShape)
 
 
 def slices(config: ModelConfig, rank: int, size: int) -> dict[str, slice]:
     """The rows of each split tensor this rank holds (its heads' rows of the attention's
     products, its columns of o, of the MLP's gate/up and down, its vocabulary rows of the
     head); tensors not named are whole on every rank."""
+    from services.model import families
+
     check(config, size)
     c = config
 
@@ -51,6 +67,9 @@ def slices(config: ModelConfig, rank: int, size: int) -> dict[str, slice]:
         step = total // size  # rows of this rank's slice, of `total` along dim 0
         return slice(rank * step, (rank + 1) * step)
 
+    own = families.of(c).tensor_module()
+    if own is not None:
+        return dict(own.rows(c, part))
     out = {"lm_head.weight": part(c.vocab_size), "model.embed_tokens.weight": part(c.vocab_size)}
     heads_of = _mla_heads(c) if isinstance(c.shape, MlaShape) else _gqa_heads(c)
     for i in range(c.num_layers):

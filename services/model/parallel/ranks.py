@@ -11,9 +11,11 @@ whatever M (a TP 2 prefill worker's blocks feed a TP 1 decode worker).
 The wire: collectives over the tensor group, rank 0 the root. A header [command, n] is
 broadcast, then the command's tensors:
 
-    POOL n blocks       [block_size, replicated]; every rank makes its pool of n blocks
+    POOL n blocks       [block_size, replicated, G], then each of G early-released cache
+                        groups' block count; every rank makes its pool of n blocks
     FORWARD n int64s    the batch's wire form (batch.py); the pass's own exchanges follow
-    LOAD n blocks       the block ids, then K and V with every head: each rank keeps its own
+    LOAD n blocks       the block ids, each group's blocks for them (rank 0's block manager
+                        placed them), then K and V with every head: each rank keeps its own
     SAVE n blocks       the block ids; then each rank's heads of them, all-gathered
     EMPTY               an empty pass of the data-parallel grid's exchanges (data.py)
     STOP
@@ -44,10 +46,9 @@ from services.model.causal_lm import CausalLM
 from services.model.config import ModelConfig
 from services.model.errors import ModelLoadError, TensorRankLost
 from services.model.experts.expert_rank import exit_with_parent, rank_device
-from services.model.families.deepseek.config import MlaShape
 from services.model.kv_cache import KVCache
 from services.model.layers.moe import Moe
-from services.model.parallel import data
+from services.model.parallel import data, plan
 from services.model.parallel.group import connect
 from services.model.parallel.tensor import TensorGroup, parallelize
 
@@ -159,6 +160,9 @@ class ShardedKV(KVCache):
         k, v = k.to(self.device, self.dtype), v.to(self.device, self.dtype)
         with self.leader.command(LOAD, len(block_ids)) as group:
             group.broadcast(self.leader.ints(block_ids))
+            tables = self.local.tables(block_ids)  # where the block manager put their parts
+            if tables:
+                group.broadcast(self.leader.ints([x for t in tables for x in t]))
             group.broadcast(k)
             group.broadcast(v)
             _keep_mine(self.local, group, block_ids, k, v, self.replicated)
@@ -208,9 +212,12 @@ class TensorParallelLM:
         self, num_blocks: int, block_size: int, group_blocks: Mapping[str, int] | None = None
     ) -> KVCache:
         local = self.inner.new_kv_cache(num_blocks, block_size, group_blocks)
-        replicated = isinstance(self.config.shape, MlaShape)  # one latent for every head
+        replicated = plan.cache_whole(self.config)  # one latent or K=V head for every head
+        mapped = [g.num_blocks for g in local.mapped]  # each early-released group's blocks
         with self.leader.command(POOL, num_blocks) as group:
-            group.broadcast(self.leader.ints([block_size, int(replicated)]))
+            group.broadcast(self.leader.ints([block_size, int(replicated), len(mapped)]))
+            if mapped:
+                group.broadcast(self.leader.ints(mapped))
         return ShardedKV(local, self.leader, replicated)
 
     def moe_layers(self) -> dict[int, Moe]:
@@ -235,8 +242,10 @@ def serve(group: TensorGroup, model: CausalLM, grid: data.ExpertExchange | None 
         if command == STOP:
             return
         if command == POOL:
-            block_size, replicated = ints(2).tolist()
-            kv = model.new_kv_cache(n, block_size)
+            block_size, replicated, groups = ints(3).tolist()
+            counts = ints(groups).tolist() if groups else []
+            early = [g.name for g in model.config.cache_spec.groups if not g.lasting]
+            kv = model.new_kv_cache(n, block_size, dict(zip(early, counts, strict=True)))
             continue
         if command == EMPTY:
             assert grid is not None, "an empty pass outside a data-parallel grid"
@@ -247,6 +256,11 @@ def serve(group: TensorGroup, model: CausalLM, grid: data.ExpertExchange | None 
             model.forward(ForwardBatch.from_wire(ints(n)), kv)
         elif command == LOAD:
             block_ids = ints(n).tolist()
+            parts = ints(n * len(kv.mapped)).tolist() if kv.mapped else []  # rank 0's places
+            for g, group_cache in enumerate(kv.mapped):
+                assert group_cache.table is not None
+                for b, part in zip(block_ids, parts[g * n : (g + 1) * n], strict=True):
+                    group_cache.table[b] = part
             s, bs = kv.spec, kv.block_size
             every = (n, s.layers, s.heads * (1 if replicated else group.size))  # K, V blocks
             k_all = torch.empty(*every, s.k_dim, bs, dtype=kv.dtype, device=device)

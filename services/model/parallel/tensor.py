@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from services.model import families
 from services.model.config import ModelConfig
 from services.model.layers.layer_ops import LayerOps
 from services.model.layers.linear import Bf16Linear, Linear, bf16_linear_library
@@ -75,6 +76,9 @@ def sliced(
 ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """A rank's config, and its weights from its slices (`slices`' rows, read or cut): a
     tied head is the embedding's rows, this rank's vocabulary."""
+    own = families.of(config).tensor_module()
+    if own is not None:
+        return own.sliced(config, weights, rank, size)
     c = config
     if c.tie_word_embeddings:
         weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
@@ -177,6 +181,10 @@ def parallelize(model: Any, group: TensorGroup, experts: bool = True) -> None:
     inputs, their outputs and the logits are gathered, each MoE layer keeps this rank's
     experts (in place; `experts` False: the layers are left whole, for a data-parallel
     grid's exchange to spread, parallel/data.py)."""
+    own = families.of(model.config).tensor_module()
+    if own is not None:
+        own.parallelize(model, group, experts)
+        return
     for i, layer in enumerate(model.layers):
         attention = dataclasses.replace(
             layer.attention, o=Gathered(layer.attention.o, group, whole_input=True)

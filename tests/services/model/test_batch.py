@@ -115,3 +115,42 @@ def test_a_kv_pool_reads_zeros_and_takes_memory_only_as_blocks_are_written(embed
     assert 0 < resident() - before < 300e6  # pages of 4 KiB or 2 MiB, not the pool
     assert kv.v[:, 100].count_nonzero() == kv.v[:, 100].numel()
     assert kv.v[:, 99].count_nonzero() == kv.v[:, 101].count_nonzero() == 0
+
+
+WIRE_FIELDS = ("token_ids", "positions", "slot_mapping", "logits_rows", "block_tables",
+               "seq_rows", "query_lens", "context_lens", "block_size", "max_query_len",
+               "max_context_len")  # fmt: skip
+
+
+@pytest.mark.parametrize("groups", [0, 2])
+def test_a_batch_crosses_the_wire_whole(groups):
+    """to_wire/from_wire (tensor ranks' FORWARD): every field equal, cache groups' own tables
+    (-1 where a part was let go) and slots included."""
+    chunks = [
+        SeqChunk([5, 6, 7], 0, [4], tables=tuple([9 + g] for g in range(groups))),
+        SeqChunk(
+            [8],
+            40,
+            [1, 0, 3],
+            want_logits=True,
+            tables=tuple([-1, 2 + g, 5] for g in range(groups)),
+        ),
+        SeqChunk(
+            list(range(20)),
+            3,
+            [2, 7],
+            all_logits=True,
+            tables=tuple([6, 1 + g] for g in range(groups)),
+        ),
+    ]
+    batch = ForwardBatch.build(chunks, BLOCK)
+    back = ForwardBatch.from_wire(batch.to_wire())
+    for name in WIRE_FIELDS:
+        mine, theirs = getattr(back, name), getattr(batch, name)
+        assert torch.equal(mine, theirs) if isinstance(mine, torch.Tensor) else mine == theirs
+    assert len(back.group_slots) == len(batch.group_slots) == groups
+    assert all(torch.equal(a, b) for a, b in zip(back.group_slots, batch.group_slots, strict=True))
+    for a, b in zip(back.seqs, batch.seqs, strict=True):
+        assert (a.row, a.query_len, a.context_len) == (b.row, b.query_len, b.context_len)
+        assert a.block_table.tolist() == b.block_table.tolist()
+        assert [t.tolist() for t in a.tables] == [t.tolist() for t in b.tables]

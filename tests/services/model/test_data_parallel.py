@@ -110,12 +110,17 @@ def test_ranks_answer_as_one_process(tiny_dir, family, balance, dtype):
 @pytest.mark.parametrize("dtype", COMPUTE_DTYPES)
 @pytest.mark.parametrize(
     ("family", "balance"),
-    [("qwen3_moe", STILL), ("deepseek_v3", data.Balancing(redundant=4, interval=3))],
-    ids=["qwen3_moe", "deepseek_v3-rebalanced"],
+    [
+        ("qwen3_moe", STILL),
+        ("deepseek_v3", data.Balancing(redundant=4, interval=3)),
+        ("deepseek_v4", STILL),
+    ],
+    ids=["qwen3_moe", "deepseek_v3-rebalanced", "deepseek_v4"],
 )
 def test_a_grid_of_data_and_tensor_ranks_answers_as_one_process(tiny_dir, family, balance, dtype):
     """DP 2 x TP 2 (four processes): each data-parallel rank's heads split over its two
-    tensor ranks (DeepSeek's latent whole on both), the experts over all four (rebalanced
+    tensor ranks (DeepSeek-V3's latent and V4's rows whole on both, V4's batches crossing to
+    its tensor ranks with their cache groups' tables), the experts over all four (rebalanced
     too), its answers one process's."""
     _grid_answers_as_one_process(str(tiny_dir(family)), dtype, balance, tp=2)
 

@@ -76,7 +76,8 @@ def _tensor_parallel(path: str, dtype: str, size: int) -> list[list[tuple]]:
 
 @pytest.mark.parametrize("dtype", COMPUTE_DTYPES)
 @pytest.mark.parametrize(
-    ("checkpoint", "size"), [("embedded", 3), ("qwen3", 2), ("qwen3_moe", 2), ("deepseek_v3", 2)]
+    ("checkpoint", "size"),
+    [("embedded", 3), ("qwen3", 2), ("qwen3_moe", 2), ("deepseek_v3", 2), ("deepseek_v4", 2)],
 )
 def test_ranks_answer_as_one_process(embedded, embedded_dir, tiny_dir, checkpoint, size, dtype):
     path = embedded_dir if checkpoint == "embedded" else tiny_dir(checkpoint)
@@ -101,7 +102,7 @@ def test_a_model_that_does_not_split_evenly_is_refused(embedded_dir):
     ("family", "values", "message"),
     [
         ("embedded", {"tensor_parallel": 2}, "num_kv_heads \\(3\\) is not a multiple of 2"),
-        ("deepseek_v4", {"tensor_parallel": 2}, "covers the Llama family's decoder"),
+        ("gemma3", {"tensor_parallel": 2}, "covers the Llama family.s decoder"),
         ("qwen3_moe", {"tensor_parallel": 16}, "num_experts \\(8\\) is not a multiple of 16"),
         ("qwen3", {"tensor_parallel": 2, "quantization": "int8"}, "not yet with --quantization"),
     ],
@@ -116,13 +117,16 @@ def test_tensor_settings_that_cannot_work_are_refused_before_anything_loads(
 
 
 @pytest.mark.parametrize("dtype", COMPUTE_DTYPES)
-@pytest.mark.parametrize(("checkpoint", "size"), [("embedded", 3), ("deepseek_v3", 2)])
+@pytest.mark.parametrize(
+    ("checkpoint", "size"), [("embedded", 3), ("deepseek_v3", 2), ("deepseek_v4", 2)]
+)
 def test_blocks_leave_and_enter_a_split_pool_whole(
     embedded, embedded_dir, tiny_dir, checkpoint, size, dtype
 ):
     """The rank processes of a worker (ranks.start): their pools' blocks, gathered, are one
-    process's bytes for the same requests (split by KV heads; DeepSeek's latent whole on
-    every rank); blocks written whole into a split pool are then read back whole."""
+    process's bytes for the same requests (split by KV heads; DeepSeek-V3's latent and V4's
+    rows whole on every rank, V4's with cache groups of their own); blocks written whole into
+    a split pool are then read back whole, and the ranks answer from them."""
     path = embedded_dir if checkpoint == "embedded" else tiny_dir(checkpoint)
     shared = checkpoint == "embedded" and dtype == "float32"
     one = embedded if shared else load_model(str(path), dtype=dtype)
@@ -141,9 +145,19 @@ def test_blocks_leave_and_enter_a_split_pool_whole(
         assert k.shape == k1.shape and v.shape == v1.shape
         assert torch.equal(k.view(torch.uint8), k1.view(torch.uint8))
         assert torch.equal(v.view(torch.uint8), v1.view(torch.uint8))
-        moved = list(range(40, 64))  # written whole, read back whole, byte for byte
-        engine.runner.kv.scatter(moved, k, v)
-        k2, v2 = engine.runner.kv.gather(moved)
+        # zeros written into the prompts' cached blocks reach every rank's pool: answers
+        # from them (not the prompts') are what one process answers from the same zeros
+        kv = engine.runner.kv
+        for pool in (kv, reference.runner.kv):
+            pool.scatter(used, torch.zeros_like(k), torch.zeros_like(v))
+        assert not any(t.any() for t in kv.gather(used))
+        zeroed = outcome(reference.generate(PROMPTS[:4], params))
+        assert zeroed != expected  # read from the cached blocks
+        assert outcome(engine.generate(PROMPTS[:4], params)) == zeroed
+        # the blocks written whole again and read back whole, byte for byte (into blocks
+        # that hold every cache group's part: V4's window part is let go early)
+        kv.scatter(used, k, v)
+        k2, v2 = kv.gather(used)
         assert torch.equal(k2.view(torch.uint8), k.view(torch.uint8))
         assert torch.equal(v2.view(torch.uint8), v.view(torch.uint8))
     finally:

@@ -24,4 +24,5 @@ FAMILY = Family(
     stored_name=canonical_name,
     own_scales=_scale,
     mtp="services.model.families.deepseek_v4.mtp",
+    tensor="services.model.families.deepseek_v4.tensor",
 )

@@ -12,7 +12,7 @@ kv)` -> logits, `new_kv_cache`, `expert_counts`.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -118,6 +118,8 @@ class DeepseekV4Model(PagedModel):
         self._w, self._linear = w, linear
         self._ids = lambda name: weights[name].to(self.device, torch.int64)  # tid2eid
         self.embed = w("embed.weight")
+        # an id's embedding row (tensor ranks look it up from the rank holding it)
+        self.lookup: Callable[[torch.Tensor], torch.Tensor] = self._lookup
         self.lm_head = self.logits_product(
             w("embed.weight" if config.tie_word_embeddings else "head.weight")
         )
@@ -233,7 +235,7 @@ class DeepseekV4Model(PagedModel):
         c = self.config
         cache = Pools.of(kv)
         if streams is None:
-            h = self.embed.index_select(0, batch.token_ids)  # [T, hidden]
+            h = self.lookup(batch.token_ids)  # [T, hidden]
             streams = h[:, None, :].expand(-1, self.v4.hc_mult, -1).contiguous()  # [T, N, hidden]
         for i, layer in enumerate(self.layers):
             x, post, comb = self._collapse(layer.attn_hc, streams)
@@ -249,6 +251,9 @@ class DeepseekV4Model(PagedModel):
         pre = pointwise.sigmoid(self.head_hc.fn(flat) * self.head_hc.scale + self.head_hc.base)
         x = pointwise.ordered_sum((pre + self.v4.hc_eps)[..., None] * rows, 1).to(self.dtype)
         return self.lm_head(rms_norm_f32(x, self.norm, c.rms_norm_eps)).float()
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed.index_select(0, ids)
 
     def _collapse(
         self, hc: HyperConnection, streams: torch.Tensor
