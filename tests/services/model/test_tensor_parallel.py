@@ -114,6 +114,7 @@ def test_tensor_settings_that_cannot_work_are_refused_before_anything_loads(
     with pytest.raises(SettingsError, match=message):
         check(build("decode", model=model, **values))
     check(build("prefill", model=str(embedded_dir), tensor_parallel=3))
+    check(build("decode", model=str(tiny_dir("deepseek_v4")), tensor_parallel=2))
 
 
 @pytest.mark.parametrize("dtype", COMPUTE_DTYPES)
