@@ -79,6 +79,7 @@ def _rank(path: str, dtype: str, rank: int, port: int, busy: bool, args, out) ->
         pass
     after = lockstep.snapshot()  # since the warm-up:
     since = {k: v - before[k] for k, v in after.items() if isinstance(v, int | float)}
+    lockstep.leave()
     out.put((rank, tokens, passes, seconds, since))
 
 

@@ -66,7 +66,7 @@ def rank_main(args: argparse.Namespace) -> None:
     after = lockstep.snapshot()
     since = {k: v - before[k] for k, v in after.items() if isinstance(v, int | float)}
     print(json.dumps({"tokens": tokens, "passes": passes, "seconds": seconds, **since}))
-    lockstep.pg.barrier().wait()  # rank 0's process hosts the meeting: it leaves last
+    lockstep.leave()
 
 
 def ranks(bed: Bed, args: argparse.Namespace, size: int) -> list[dict]:

@@ -2,7 +2,8 @@
 autoscalers, `/health` (200 when serving, 503 otherwise) for probes that speak HTTP, and for
 MoE models `/experts` (tokens per expert; with `--expert-parallel`, the placement and the
 ranks' balance; with `--data-parallel`, this rank's votes, empty passes and exchanges) and
-`POST /experts/rebalance` (plan a new placement at the next pass).
+`POST /experts/rebalance` (plan a new placement at the next pass; with `--data-parallel`, on
+every rank).
 
 It runs on a thread of its own and reads what the gRPC side already keeps: the engine's
 load snapshot, the store's counters and the worker's own. It sees the worker as `WorkerView`,
@@ -68,6 +69,8 @@ class _Experts(Protocol):
 
 class _Lockstep(Protocol):
     def snapshot(self) -> dict[str, Any]: ...
+
+    def request_rebalance(self) -> None: ...
 
 
 class _Engine(Protocol):
@@ -220,11 +223,15 @@ def serve_http(worker: WorkerView, host: str, port: int) -> ThreadingHTTPServer:
         def do_POST(self) -> None:
             if self.path != "/experts/rebalance":
                 self._send(404, b"not found\n", "text/plain")
-            elif worker.experts is None:
-                self._send(409, b"expert parallelism is off (--expert-parallel 1)\n", "text/plain")
-            else:
+            elif worker.experts is not None:
                 worker.experts.request_rebalance()
                 self._send(202, b"rebalance planned at the next forward pass\n", "text/plain")
+            elif worker.lockstep is not None:  # every data-parallel rank plans at one pass
+                worker.lockstep.request_rebalance()
+                self._send(202, b"rebalance planned at the next forward pass\n", "text/plain")
+            else:
+                why = b"no experts spread (--expert-parallel 1, --data-parallel 1 or dense)\n"
+                self._send(409, why, "text/plain")
 
         def _send(self, status: int, body: bytes, content_type: str) -> None:
             self.send_response(status)

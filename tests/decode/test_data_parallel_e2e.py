@@ -162,18 +162,32 @@ def test_one_command_starts_its_group_and_each_rank_is_a_target(tiny_dir, tmp_pa
             shown = httpx.get(f"http://127.0.0.1:{metrics + r}/experts").json()
             assert shown["data_parallel"]["rank"] == r
             assert sum(sum(c) for c in shown["layers"].values()) > 0, f"rank {r} computed none"
+        # a new placement asked of rank 1 is planned by both ranks at one pass
+        plans = lambda: [  # noqa: E731
+            httpx.get(f"http://127.0.0.1:{metrics + r}/experts").json()["data_parallel"][
+                "rebalances"
+            ]
+            for r in range(2)
+        ]
+        before = plans()
+        assert httpx.post(f"http://127.0.0.1:{metrics + 1}/experts/rebalance").status_code == 202
+        assert complete(PROMPTS[0]) == expected[0]
+        assert plans() == [before[0] + 1, before[1] + 1]
 
 
 def test_a_dense_models_ranks_are_replicas_behind_the_router(tiny_dir, tmp_path):
     """A dense model's group: two replicas (no exchange, no votes), both targets of the
-    router, answering as one process."""
+    router, answering as one process; no experts to rebalance (409)."""
     path = str(tiny_dir("qwen3"))
     expected = _expected(path)
+    metrics = free_port()
     with (
-        _group_behind_router(path, tmp_path) as complete,
+        _group_behind_router(path, tmp_path, "--metrics-port", str(metrics)) as complete,
         concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool,
     ):
         assert list(pool.map(complete, PROMPTS)) == expected
+        refused = httpx.post(f"http://127.0.0.1:{metrics}/experts/rebalance")
+        assert refused.status_code == 409 and "no experts spread" in refused.text
 
 
 def test_a_prompt_prefilled_by_one_rank_is_decoded_by_another(tiny_dir, redis_server, tmp_path):

@@ -14,6 +14,8 @@ pass they vote (an all-reduce of one flag); when any rank has a pass to run, eac
 one runs an empty pass (its MoE layers' exchanges with no rows of its own, computing the rows
 the others send it). Every round of a rank's loop is one vote: a pass's (the first MoE layer
 casts it), or an idle one (`idle`), so the ranks' collectives pair up whatever their work.
+A vote also carries a rank's request for a new placement (POST /experts/rebalance on any
+rank): every rank then plans at the same pass, from every rank's loads.
 """
 
 from __future__ import annotations
@@ -114,6 +116,7 @@ class ExpertExchange:
         self._copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.passes = 0  # the same on every rank: each round with a pass runs one on each
         self.pending: list[tuple[int, list[int]]] = []  # a plan's layers still to move
+        self.plan_asked = False  # a vote carried a rank's request: plan at the next chance
         self.plans = self.experts_loaded = 0
         for i, moe in layers.items():
             moe.dispatch = self
@@ -187,7 +190,10 @@ class ExpertExchange:
         self.passes += 1
         if self.pending:  # one layer a pass: no pass waits long on moving weights
             self._place(*self.pending.pop(0))
-        elif self.balancing.interval and self.passes % self.balancing.interval == 0:
+        elif self.plan_asked or (
+            self.balancing.interval and self.passes % self.balancing.interval == 0
+        ):
+            self.plan_asked = False
             self._plan()
 
     def _plan(self) -> None:
@@ -250,17 +256,28 @@ class Lockstep:
         self.timing = exchange.timing
         self.around_empty = around_empty
         self.voted = False  # this round's vote is cast (a pass ran)
+        self.asked = False  # a plan requested here, for the next vote to carry
         exchange.lockstep = self
 
     def vote(self, working: bool) -> bool:
-        """Cast a round's vote; whether any rank has a pass to run."""
+        """Cast a round's vote (with this rank's request for a plan, if any); whether any rank
+        has a pass to run."""
         start = time.perf_counter_ns()
-        flag = torch.tensor([int(working)], dtype=INT64, device=self.exchange.device)
+        asked, self.asked = self.asked, False
+        flags = torch.tensor([int(working), int(asked)], dtype=INT64, device=self.exchange.device)
         with lost_on_failure():
-            self.pg.allreduce([flag]).wait()
+            self.pg.allreduce([flags]).wait()
         self.timing.votes += 1
         self.timing.vote_ns += time.perf_counter_ns() - start
-        return bool(flag.item())
+        any_working, any_asked = flags.tolist()
+        if any_asked:  # every rank saw it in the same vote: all plan at the same pass
+            self.exchange.plan_asked = True
+        return bool(any_working)
+
+    def request_rebalance(self) -> None:
+        """Plan a new placement at the next pass, on every rank (any thread: the next vote
+        carries it)."""
+        self.asked = True
 
     def snapshot(self) -> dict[str, Any]:
         """This rank's share of the agreement's cost, for /experts."""
@@ -290,6 +307,14 @@ class Lockstep:
         self.timing.empty_passes += 1
         self.timing.empty_ns += time.perf_counter_ns() - start
         return True
+
+    def leave(self) -> None:
+        """Every rank done (all call it, after their last vote): meet once more, then close
+        this end of the group, so that no rank's exit closes sockets the others still read
+        (a process exiting with the group open has aborted at exit, 1 run in 10-20)."""
+        with lost_on_failure():
+            self.pg.barrier().wait()
+        self.pg.shutdown()
 
     def round_done(self) -> None:
         """After an engine step: a step that ran no pass still owes its round's vote."""

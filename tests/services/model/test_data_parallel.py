@@ -16,6 +16,7 @@ import torch
 from services.engine import offline
 from services.engine.engine import Engine, EngineConfig
 from services.launcher import free_port
+from services.model.experts import eplb
 from services.model.loader import load_model
 from services.model.parallel import data, ranks
 from services.settings import SettingsError, build, check
@@ -30,11 +31,13 @@ RANKS = len(SHARES)
 
 
 class _InStep:
-    """An engine whose every step is one round of the ranks' votes (as the worker's driver)."""
+    """An engine whose every step is one round of the ranks' votes (as the worker's driver);
+    `ask_after` steps, a plan requested (as POST /experts/rebalance would)."""
 
-    def __init__(self, engine: Engine, lockstep: data.Lockstep) -> None:
-        self.engine, self.lockstep = engine, lockstep
+    def __init__(self, engine: Engine, lockstep: data.Lockstep, ask_after: int = 0) -> None:
+        self.engine, self.lockstep, self.ask_after = engine, lockstep, ask_after
         self.tokenizer = engine.tokenizer
+        self.steps = 0
 
     @property
     def requests(self):
@@ -50,6 +53,9 @@ class _InStep:
     def step(self):
         deltas = self.engine.step()
         self.lockstep.round_done()
+        self.steps += 1
+        if self.steps == self.ask_after:
+            self.lockstep.request_rebalance()
         return deltas
 
 
@@ -69,18 +75,23 @@ def _rank(
             lockstep = data.join(model, grid)
         engine = Engine(model, loaded.tokenizer, EngineConfig(num_blocks=128))
         prompts, params = SHARES[rank]
-        got = outcome(offline.generate(_InStep(engine, lockstep), prompts, params, "dp"))
+        ask_after = 3 if balance == ASKED and rank == 1 else 0  # after some load to plan from
+        stepped = _InStep(engine, lockstep, ask_after)
+        got = outcome(offline.generate(stepped, prompts, params, "dp"))
         while lockstep.idle():  # the other ranks' passes, until none has one
             pass
         if tp > 1:
             model.leader.stop()
-        out.put((rank, got, lockstep.snapshot()))
+        shown = lockstep.snapshot()
+        lockstep.leave()
+        out.put((rank, got, shown))
     except Exception as e:
         out.put((rank, f"{type(e).__name__}: {e}", {}))
 
 
 STILL = data.Balancing()
 MOVING = data.Balancing(redundant=2, interval=3)  # second copies, a new placement often
+ASKED = data.Balancing(redundant=2)  # no plans but the one rank 1 asks for
 
 
 @pytest.mark.parametrize("dtype", COMPUTE_DTYPES)
@@ -92,6 +103,7 @@ MOVING = data.Balancing(redundant=2, interval=3)  # second copies, a new placeme
         ("deepseek_v4", STILL),
         ("qwen3_moe", MOVING),
         ("deepseek_v3", MOVING),
+        ("qwen3_moe", ASKED),
     ],
     ids=[
         "qwen3_moe",
@@ -99,11 +111,13 @@ MOVING = data.Balancing(redundant=2, interval=3)  # second copies, a new placeme
         "deepseek_v4",
         "qwen3_moe-rebalanced",
         "deepseek_v3-rebalanced",
+        "qwen3_moe-asked",
     ],
 )
 def test_ranks_answer_as_one_process(tiny_dir, family, balance, dtype):
     """Each rank's answers are one process's; with --redundant-experts 2 and a plan every 3
-    passes from both ranks' loads, the experts move while the ranks serve, answers unchanged."""
+    passes from both ranks' loads, the experts move while the ranks serve, answers unchanged;
+    a plan one rank asks for is made once, by both ranks at the same pass."""
     _grid_answers_as_one_process(str(tiny_dir(family)), dtype, balance, tp=1)
 
 
@@ -152,6 +166,10 @@ def _grid_answers_as_one_process(path: str, dtype: str, balance: data.Balancing,
     assert shown[0]["placement"] == shown[1]["placement"]  # the same plans
     if balance.interval:
         assert all(s["rebalances"] > 0 and s["experts_loaded"] > 0 for s in shown)
+    if balance == ASKED:
+        assert [s["rebalances"] for s in shown] == [1, 1]
+        first = eplb.initial(8, 10)  # the tiny Qwen3-MoE's 8 experts in 10 slots
+        assert any(p != first for p in shown[0]["placement"].values())  # the plan moved some
 
 
 @pytest.mark.parametrize(
