@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
@@ -39,7 +38,7 @@ from services.model.experts import eplb
 from services.model.experts.eplb import copies_of, slot_of
 from services.model.layers.layer_ops import LayerOps
 from services.model.layers.moe import Moe, run_grouped
-from services.model.parallel.group import Group
+from services.model.parallel.group import Group, RankProcesses
 
 log = logging.getLogger("pdserve.experts")
 RUN, PLACE, STATS, STOP = 1, 2, 3, 4
@@ -100,7 +99,7 @@ class ExpertGroup:
         nodes: int = 1,
         interval: int = 0,
         device: torch.device | str = "cpu",
-        processes: list | None = None,  # the ranks' subprocess.Popen objects, when processes
+        spawned: RankProcesses | None = None,  # the ranks' processes, when this one started them
     ) -> None:
         self.layers, self.pg, self.ranks, self.slots = layers, pg, ranks, slots
         self.device = torch.device(device)
@@ -110,7 +109,8 @@ class ExpertGroup:
         self.groups = max(some.shape.n_group, 1)
         self.policy = eplb.choose_policy(policy, nodes, self.groups, ranks, slots)
         self.nodes, self.interval = nodes, interval
-        self.processes = processes or []
+        self.spawned = spawned
+        self.processes = spawned.processes if spawned is not None else []
         self._index = {id(moe): i for i, moe in layers.items()}
         self._first = min(layers)
         self.placement: dict[int, list[int]] = {}
@@ -274,10 +274,7 @@ class ExpertGroup:
 
     def lost(self) -> str | None:
         """Why the group cannot serve: a rank process that exited."""
-        for r, proc in enumerate(self.processes, start=1):
-            if proc.poll() is not None:
-                return f"expert rank {r} exited with code {proc.returncode}"
-        return None
+        return self.spawned.exited() if self.spawned is not None else None
 
     def stop(self, timeout: float = 10.0, kill: bool = False) -> None:
         """Tell the ranks to exit and wait for them (killed past `timeout`); `kill`: at once
@@ -288,14 +285,8 @@ class ExpertGroup:
             with contextlib.suppress(RuntimeError):  # gone already
                 for work in self._send(r, STOP, 0):
                     work.wait()
-        for proc in self.processes:
-            if kill:
-                proc.kill()
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        if self.spawned is not None:
+            self.spawned.wait(timeout, kill)
 
 
 def serve(

@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import subprocess
 import sys
 import threading
 import time
@@ -21,7 +20,7 @@ from services.model.causal_lm import CausalLM
 from services.model.errors import ModelLoadError
 from services.model.experts import eplb
 from services.model.experts.expert_parallel import ExpertGroup, serve
-from services.model.parallel.group import connect
+from services.model.parallel.group import RankProcesses, connect
 
 log = logging.getLogger("pdserve.experts")
 
@@ -76,31 +75,16 @@ def start(
     timeout: float = 3600.0,
 ) -> ExpertGroup:
     """Start ranks 1..N-1 and the group around `model` (rank 0's, loaded from spec.model)."""
-    from services.launcher import free_port
-
     slots = slots_of(model, spec)
     gpus_needed = (model.device.index or 0) + spec.ranks
     if model.device.type == "cuda" and torch.cuda.device_count() < gpus_needed:
         raise ModelLoadError(spec.model, f"--expert-parallel {spec.ranks} needs a GPU per rank")
-    port = free_port()
     threads = max(1, (os.cpu_count() or 1) // spec.ranks)
-    command = [sys.executable, "-m", "services.model.experts.expert_rank", *spec.args()]
-    command += ["--port", str(port), "--threads", str(threads), "--rank"]
-    processes = [subprocess.Popen([*command, str(r)]) for r in range(1, spec.ranks)]
-
-    def check() -> None:
-        for r, proc in enumerate(processes, start=1):
-            if proc.poll() is not None:
-                raise ModelLoadError(spec.model, f"expert rank {r} exited with {proc.returncode}")
-
-    try:
-        pg = connect("127.0.0.1", port, 0, spec.ranks, model.device, timeout, check)
-    except BaseException:
-        for proc in processes:
-            proc.kill()
-        raise
+    spawned = RankProcesses("services.model.experts.expert_rank", spec.args(), spec.ranks,
+                            threads, "expert")  # fmt: skip
+    pg = spawned.join(spec.model, spec.ranks, model.device, timeout)
     group = ExpertGroup(model.moe_layers(), pg, spec.ranks, slots, policy, nodes, interval,
-                        model.device, processes)  # fmt: skip
+                        model.device, spawned)  # fmt: skip
     log.info("experts spread", extra={"fields": {"ranks": spec.ranks, "slots": slots}})
     return group
 

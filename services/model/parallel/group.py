@@ -13,6 +13,8 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -92,3 +94,50 @@ def local_address(host: str, port: int) -> str | None:
             return str(probe.getsockname()[0])
     except OSError:
         return None
+
+
+class RankProcesses:
+    """Ranks 1..N-1 of a group this process (rank 0) starts: `python -m MODULE ARGS --port P
+    --threads T --rank r` each. What they are ("tensor", "expert") names them in errors."""
+
+    def __init__(self, module: str, args: list[str], ranks: int, threads: int, what: str) -> None:
+        from services.launcher import free_port
+
+        self.what, self.port = what, free_port()
+        command = [sys.executable, "-m", module, *args]
+        command += ["--port", str(self.port), "--threads", str(threads), "--rank"]
+        self.processes = [subprocess.Popen([*command, str(r)]) for r in range(1, ranks)]
+
+    def join(self, model: str, ranks: int, device: torch.device, timeout: float) -> Group:
+        """The group with them (ModelLoadError where one exits first; all killed on failure)."""
+        from services.model.errors import ModelLoadError
+
+        def check() -> None:
+            why = self.exited()
+            if why is not None:
+                raise ModelLoadError(model, why)
+
+        try:
+            return connect("127.0.0.1", self.port, 0, ranks, device, timeout, check)
+        except BaseException:
+            for proc in self.processes:
+                proc.kill()
+            raise
+
+    def exited(self) -> str | None:
+        """Why the group cannot serve, where a rank process has exited."""
+        for r, proc in enumerate(self.processes, start=1):
+            if proc.poll() is not None:
+                return f"{self.what} rank {r} exited with code {proc.returncode}"
+        return None
+
+    def wait(self, timeout: float, kill: bool) -> None:
+        """Wait for them to exit (killed past `timeout`, or at once with `kill`)."""
+        for proc in self.processes:
+            if kill:
+                proc.kill()
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

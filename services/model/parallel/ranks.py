@@ -33,7 +33,6 @@ import contextlib
 import dataclasses
 import logging
 import os
-import subprocess
 import sys
 import threading
 from collections.abc import Iterator, Mapping
@@ -49,7 +48,7 @@ from services.model.experts.expert_rank import exit_with_parent, rank_device
 from services.model.kv_cache import KVCache
 from services.model.layers.moe import Moe
 from services.model.parallel import data, plan
-from services.model.parallel.group import connect
+from services.model.parallel.group import RankProcesses, connect
 from services.model.parallel.tensor import TensorGroup, parallelize
 
 log = logging.getLogger("pdserve.tensor")
@@ -79,8 +78,8 @@ class Spec:
 class Leader:
     """Rank 0's side of the group: its commands, one at a time, and the ranks' processes."""
 
-    def __init__(self, group: TensorGroup, device: torch.device, processes: list) -> None:
-        self.group, self.device, self.processes = group, device, processes
+    def __init__(self, group: TensorGroup, device: torch.device, spawned: RankProcesses) -> None:
+        self.group, self.device, self.spawned = group, device, spawned
         self.broken: str | None = None
         self._lock = threading.Lock()
 
@@ -108,10 +107,7 @@ class Leader:
 
     def lost(self) -> str | None:
         """Why the group cannot serve: a rank process that exited, or a broken exchange."""
-        for r, proc in enumerate(self.processes, start=1):
-            if proc.poll() is not None:
-                return f"tensor rank {r} exited with code {proc.returncode}"
-        return self.broken
+        return self.spawned.exited() or self.broken
 
     def stop(self, timeout: float = 10.0, kill: bool = False) -> None:
         """Tell the ranks to exit and wait for them (killed past `timeout`); `kill`: at once
@@ -119,14 +115,7 @@ class Leader:
         if not kill and self.lost() is None:
             with contextlib.suppress(TensorRankLost), self.command(STOP, 0):
                 pass
-        for proc in self.processes:
-            if kill:
-                proc.kill()
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        self.spawned.wait(timeout, kill)
 
 
 class ShardedKV(KVCache):
@@ -275,31 +264,16 @@ def serve(group: TensorGroup, model: CausalLM, grid: data.ExpertExchange | None 
 
 def start(model: CausalLM, spec: Spec, timeout: float = 3600.0) -> TensorParallelLM:
     """Start ranks 1..M-1 and the group around `model` (rank 0's slice, loaded from spec)."""
-    from services.launcher import free_port
-
     gpus_needed = (model.device.index or 0) + spec.ranks
     if model.device.type == "cuda" and torch.cuda.device_count() < gpus_needed:
         raise ModelLoadError(spec.model, f"--tensor-parallel {spec.ranks} needs a GPU per rank")
-    port = free_port()
-    command = [sys.executable, "-m", "services.model.parallel.ranks", *spec.args()]
-    command += ["--port", str(port), "--threads", str(threads_per_rank(spec.ranks)), "--rank"]
-    processes = [subprocess.Popen([*command, str(r)]) for r in range(1, spec.ranks)]
-
-    def check() -> None:
-        for r, proc in enumerate(processes, start=1):
-            if proc.poll() is not None:
-                raise ModelLoadError(spec.model, f"tensor rank {r} exited with {proc.returncode}")
-
-    try:
-        pg = connect("127.0.0.1", port, 0, spec.ranks, model.device, timeout, check)
-    except BaseException:
-        for proc in processes:
-            proc.kill()
-        raise
+    spawned = RankProcesses("services.model.parallel.ranks", spec.args(), spec.ranks,
+                            threads_per_rank(spec.ranks), "tensor")  # fmt: skip
+    pg = spawned.join(spec.model, spec.ranks, model.device, timeout)
     group = TensorGroup(pg, 0, spec.ranks)
     parallelize(model, group, experts=spec.grid is None)  # in a grid, the grid's exchange
     log.info("tensor parallel", extra={"fields": {"ranks": spec.ranks}})
-    return TensorParallelLM(model, Leader(group, model.device, processes))
+    return TensorParallelLM(model, Leader(group, model.device, spawned))
 
 
 def threads_per_rank(ranks: int) -> int:
