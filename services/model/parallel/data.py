@@ -257,22 +257,34 @@ class Lockstep:
         self.around_empty = around_empty
         self.voted = False  # this round's vote is cast (a pass ran)
         self.asked = False  # a plan requested here, for the next vote to carry
+        self.going = False  # this rank stops every rank: the next vote carries it
+        self.done = False  # a vote carried a rank's stop: every rank leaves after it
         exchange.lockstep = self
 
     def vote(self, working: bool) -> bool:
-        """Cast a round's vote (with this rank's request for a plan, if any); whether any rank
-        has a pass to run."""
+        """Cast a round's vote (with this rank's request for a plan, and its stop, if any);
+        whether any rank has a pass to run."""
         start = time.perf_counter_ns()
         asked, self.asked = self.asked, False
-        flags = torch.tensor([int(working), int(asked)], dtype=INT64, device=self.exchange.device)
+        flags = torch.tensor([int(working), int(asked), int(self.going)], dtype=INT64,
+                             device=self.exchange.device)  # fmt: skip
         with lost_on_failure():
             self.pg.allreduce([flags]).wait()
         self.timing.votes += 1
         self.timing.vote_ns += time.perf_counter_ns() - start
-        any_working, any_asked = flags.tolist()
+        any_working, any_asked, any_going = flags.tolist()
         if any_asked:  # every rank saw it in the same vote: all plan at the same pass
             self.exchange.plan_asked = True
+        self.done = self.done or bool(any_going)
         return bool(any_working)
+
+    def finish(self) -> None:
+        """Stop every rank (a rank whose others serve only it: an expert-only rank's loop ends
+        at the vote that carries this), then leave with them."""
+        self.going = True
+        while not self.done:
+            self.idle()
+        self.leave()
 
     def request_rebalance(self) -> None:
         """Plan a new placement at the next pass, on every rank (any thread: the next vote
@@ -310,8 +322,10 @@ class Lockstep:
 
     def leave(self) -> None:
         """Every rank done (all call it, after their last vote): meet once more, then close
-        this end of the group, so that no rank's exit closes sockets the others still read
-        (a process exiting with the group open has aborted at exit, 1 run in 10-20)."""
+        this end of the group, so that no rank's exit closes sockets the others still read.
+        (A process holding groups made directly can still abort in the interpreter's teardown,
+        SIGABRT, about 1 run in 20 on CPUs: tests and benchmarks end their rank processes
+        with os._exit once their results are out.)"""
         with lost_on_failure():
             self.pg.barrier().wait()
         self.pg.shutdown()

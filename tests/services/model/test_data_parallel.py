@@ -8,6 +8,7 @@ rank 0 goes on."""
 from __future__ import annotations
 
 import multiprocessing
+import os
 from typing import Any
 
 import pytest
@@ -18,7 +19,7 @@ from services.engine.engine import Engine, EngineConfig
 from services.launcher import free_port
 from services.model.experts import eplb
 from services.model.loader import load_model
-from services.model.parallel import data, ranks
+from services.model.parallel import data, experts_only, ranks
 from services.settings import SettingsError, build, check
 from tests.services.engine.test_async_scheduling import MIX, outcome
 from tests.services.engine.test_determinism import prompt
@@ -28,6 +29,16 @@ LENGTHS = [3, 17, 33, 40, 49, 64, 65, 81, 100, 111, 16, 31]
 PROMPTS = [prompt(n, seed=500 + i) for i, n in enumerate(LENGTHS)]
 SHARES = [(PROMPTS, MIX), (PROMPTS[:3], MIX[:3])]  # rank 1 finishes early
 RANKS = len(SHARES)
+
+
+def _exit(out) -> None:
+    """A rank process's end once its result is delivered: at once, without the interpreter's
+    teardown, in which a process holding torch.distributed groups made directly has aborted
+    (SIGABRT, "terminate called without an active exception": 1 run of the whole file in 2
+    here, after Lockstep.leave too). Its results are what the test checks."""
+    out.close()
+    out.join_thread()
+    os._exit(0)
 
 
 class _InStep:
@@ -87,6 +98,7 @@ def _rank(
         out.put((rank, got, shown))
     except Exception as e:
         out.put((rank, f"{type(e).__name__}: {e}", {}))
+    _exit(out)
 
 
 STILL = data.Balancing()
@@ -170,6 +182,61 @@ def _grid_answers_as_one_process(path: str, dtype: str, balance: data.Balancing,
         assert [s["rebalances"] for s in shown] == [1, 1]
         first = eplb.initial(8, 10)  # the tiny Qwen3-MoE's 8 experts in 10 slots
         assert any(p != first for p in shown[0]["placement"].values())  # the plan moved some
+
+
+def _serving_rank(path: str, dtype: str, port: int, out) -> None:
+    """Rank 0 with every request; it stops the group when done."""
+    torch.set_num_threads(1)
+    try:
+        loaded = load_model(path, dtype=dtype, device="cpu")
+        lockstep = data.join(loaded.model, data.Grid(0, 2, f"127.0.0.1:{port}"))
+        engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(num_blocks=128))
+        got = outcome(offline.generate(_InStep(engine, lockstep), PROMPTS, MIX, "dp"))
+        shown = lockstep.snapshot()
+        lockstep.finish()
+        out.put((0, got, shown))
+    except Exception as e:
+        out.put((0, f"{type(e).__name__}: {e}", {}))
+    _exit(out)
+
+
+def _experts_only_rank(path: str, dtype: str, port: int, out) -> None:
+    torch.set_num_threads(1)
+    try:
+        model = load_model(path, dtype=dtype, device="cpu").model
+        lockstep = experts_only.hold_experts(model, data.Grid(1, 2, f"127.0.0.1:{port}"))
+        experts_only.serve(lockstep)
+        out.put((1, None, lockstep.snapshot()))
+    except Exception as e:
+        out.put((1, f"{type(e).__name__}: {e}", {}))
+    _exit(out)
+
+
+@pytest.mark.parametrize("dtype", COMPUTE_DTYPES)
+def test_an_experts_only_rank_serves_rank_0s_passes(tiny_dir, dtype):
+    """The rank-0 layout as data-parallel ranks (experts_only.py): rank 0 has every request,
+    rank 1 holds half the experts and nothing else, running an empty pass for each of rank
+    0's; rank 0's answers are one process's, and its stop ends rank 1's loop (both exit 0)."""
+    path = str(tiny_dir("qwen3_moe"))
+    one = load_model(path, dtype=dtype, device="cpu")
+    expected = outcome(
+        Engine(one.model, one.tokenizer, EngineConfig(num_blocks=128)).generate(PROMPTS, MIX)
+    )
+    spawn = multiprocessing.get_context("spawn")
+    out, port = spawn.Queue(), free_port()
+    procs = [
+        spawn.Process(target=target, args=(path, dtype, port, out))
+        for target in (_serving_rank, _experts_only_rank)
+    ]
+    for p in procs:
+        p.start()
+    results = {r: (got, shown) for r, got, shown in (out.get(timeout=600) for _ in procs)}
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    assert results[0][0] == expected
+    served, helped = results[0][1], results[1][1]
+    assert helped["empty_passes"] == served["passes"] > 0 and served["empty_passes"] == 0
 
 
 @pytest.mark.parametrize(
