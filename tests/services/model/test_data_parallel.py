@@ -151,23 +151,27 @@ def test_a_grid_of_data_and_tensor_ranks_answers_as_one_process(tiny_dir, family
     _grid_answers_as_one_process(str(tiny_dir(family)), dtype, balance, tp=2)
 
 
+def _run_ranks(targets: list[tuple[Any, tuple]]) -> dict[int, tuple[Any, dict]]:
+    """Each (target, args) in a process of its own, given the result queue last; every
+    rank's (answers or error, snapshot) by rank, once every process has exited 0."""
+    spawn = multiprocessing.get_context("spawn")
+    out = spawn.Queue()
+    procs = [spawn.Process(target=t, args=(*args, out)) for t, args in targets]
+    for p in procs:
+        p.start()
+    results = {r: (got, shown) for r, got, shown in (out.get(timeout=600) for _ in procs)}
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    return results
+
+
 def _grid_answers_as_one_process(path: str, dtype: str, balance: data.Balancing, tp: int) -> None:
     one = load_model(path, dtype=dtype, device="cpu")
     reference = Engine(one.model, one.tokenizer, EngineConfig(num_blocks=128))
     expected = [outcome(reference.generate(p, params)) for p, params in SHARES]
-    spawn = multiprocessing.get_context("spawn")
-    out = spawn.Queue()
     port = free_port()
-    procs = [
-        spawn.Process(target=_rank, args=(path, dtype, balance, tp, r, port, out))
-        for r in range(RANKS)
-    ]
-    for p in procs:
-        p.start()
-    results = {r: (got, empty) for r, got, empty in (out.get(timeout=600) for _ in procs)}
-    for p in procs:
-        p.join(60)
-        assert p.exitcode == 0
+    results = _run_ranks([(_rank, (path, dtype, balance, tp, r, port)) for r in range(RANKS)])
     errors = [got for got, _ in results.values() if isinstance(got, str)]
     assert not errors
     for r in range(RANKS):
@@ -222,18 +226,8 @@ def test_an_experts_only_rank_serves_rank_0s_passes(tiny_dir, dtype):
     expected = outcome(
         Engine(one.model, one.tokenizer, EngineConfig(num_blocks=128)).generate(PROMPTS, MIX)
     )
-    spawn = multiprocessing.get_context("spawn")
-    out, port = spawn.Queue(), free_port()
-    procs = [
-        spawn.Process(target=target, args=(path, dtype, port, out))
-        for target in (_serving_rank, _experts_only_rank)
-    ]
-    for p in procs:
-        p.start()
-    results = {r: (got, shown) for r, got, shown in (out.get(timeout=600) for _ in procs)}
-    for p in procs:
-        p.join(60)
-        assert p.exitcode == 0
+    port = free_port()
+    results = _run_ranks([(t, (path, dtype, port)) for t in (_serving_rank, _experts_only_rank)])
     assert results[0][0] == expected
     served, helped = results[0][1], results[1][1]
     assert helped["empty_passes"] == served["passes"] > 0 and served["empty_passes"] == 0
