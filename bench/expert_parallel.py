@@ -8,10 +8,11 @@ On bench.deepseek's random DeepSeek-V3-shaped checkpoint (7 MoE layers of 32 exp
 in one run, as Markdown tables:
 
 1. the same batch (`--seqs` random prompts, greedy) on 1 process and on 2 (the experts split,
-   no redundant slots): tokens/s and, for 2, what rank 0's MoE dispatch spent per forward pass:
-   its own experts, waiting for rank 1's rows, rank 1's compute (its STATS), and the rest of
-   that wait, the transfers and hand-offs: communication's share of a pass, the figure to
-   carry to real hardware (on 2 cores the ranks also share the cores);
+   no redundant slots): tokens/s and, for 2, what rank 0's MoE exchanges spent per forward
+   pass: its own experts, the rest of the exchanges (the all-to-alls, waiting for rank 1's
+   rows), rank 1's compute (as the votes carry it), and the rest of that wait, the transfers
+   and hand-offs: communication's share of a pass, the figure to carry to real hardware (on
+   2 cores the ranks also share the cores);
 2. the planner on synthetic skewed loads (Zipf over DeepSeek-V3's 256 experts in 8 groups):
    max over mean rank load before (the initial placement) and after each policy, by ranks and
    redundant slots: exact, from eplb.imbalance;
@@ -35,9 +36,9 @@ from services.engine.engine import Engine, EngineConfig
 from services.engine.params import SamplingParams
 from services.engine.request import EngineRequest
 from services.model.experts import eplb
-from services.model.experts.expert_parallel import Balance, ExpertGroup
-from services.model.experts.expert_rank import Spec, start
+from services.model.experts.expert_parallel import ExpertGroup, Spec, start
 from services.model.loader import LoadedModel, cpu_has_bf16_units, load_model
+from services.model.parallel.exchange import Balance, LockstepTiming
 
 
 def skewed_prompts(loaded: LoadedModel, n: int, length: int, rank_0: set[int]) -> list[list[int]]:
@@ -102,17 +103,19 @@ def speed_table(path: Path, dtype: str, seqs: int, prompt_len: int, max_tokens: 
     loaded, group = spread(path, dtype)
     try:
         run(Engine(loaded.model, loaded.tokenizer, config), prompts[:2], params)
-        group.timing = type(group.timing)()
-        before = group.rank_stats()[0]
+        before = group.rank_stats()
+        start_t = LockstepTiming(**vars(group.exchange.timing))
         tokens_2, passes_2, seconds_2 = run(
             Engine(loaded.model, loaded.tokenizer, config), prompts, params
         )
-        after = group.rank_stats()[0]
+        after = group.rank_stats()
     finally:
         group.stop()
-    t, made = group.timing, seqs * max_tokens
-    local, wait = t.local_ns / passes_2 / 1e6, t.wait_ns / passes_2 / 1e6
-    remote = (after[0] - before[0]) / passes_2 / 1e6
+    t, made = group.exchange.timing, seqs * max_tokens
+    local_ns = after[0][0] - before[0][0]
+    exchange_ns = t.exchange_ns - start_t.exchange_ns
+    local, wait = local_ns / passes_2 / 1e6, (exchange_ns - local_ns) / passes_2 / 1e6
+    remote = (after[1][0] - before[1][0]) / passes_2 / 1e6
     step = seconds_2 / passes_2 * 1e3
     comm = max(0.0, wait - max(0.0, remote - local))
     rows = [

@@ -1,9 +1,9 @@
 """A worker's HTTP side door (with `--metrics-port`): Prometheus `/metrics` for scrapers and
 autoscalers, `/health` (200 when serving, 503 otherwise) for probes that speak HTTP, and for
-MoE models `/experts` (tokens per expert; with `--expert-parallel`, the placement and the
-ranks' balance; with `--data-parallel`, this rank's votes, empty passes and exchanges) and
-`POST /experts/rebalance` (plan a new placement at the next pass; with `--data-parallel`, on
-every rank).
+MoE models `/experts` (tokens per expert; with the experts over processes, `--expert-parallel`
+or `--data-parallel`, the placement and the ranks' balance, `parallel`, and this rank's votes,
+empty passes and exchanges, `data_parallel`) and `POST /experts/rebalance` (plan a new
+placement at the next pass, on every rank).
 
 It runs on a thread of its own and reads what the gRPC side already keeps: the engine's
 load snapshot, the store's counters and the worker's own. It sees the worker as `WorkerView`,
@@ -61,13 +61,14 @@ class _Model(Protocol):
     def expert_counts(self) -> dict[int, list[int]]: ...
 
 
-class _Experts(Protocol):
-    def snapshot(self) -> dict[str, Any]: ...
-
-    def request_rebalance(self) -> None: ...
+class _Exchange(Protocol):
+    def spread(self) -> dict[str, Any]: ...
 
 
 class _Lockstep(Protocol):
+    @property
+    def exchange(self) -> _Exchange: ...
+
     def snapshot(self) -> dict[str, Any]: ...
 
     def request_rebalance(self) -> None: ...
@@ -105,10 +106,7 @@ class WorkerView(Protocol):
     def engine(self) -> _Engine: ...
 
     @property
-    def experts(self) -> _Experts | None: ...  # with --expert-parallel
-
-    @property
-    def lockstep(self) -> _Lockstep | None: ...  # with --data-parallel
+    def lockstep(self) -> _Lockstep | None: ...  # --expert-parallel or a MoE's --data-parallel
 
 
 class WorkerCollector:
@@ -167,8 +165,8 @@ class WorkerCollector:
                 for expert, count in enumerate(counts):
                     routed.add_metric([w.role, str(layer), str(expert)], float(count))
             yield routed
-        if w.experts is not None:
-            yield from _balance_metrics(w.role, w.experts.snapshot())
+        if w.lockstep is not None:
+            yield from _balance_metrics(w.role, w.lockstep.exchange.spread())
 
 
 def _balance_metrics(role: str, group: dict[str, Any]) -> Iterator[Metric]:
@@ -209,9 +207,8 @@ def serve_http(worker: WorkerView, host: str, port: int) -> ThreadingHTTPServer:
             elif self.path == "/experts":  # the same counts as JSON, by layer
                 counts = worker.engine.model.expert_counts()
                 shown: dict[str, Any] = {"role": worker.role, "layers": counts}
-                if worker.experts is not None:
-                    shown["parallel"] = worker.experts.snapshot()
-                if worker.lockstep is not None:
+                if worker.lockstep is not None:  # experts over processes: --expert-parallel
+                    shown["parallel"] = worker.lockstep.exchange.spread()  # or --data-parallel
                     shown["data_parallel"] = worker.lockstep.snapshot()
                 self._send(200, json.dumps(shown).encode(), "application/json")
             elif self.path == "/health":
@@ -223,10 +220,7 @@ def serve_http(worker: WorkerView, host: str, port: int) -> ThreadingHTTPServer:
         def do_POST(self) -> None:
             if self.path != "/experts/rebalance":
                 self._send(404, b"not found\n", "text/plain")
-            elif worker.experts is not None:
-                worker.experts.request_rebalance()
-                self._send(202, b"rebalance planned at the next forward pass\n", "text/plain")
-            elif worker.lockstep is not None:  # every data-parallel rank plans at one pass
+            elif worker.lockstep is not None:  # every rank plans at one pass
                 worker.lockstep.request_rebalance()
                 self._send(202, b"rebalance planned at the next forward pass\n", "text/plain")
             else:

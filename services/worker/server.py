@@ -31,9 +31,7 @@ from services.engine.params import ValidationError
 from services.model import kv_cache
 from services.model.allocator import keep_freed_memory
 from services.model.causal_lm import CausalLM, MtpLayer
-from services.model.experts.expert_parallel import ExpertGroup
-from services.model.experts.expert_rank import Spec
-from services.model.experts.expert_rank import start as start_ranks
+from services.model.experts import expert_parallel
 from services.model.loader import LoadedModel, load_model, load_mtp
 from services.model.loading import sources
 from services.model.openmp import release_this_threads_team
@@ -64,16 +62,8 @@ class Worker:
         self.settings = settings
         # before the model loads and any thread starts: every later thread shares one arena
         keep_freed_memory()
-        ms, store, es = settings.model, settings.store, settings.experts
+        ms, store = settings.model, settings.store
         loaded = self._load_ranks(settings)
-        self.experts: ExpertGroup | None = None  # the experts' other processes, when spread
-        if es.expert_parallel > 1:
-            spec = Spec(
-                ms.model, ms.dtype, ms.device, ms.kernels, es.expert_parallel, es.redundant_experts
-            )
-            self.experts = start_ranks(
-                loaded.model, spec, es.eplb_policy, es.eplb_nodes, es.eplb_interval
-            )
         self.model_name = loaded.config.name
         cache_dtype = loaded.model.dtype
         storage = StorageDtype.parse(
@@ -112,7 +102,8 @@ class Worker:
         )
         self.cache_dtype: torch.dtype = cache_dtype
         release_this_threads_team()  # the engine thread computes from here on (openmp.py)
-        self.driver = AsyncEngine(self.engine, self.lockstep)
+        rounds = self.lockstep if self.lockstep and not self.lockstep.alone else None
+        self.driver = AsyncEngine(self.engine, rounds)
         self.store = self.link.store
         self.counters = Counters()
         self.tracer = Tracer(f"pdserve-{self.role}", settings.server.trace_file)  # None: no-ops
@@ -145,6 +136,15 @@ class Worker:
             grid = None  # a dense model's ranks are replicas: no exchange, no votes
         self.tensor: tensor_ranks.Leader | None = None  # the other tensor ranks, when split
         self.lockstep: data_ranks.Lockstep | None = None  # the other data-parallel ranks
+        self.experts: expert_parallel.ExpertGroup | None = None  # the expert ranks, if started
+        if es.expert_parallel > 1:  # rank 0 of data-parallel ranks, the others experts only
+            experts = expert_parallel.Spec(
+                ms.model, ms.dtype, ms.device, ms.kernels, es.expert_parallel,
+                es.redundant_experts, es.eplb_policy, es.eplb_nodes, es.eplb_interval,
+            )  # fmt: skip
+            self.experts = expert_parallel.start(loaded.model, experts)
+            self.lockstep = self.experts.lockstep
+            return loaded  # refused beside tensor and data ranks (settings/checks.py)
         if ranks > 1:
             spec = tensor_ranks.Spec(ms.model, ms.dtype, ms.device, ms.kernels, ranks, grid)
             split = tensor_ranks.start(loaded.model, spec)

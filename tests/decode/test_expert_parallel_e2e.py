@@ -11,6 +11,7 @@ import signal
 import httpx
 import openai
 import psutil
+from prometheus_client.parser import text_string_to_metric_families
 
 from services.engine.engine import Engine, EngineConfig
 from services.engine.params import SamplingParams
@@ -38,8 +39,23 @@ def test_spread_experts_answer_as_one_process_and_a_dead_rank_restarts_its_worke
         args = {"model": NAME, "prompt": PROMPT, "max_tokens": 40, "temperature": 0,
                 "extra_body": {"ignore_eos": True}}  # fmt: skip
         assert client.completions.create(**args).choices[0].text == expected
-        group = httpx.get(f"http://127.0.0.1:{metrics}/experts").json()["parallel"]
+        shown = httpx.get(f"http://127.0.0.1:{metrics}/experts").json()
+        group = shown["parallel"]
         assert group["rebalances"] >= 1 and group["ranks"] == 2  # moved while streaming
+        assert shown["data_parallel"]["empty_passes"] == 0  # rank 0 has every request
+        scraped = {  # no pass ran since /experts: the same figures
+            (m.name, tuple(sorted(s.labels.items()))): s.value  # counters without _total
+            for m in text_string_to_metric_families(
+                httpx.get(f"http://127.0.0.1:{metrics}/metrics").text
+            )
+            for s in m.samples
+        }
+        for layer, per_rank in group["rank_tokens"].items():
+            for rank, rows in enumerate(per_rank):
+                labels = (("layer", layer), ("rank", str(rank)), ("role", "decode"))
+                assert scraped["pdserve_moe_rank_tokens", labels] == rows
+        assert scraped["pdserve_moe_rebalances", (("role", "decode"),)] == group["rebalances"]
+        assert scraped["pdserve_moe_imbalance", (("role", "decode"),)] == group["imbalance"]
 
         pid = int(out.wait_for(r"pdserve: decode-0 started \(pid (\d+)\)", 5).group(1))
         (rank,) = [p for p in psutil.Process(pid).children() if "expert_rank" in p.cmdline()[2]]

@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -141,3 +142,23 @@ class RankProcesses:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """A GPU each (cuda:i + rank); one CPU."""
+    if device.type != "cuda":
+        return device
+    return torch.device("cuda", (device.index or 0) + rank)
+
+
+def exit_with_parent() -> None:
+    """Exit as soon as rank 0's process is gone, whatever this one is doing (loading, joining,
+    serving): a rank alone serves nothing."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()

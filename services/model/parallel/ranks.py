@@ -44,11 +44,11 @@ from services.model.batch import ForwardBatch
 from services.model.causal_lm import CausalLM
 from services.model.config import ModelConfig
 from services.model.errors import ModelLoadError, TensorRankLost
-from services.model.experts.expert_rank import exit_with_parent, rank_device
 from services.model.kv_cache import KVCache
 from services.model.layers.moe import Moe
 from services.model.parallel import data, plan
-from services.model.parallel.group import RankProcesses, connect
+from services.model.parallel.exchange import ExpertExchange
+from services.model.parallel.group import RankProcesses, connect, exit_with_parent, rank_device
 from services.model.parallel.tensor import TensorGroup, parallelize
 
 log = logging.getLogger("pdserve.tensor")
@@ -216,7 +216,7 @@ class TensorParallelLM:
         return self.inner.expert_counts()  # every rank routes every token: rank 0's counts
 
 
-def serve(group: TensorGroup, model: CausalLM, grid: data.ExpertExchange | None = None) -> None:
+def serve(group: TensorGroup, model: CausalLM, grid: ExpertExchange | None = None) -> None:
     """A rank's loop: rank 0's commands until STOP (RuntimeError if rank 0 is gone); `grid`:
     its exchange with the other data-parallel ranks, for empty passes."""
     device = model.device

@@ -1,8 +1,8 @@
 """Expert parallelism (services/model/experts/expert_parallel.py): the experts over 2 real processes
-(rank 1 started by expert_rank.start, as a worker starts it) answer as one process token for
-token and logprob for logprob, greedy and seeded, in every MoE family and every dtype this
-CPU computes in; and the balancer moves experts under a skewed load while sequences run,
-evening out the ranks' rows without changing an answer."""
+(rank 1 started by expert_parallel.start, as a worker starts it: an expert-only data-parallel
+rank) answer as one process token for token and logprob for logprob, greedy and seeded, in
+every MoE family and every dtype this CPU computes in; and the balancer moves experts under a
+skewed load while sequences run, evening out the ranks' rows without changing an answer."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import torch
 from bench.expert_parallel import skewed_prompts
 from services.engine.engine import Engine, EngineConfig
 from services.engine.params import SamplingParams
-from services.model.experts.expert_parallel import Balance
-from services.model.experts.expert_rank import Spec, start
+from services.model.experts.expert_parallel import Spec, start
 from services.model.loader import load_model
+from services.model.parallel.exchange import Balance
 from tests.support.dtypes import COMPUTE_DTYPES
 
 MOE_FAMILIES = [
@@ -35,8 +35,8 @@ def answers(loaded, prompts, params, **config):
 def spread(path, dtype: str, redundant: int = 2, **balancer):
     """The model loaded here as rank 0, its experts over this process and one more."""
     loaded = load_model(str(path), dtype=dtype, device="cpu")
-    spec = Spec(str(path), dtype, "cpu", "auto", ranks=2, redundant=redundant)
-    return loaded, start(loaded.model, spec, **balancer)
+    spec = Spec(str(path), dtype, "cpu", "auto", ranks=2, redundant=redundant, **balancer)
+    return loaded, start(loaded.model, spec)
 
 
 @pytest.mark.parametrize("dtype", COMPUTE_DTYPES)
@@ -51,12 +51,14 @@ def test_two_ranks_answer_as_one_process(tiny_dir, family, dtype):
     try:
         assert answers(loaded, prompts, params) == one
         rows = group.snapshot()["rank_tokens"]
+        computed = [n for _, n in group.rank_stats()]  # as each rank counted them
     finally:
         group.stop()
     assert group.processes[0].returncode == 0  # told to stop, it stopped
     assert len(rows) == len(loaded.model.moe_layers())
     # rank 1 computed rows (gpt-oss's biased routers leave it idle in some layers: skew)
     assert sum(per_rank[1] for per_rank in rows.values()) > 0, rows
+    assert computed == [sum(per_rank[r] for per_rank in rows.values()) for r in range(2)]
 
 
 # -- the balancer under a skewed load ------------------------------------------------------
