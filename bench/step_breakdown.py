@@ -140,7 +140,7 @@ def instrument(engine: Engine, clock: Clock) -> None:
                 if grouped not in clock.wrapped:
                     clock.wrap(grouped, "bf16_experts", "expert products")
             else:  # expert by expert
-                timed: list[Any] = [_Timed(e, clock, "expert products") for e in mlp.experts]
+                timed: list[Any] = [_Timed(e, clock, "expert products") for e in mlp.experts if e]
                 mlp.experts = timed
         else:
             object.__setattr__(layer, "mlp", _Timed(mlp, clock, "dense MLPs"))

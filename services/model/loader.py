@@ -11,6 +11,7 @@ from services.model import families
 from services.model.causal_lm import CausalLM, MtpLayer
 from services.model.config import ModelConfig
 from services.model.errors import ModelLoadError
+from services.model.experts.eplb import Share
 from services.model.layers.attention import resolve_kernels
 from services.model.loading import hf_config, hf_dir, quantize, sources
 from services.model.parallel.plan import slices
@@ -70,11 +71,14 @@ def load_model(
     kernels: str = DEFAULTS.model.kernels,
     deterministic: bool = DEFAULTS.model.deterministic,
     tensor: tuple[int, int] = (0, 1),
+    experts: Share | None = None,
 ) -> LoadedModel:
     """`kernels`: auto, c, torch or triton (services/model/layers/attention.py resolve_kernels);
     `deterministic`: row-invariant products on a GPU (services/model/layers/linear.py);
     `tensor`: (rank, ranks): one rank's slice of the model (parallel/tensor.py shard), its
-    exchanges not yet in place (parallelize)."""
+    exchanges not yet in place (parallelize); `experts`: this process's share of a MoE
+    model's routed experts (spread over processes: parallel/exchange.py), the only ones read
+    and built (None: all)."""
     if quantization not in quantize.QUANTIZATIONS:  # refused before anything loads
         raise ValueError(
             f"unknown quantization {quantization!r} (choose {', '.join(quantize.QUANTIZATIONS)})"
@@ -99,7 +103,8 @@ def load_model(
             rows = slices(config, *tensor)
         except ValueError as e:
             raise ModelLoadError(path, str(e)) from None
-    weights = hf_dir.read_weights(path, config, rows)
+    held = experts.experts(config.moe.num_experts) if experts and config.moe else None
+    weights = hf_dir.read_weights(path, config, rows, held)
     if tensor[1] > 1:
         config, _ = sliced(config, weights, *tensor)
     model: CausalLM = family(

@@ -32,6 +32,7 @@ from services.model import kv_cache
 from services.model.allocator import keep_freed_memory
 from services.model.causal_lm import CausalLM, MtpLayer
 from services.model.experts import expert_parallel
+from services.model.experts.eplb import Share
 from services.model.loader import LoadedModel, load_model, load_mtp
 from services.model.loading import sources
 from services.model.openmp import release_this_threads_team
@@ -120,9 +121,15 @@ class Worker:
         ranks = ms.tensor_parallel
         if ranks > 1:  # the cores shared with the ranks this process starts
             torch.set_num_threads(tensor_ranks.threads_per_rank(ranks))
+        share = None  # a MoE's experts over processes: this one reads its share of them only
+        if w.data_parallel > 1:
+            share = Share(w.data_parallel_rank * ranks, w.data_parallel * ranks,
+                          es.redundant_experts)  # fmt: skip
+        elif es.expert_parallel > 1:
+            share = Share(0, es.expert_parallel, es.redundant_experts)
         loaded = load_model(
             ms.model, ms.dtype, ms.device, ms.quantization, ms.kernels, ms.deterministic,
-            tensor=(0, ranks),
+            tensor=(0, ranks), experts=share,
         )  # fmt: skip
         grid = None
         if w.data_parallel > 1:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -34,6 +35,22 @@ def initial(num_experts: int, slots: int) -> list[int]:
     """Before any load is known: slot s holds expert s % experts (the redundant slots second
     copies of the first experts)."""
     return [s % num_experts for s in range(slots)]
+
+
+@dataclass(frozen=True)
+class Share:
+    """One process's share of every MoE layer's slots: process `owner` of `owners`, each
+    holding (experts + `redundant`) / owners slots in turn."""
+
+    owner: int
+    owners: int
+    redundant: int = 0
+
+    def experts(self, num_experts: int) -> frozenset[int]:
+        """The experts this process's slots hold at start (`initial`): what it reads at load."""
+        slots = num_experts + self.redundant
+        per = slots // self.owners
+        return frozenset(initial(num_experts, slots)[self.owner * per :][:per])
 
 
 def choose_policy(policy: str, nodes: int, groups: int, ranks: int, slots: int) -> str:

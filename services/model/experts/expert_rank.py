@@ -14,6 +14,7 @@ import sys
 import torch
 
 from services.model.errors import DataRankLost
+from services.model.experts.eplb import Share
 from services.model.experts.expert_parallel import Spec, slots_of
 from services.model.parallel import data, experts_only
 from services.model.parallel.group import exit_with_parent, rank_device
@@ -37,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     spec = Spec(a.model, a.dtype, a.device, a.kernels, a.ranks, a.redundant, a.policy, a.nodes,
                 a.interval)  # fmt: skip
     device = rank_device(resolve_device(a.device), a.rank)
-    model = load_model(a.model, a.dtype, str(device), kernels=a.kernels).model
+    share = Share(a.rank, a.ranks, a.redundant)  # its experts only are read
+    model = load_model(a.model, a.dtype, str(device), kernels=a.kernels, experts=share).model
     slots_of(model, spec)
     grid = data.Grid(a.rank, a.ranks, f"127.0.0.1:{a.port}", spec.balance)
     try:

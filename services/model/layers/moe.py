@@ -18,9 +18,9 @@ would have had here.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 
@@ -63,7 +63,7 @@ class Moe:
         gate: Linear,  # hidden -> experts, in `router_dtype`
         router_dtype: torch.dtype,
         correction_bias: torch.Tensor | None,  # [experts] (noaux_tc)
-        experts: list[DenseMlp],
+        experts: list[DenseMlp | None],  # None: not built here (`built_experts`)
         shared: DenseMlp | None,
         shared_gate: Linear | None,  # hidden -> 1 (Qwen2-MoE)
         build: Callable[[int], DenseMlp] | None = None,  # expert e, read from the checkpoint
@@ -116,7 +116,8 @@ class Moe:
         if self.dispatch is not None:
             per_choice = self.dispatch.compute(self, x, flat, ops)
         else:
-            per_choice = run_grouped(x, k, flat, self.experts, ops)
+            whole = cast(list[DenseMlp], self.experts)  # a share has a dispatch: all built
+            per_choice = run_grouped(x, k, flat, whole, ops)
         summed = (per_choice.view(tokens, k, -1).float() * weights[..., None]).sum(dim=1)
         return summed.to(x.dtype)
 
@@ -124,9 +125,9 @@ class Moe:
         """Keep a copy of expert slot_experts[i] in slot i, and no other expert (expert
         parallelism: this process's share). Copies already held move between slots; the
         others are built from the checkpoint. Returns how many were built."""
-        held = dict(zip(self.slot_experts, self.slots, strict=True)) or dict(
-            enumerate(self.experts)
-        )
+        held = dict(zip(self.slot_experts, self.slots, strict=True)) or {
+            e: expert for e, expert in enumerate(self.experts) if expert is not None
+        }
         built = [e for e in set(slot_experts) if e not in held]
         if built:
             assert self.build is not None, "this layer's experts cannot be rebuilt"
@@ -135,6 +136,16 @@ class Moe:
         self.slots = [held[e] for e in slot_experts]
         self.experts = []
         return len(built)
+
+
+def built_experts(
+    n: int, build: Callable[[int], DenseMlp], weights: Mapping[str, torch.Tensor]
+) -> list[DenseMlp | None]:
+    """A layer's experts 0..n-1 as a family builds them from `weights`: only those the
+    weights hold a share of (hf_dir.Weights.experts, a process of spread experts: the others
+    None, built by `hold` should a slot take them)."""
+    share = getattr(weights, "experts", None)
+    return [build(e) if share is None or e in share else None for e in range(n)]
 
 
 def run_grouped(

@@ -4,6 +4,7 @@ hf_config.py)."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -37,11 +38,16 @@ def safetensors_files(path: Path) -> list[Path]:
 class Weights(dict[str, torch.Tensor]):
     """A checkpoint's tensors by (canonical) name. Once the model is built, `release()` drops
     them; a tensor asked for after that is read from its file again, and not kept (an expert
-    built for another slot while serving: expert_parallel.py)."""
+    built for another slot while serving: parallel/exchange.py). `experts`: the routed
+    experts this process holds a share of, the only ones read at load and built (None:
+    all); the others' tensors are read should a slot take them later."""
 
-    def __init__(self, files: dict[str, tuple[Path, str]]) -> None:
+    def __init__(
+        self, files: dict[str, tuple[Path, str]], experts: frozenset[int] | None = None
+    ) -> None:
         super().__init__()
         self.files = files  # name -> (its file, its name there)
+        self.experts = experts
 
     def release(self) -> None:
         self.clear()
@@ -65,13 +71,18 @@ class Weights(dict[str, torch.Tensor]):
 
 
 def read_weights(
-    path: Path, config: ModelConfig, rows: Mapping[str, slice] | None = None
+    path: Path,
+    config: ModelConfig,
+    rows: Mapping[str, slice] | None = None,
+    experts: frozenset[int] | None = None,
 ) -> Weights:
     """Every tensor the config calls for, as stored (dtype unchanged: an FP8 checkpoint's
     weights stay e4m3 beside their block scales, `<name>_scale_inv`, checked here; the model
     dequantizes them or keeps them, as its kernels can use them), shape-checked. `rows`: the
     tensors of which only these rows are read (a tensor-parallel rank's slices: the rest of
-    the tensor never reaches memory)."""
+    the tensor never reaches memory). `experts`: the routed experts read (`Weights.experts`;
+    an expert stored per expert, `...experts.<e>.`: gpt-oss's stacked experts are read
+    whole)."""
     from safetensors import safe_open
 
     family = families.of(config)
@@ -80,8 +91,13 @@ def read_weights(
         wanted |= {family.own_scales(name) for name in wanted}
     elif config.fp8_block is not None:
         wanted |= {name + SCALE for name in wanted if name.endswith(".weight")}
-    out = Weights({})
+    out = Weights({}, experts)
     canonical = family.stored_name
+
+    def read_now(name: str) -> bool:
+        expert = EXPERT.search(name)
+        return experts is None or expert is None or int(expert[1]) in experts
+
     for file in safetensors_files(path):
         try:
             with safe_open(str(file), framework="pt") as f:
@@ -92,21 +108,22 @@ def read_weights(
                 tensors = {
                     n: f.get_slice(names[n])[rows[n]] if rows and n in rows else
                     f.get_tensor(names[n])
-                    for n in shapes
+                    for n in shapes if read_now(n)
                 }  # fmt: skip
-                out.files |= {n: (file, names[n]) for n in tensors}
+                out.files |= {n: (file, names[n]) for n in shapes}
         except ModelLoadError:
             raise
         except Exception as e:  # safetensors raises several types for a bad header
             raise ModelLoadError(file, f"not a valid safetensors file: {e}") from e
         out |= tensors
-    check_complete(path, config, out)
+    check_complete(path, config, out.files)
     if config.fp8_block is not None and family.own_scales is None:  # else the family's
         check_fp8_scales(path, out, config.fp8_block)
     return out
 
 
 SCALE = "_scale_inv"  # a weight's FP8 block scales: `<name>.weight_scale_inv`
+EXPERT = re.compile(r"\.experts\.(\d+)\.")  # a routed expert's tensor, stored per expert
 
 
 def check_fp8_scales(path: Path, tensors: dict[str, torch.Tensor], block: tuple[int, int]) -> None:

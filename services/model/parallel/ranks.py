@@ -44,6 +44,7 @@ from services.model.batch import ForwardBatch
 from services.model.causal_lm import CausalLM
 from services.model.config import ModelConfig
 from services.model.errors import ModelLoadError, TensorRankLost
+from services.model.experts.eplb import Share
 from services.model.kv_cache import KVCache
 from services.model.layers.moe import Moe
 from services.model.parallel import data, plan
@@ -302,8 +303,11 @@ def main(argv: list[str] | None = None) -> int:
     exit_with_parent()
     torch.set_num_threads(a.threads)
     device = rank_device(resolve_device(a.device), a.rank)
+    share = None  # in a grid, process (d, j) holds the (d M + j)-th share of the experts
+    if grid is not None:
+        share = Share(grid.rank * a.ranks + a.rank, grid.ranks * a.ranks, grid.balance.redundant)
     model = load_model(a.model, a.dtype, str(device), kernels=a.kernels,
-                       tensor=(a.rank, a.ranks)).model  # fmt: skip
+                       tensor=(a.rank, a.ranks), experts=share).model  # fmt: skip
     try:
         group = TensorGroup(connect("127.0.0.1", a.port, a.rank, a.ranks, device), a.rank, a.ranks)
         parallelize(model, group, experts=grid is None)

@@ -139,3 +139,27 @@ def test_rebalancing_a_skewed_load_evens_the_ranks_and_changes_no_token(tiny_dir
             held = set(start[layer][r * 5 : (r + 1) * 5])
             loads += len(set(end[layer][r * 5 : (r + 1) * 5]) - held)
     assert snapshot["experts_loaded"] == loads and snapshot["rebalances"] == 1
+
+
+# -- a process's share of the experts is all it reads and builds ---------------------------
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe", "deepseek_v4"])
+def test_a_share_reads_and_builds_only_its_experts(tiny_dir, family):
+    from services.model.experts.eplb import Share
+    from services.model.loading import hf_config, hf_dir
+
+    path = tiny_dir(family)
+    config = hf_config.read_config(path)
+    share = Share(1, 2, redundant=2)  # slots 5..9 of 10 over 8 experts: 5, 6, 7, 0, 1
+    held = share.experts(config.moe.num_experts)
+    assert held == {5, 6, 7, 0, 1}
+    weights = hf_dir.read_weights(path, config, experts=held)
+    read = {int(m[1]) for name in weights.keys() if (m := hf_dir.EXPERT.search(name))}  # noqa: SIM118
+    assert read == held  # the others' tensors never reached memory
+    others = [n for n in weights.files if (m := hf_dir.EXPERT.search(n)) and int(m[1]) not in held]
+    assert others and all(n in weights for n in others)  # each still readable from its file
+    model = load_model(str(path), "float32", "cpu", experts=share).model
+    for moe in model.moe_layers().values():
+        assert [e for e, m in enumerate(moe.experts) if m is not None] == sorted(held)
+        assert moe.hold([2, 3]) == 2  # a slot given another expert builds it from its file

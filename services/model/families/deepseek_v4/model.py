@@ -35,7 +35,7 @@ from services.model.kv_cache import KVCache
 from services.model.layers import pointwise
 from services.model.layers.layer_ops import LayerOps, TorchLayerOps, rms_norm_f32
 from services.model.layers.linear import Linear
-from services.model.layers.moe import DenseMlp, Moe
+from services.model.layers.moe import DenseMlp, Moe, built_experts
 from services.model.layers.rope import Rotary
 
 
@@ -115,7 +115,7 @@ class DeepseekV4Model(PagedModel):
         def linear(*names: str, keep_float32: bool = False) -> Linear:
             return self.product(torch.cat([w(n, keep_float32) for n in names]))
 
-        self._w, self._linear = w, linear
+        self._w, self._linear, self._weights = w, linear, weights
         self._ids = lambda name: weights[name].to(self.device, torch.int64)  # tid2eid
         self.embed = w("embed.weight")
         # an id's embedding row (tensor ranks look it up from the rank holding it)
@@ -203,7 +203,7 @@ class DeepseekV4Model(PagedModel):
             linear(f + "gate.weight"),
             self.dtype,
             None if hashed else w(f + "gate.bias", True),
-            [mlp(f"{f}experts.{e}.") for e in range(moe.num_experts)],
+            built_experts(moe.num_experts, lambda e: mlp(f"{f}experts.{e}."), self._weights),
             mlp(f + "shared_experts."),
             None,
             build=lambda e: mlp(f"{f}experts.{e}."),

@@ -5,7 +5,7 @@ attention full or over a sliding window, with a learned sink per head
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +18,7 @@ from services.model.kv_cache import KVCache
 from services.model.layers import pointwise
 from services.model.layers.layer_ops import LayerOps, TorchLayerOps, rms_norm_f32
 from services.model.layers.linear import Linear
-from services.model.layers.moe import DenseMlp, Moe
+from services.model.layers.moe import DenseMlp, Moe, built_experts
 from services.model.layers.rope import Rotary, apply_rotary
 from services.model.layers.row_attention import attend_paged
 
@@ -85,7 +85,7 @@ class GptOssModel(PagedModel):
                     sinks=w(a + "sinks"),
                     window=oss.windows[i],
                     post_norm=w(p + "post_attention_layernorm.weight"),
-                    moe=self._moe(p + "mlp.", w, linear),
+                    moe=self._moe(p + "mlp.", w, linear, weights),
                 )
             )
         self.rotary = Rotary(config, self.dtype, self.device)
@@ -96,6 +96,7 @@ class GptOssModel(PagedModel):
         m: str,
         w: Callable[[str], torch.Tensor],
         linear: Callable[..., Linear],
+        weights: Mapping[str, torch.Tensor],
     ) -> OssMoe:
         oss, moe = oss_of(self.config), self.config.moe
         assert moe is not None
@@ -119,7 +120,7 @@ class GptOssModel(PagedModel):
             )
 
         stacked = (gate_up, gate_up_bias, down, down_bias)
-        experts = [expert(e, stacked) for e in range(moe.num_experts)]
+        experts = built_experts(moe.num_experts, lambda e: expert(e, stacked), weights)
         router = linear(w(m + "router.weight"), w(m + "router.bias"))
         return OssMoe(moe, router, self.dtype, None, experts, None, None, build=expert)
 

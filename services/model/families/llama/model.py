@@ -38,7 +38,7 @@ from services.model.layers.linear import (
     make_logits_linear,
     packed_linear_available,
 )
-from services.model.layers.moe import DenseMlp, Moe
+from services.model.layers.moe import DenseMlp, Moe, built_experts
 from services.model.layers.rope import Rotary
 from services.model.loading import hf_dir
 from services.settings import DEFAULTS
@@ -178,7 +178,7 @@ class DecoderModel:
                     input_norm=w(p + "input_layernorm.weight"),
                     attention=self._attention_weights(p + "self_attn.", w, linear),
                     post_norm=w(p + "post_attention_layernorm.weight"),
-                    mlp=self._moe(p, w, linear)
+                    mlp=self._moe(p, w, linear, weights)
                     if config.is_moe_layer(i)
                     else _mlp(p + "mlp.", linear),
                 )
@@ -199,7 +199,9 @@ class DecoderModel:
             k_norm=w(p + "k_norm.weight") if c.qk_norm else None,
         )
 
-    def _moe(self, p: str, w: WeightFn, linear: LinearFn) -> Moe:
+    def _moe(
+        self, p: str, w: WeightFn, linear: LinearFn, weights: Mapping[str, torch.Tensor]
+    ) -> Moe:
         moe = self.config.moe
         assert moe is not None
         p += moe.prefix + "."
@@ -225,7 +227,7 @@ class DecoderModel:
                 if moe.topk_method == "noaux_tc"
                 else None
             ),
-            experts=[expert(j) for j in range(moe.num_experts)],
+            experts=built_experts(moe.num_experts, expert, weights),
             shared=shared,
             shared_gate=linear(p + "shared_expert_gate") if moe.shared_gate else None,
             build=expert,
