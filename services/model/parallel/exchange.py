@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -180,20 +180,26 @@ class ExpertExchange:
         sent = torch.bincount(owner[picked] // self.columns, minlength=self.ranks)
         got = self._all_to_all(sent, [1] * self.ranks, [1] * self.ranks)
         sent_n, got_n = sent.tolist(), got.tolist()
-        rows = self._all_to_all(x.index_select(0, picked // k), got_n, sent_n)
-        local = self._all_to_all(slot[picked] % self.per_rank, got_n, sent_n)
-        computing = time.perf_counter_ns()
-        out = run_grouped(rows, 1, local, moe.slots, ops)
-        self.timing.compute_ns += time.perf_counter_ns() - computing
-        self.timing.computed_rows += len(rows)
         if len(experts):  # a pass of this rank's own
             self.balance.add(sent_n)
             per_rank = self.moves.rank_rows[layer]
             for r, n in enumerate(sent_n):
                 per_rank[r] += n
-        back = self._all_to_all(out, sent_n, got_n)  # this column's rows, computed
+        # this rank's own choices stay here, computed while the others' rows travel
+        lo, n = sum(sent_n[: self.rank]), sent_n[self.rank]
+        own, away = picked[lo : lo + n], torch.cat([picked[:lo], picked[lo + n :]])
+        out_of, into = list(sent_n), list(got_n)
+        out_of[self.rank] = into[self.rank] = 0
+        # each row with the slot it goes to on its rank: one message, not two
+        wire = with_slots(x.index_select(0, away // k), slot[away] % self.per_rank)
+        arriving = self._start_all_to_all(wire, into, out_of)
+        computed = self._compute(x.index_select(0, own // k), slot[own] % self.per_rank, moe, ops)
+        rows, local = without_slots(arriving(), x.dtype)
+        theirs = self._compute(rows, local, moe, ops)
+        back = self._all_to_all(theirs, out_of, into)  # computed where they went
         per_choice = back.new_empty(len(experts), self.hidden)
-        per_choice[picked] = back  # in (token, choice) order
+        per_choice[away] = back  # in (token, choice) order
+        per_choice[own] = computed
         if self.tp is not None:  # every column's, from its tensor rank
             self._gather_columns(per_choice, columns)
         self.timing.exchanges += 1
@@ -289,16 +295,52 @@ class ExpertExchange:
             "longest_pause_ms": m.longest_pause_ns / 1e6,
         }  # fmt: skip
 
+    def _compute(
+        self, rows: torch.Tensor, local: torch.Tensor, moe: Moe, ops: LayerOps
+    ) -> torch.Tensor:
+        """Rows through the experts of this process's slots `local`."""
+        start = time.perf_counter_ns()
+        out = run_grouped(rows, 1, local, moe.slots, ops)
+        self.timing.compute_ns += time.perf_counter_ns() - start
+        self.timing.computed_rows += len(rows)
+        return out
+
     def _all_to_all(self, x: torch.Tensor, into: list[int], out_of: list[int]) -> torch.Tensor:
         """x's rows, out_of[r] of them to rank r in order; into[r] rows from rank r back.
         DataRankLost where a rank is gone: the ranks cannot step on without it."""
+        return self._start_all_to_all(x, into, out_of)()
+
+    def _start_all_to_all(
+        self, x: torch.Tensor, into: list[int], out_of: list[int]
+    ) -> Callable[[], torch.Tensor]:
+        """`_all_to_all` begun (the backend moves the rows on a thread or stream of its own);
+        the call that waits for it and returns what came."""
         width = math.prod(x.shape[1:])
         wire = x.contiguous().view(len(x), width).view(torch.uint8)  # rows of bytes, as is
         got = wire.new_empty(sum(into), wire.shape[1])
         self.timing.sent_bytes += (sum(out_of) - out_of[self.rank]) * wire.shape[1]
         with lost_on_failure():
-            self.pg.alltoall_base(got, wire, into, out_of, dist.AllToAllOptions()).wait()
-        return got.view(x.dtype).view(sum(into), *x.shape[1:])
+            work = self.pg.alltoall_base(got, wire, into, out_of, dist.AllToAllOptions())
+
+        def arrived() -> torch.Tensor:
+            with lost_on_failure():
+                work.wait()
+            return got.view(x.dtype).view(sum(into), *x.shape[1:])
+
+        return arrived
+
+
+def with_slots(rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Rows [n, hidden] and their slots [n] as rows of bytes [n, hidden bytes + 8]."""
+    width = rows.shape[1] * rows.element_size()
+    as_bytes = rows.contiguous().view(torch.uint8).view(len(rows), width)
+    return torch.cat([as_bytes, slots.to(INT64).view(torch.uint8).view(len(rows), 8)], dim=1)
+
+
+def without_slots(wire: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """`with_slots` undone: the rows in `dtype` and their slots."""
+    rows = wire[:, :-8].contiguous().view(dtype)
+    return rows, wire[:, -8:].contiguous().view(INT64).flatten()
 
 
 @contextlib.contextmanager
