@@ -129,12 +129,8 @@ def _data(s: Settings, path: Path, given_by_up: bool) -> None:
     needed = address or (w.data_parallel_rank and not given_by_up)
     if needed and not re.fullmatch(r".+:\d+", address):
         raise SettingsError(f"data_parallel_address: {address!r} is not host:port")
-    for name, taken in (
-        ("expert_parallel", s.experts.expert_parallel > 1),
-        ("speculative", s.engine.speculative.method in ("mtp", "draft")),
-    ):
-        if taken:
-            raise SettingsError(f"data_parallel: not yet with --{name.replace('_', '-')}")
+    if s.experts.expert_parallel > 1:  # expert-only ranks beside ranks with requests
+        raise SettingsError("data_parallel: not yet with --expert-parallel")
 
 
 def _trace_file(s: Settings) -> None:

@@ -20,7 +20,7 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -33,10 +33,13 @@ from services.model.layers.moe import Moe, run_grouped
 from services.model.parallel.group import Group
 from services.model.parallel.tensor import TensorGroup
 
-if TYPE_CHECKING:
-    from services.model.parallel.data import Lockstep
-
 INT64 = torch.int64
+
+
+class Voter(Protocol):
+    """The ranks' agreement (data.Lockstep), as a pass's first MoE layer casts its vote."""
+
+    def passing(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -154,7 +157,7 @@ class ExpertExchange:
             moe.dispatch = self
             self._place(i, eplb.initial(self.num_experts, self.slots))
         self.counts_at_plan = {i: moe.counts.clone() for i, moe in layers.items()}
-        self.lockstep: Lockstep | None = None  # casts a pass's vote at its first MoE layer
+        self.lockstep: Voter | None = None  # casts a pass's vote at its first MoE layer
 
     def compute(
         self, moe: Moe, x: torch.Tensor, experts: torch.Tensor, ops: LayerOps

@@ -22,19 +22,11 @@ def check(config: ModelConfig, size: int) -> None:
     if own is not None:
         sizes = own.sizes(c)
     else:
-        sizes = [
-            ("num_kv_heads", c.num_kv_heads, 1),
-            ("hidden_size", c.hidden_size, 16),
-            ("vocab_size", c.vocab_size, 16),
-        ]
-        if any(not c.is_moe_layer(i) for i in range(c.num_layers)):
-            sizes.append(("intermediate_size", c.intermediate_size, SWIGLU_COLUMNS))
-        if c.moe is not None and c.moe.layers:
-            sizes.append(("num_experts", c.moe.num_experts, 1))
+        sizes = default_sizes(c)
         if not family.model.endswith((":DecoderModel", ":DeepseekModel")):
             problems.append(
                 f"{c.architecture}: tensor parallelism covers the Llama family's decoder "
-                "(Llama, Mistral, Qwen2/3, Qwen MoE, Mixtral), DeepSeek-V2/V3 and V4"
+                "(Llama, Mistral, Qwen2/3, Qwen MoE, Mixtral), DeepSeek-V2, V3, V3.2 and V4"
             )
     problems[:0] = [
         f"{name} ({n}) is not a multiple of {size * unit}"
@@ -43,6 +35,21 @@ def check(config: ModelConfig, size: int) -> None:
     ]
     if problems:
         raise ValueError("--tensor-parallel " + str(size) + ": " + "; ".join(problems))
+
+
+def default_sizes(c: ModelConfig) -> list[tuple[str, int, int]]:
+    """(name, size, unit) of the Llama family's and DeepSeek-V2/V3's split: each size must be
+    a multiple of the rank count times its unit."""
+    sizes = [
+        ("num_kv_heads", c.num_kv_heads, 1),
+        ("hidden_size", c.hidden_size, 16),
+        ("vocab_size", c.vocab_size, 16),
+    ]
+    if any(not c.is_moe_layer(i) for i in range(c.num_layers)):
+        sizes.append(("intermediate_size", c.intermediate_size, SWIGLU_COLUMNS))
+    if c.moe is not None and c.moe.layers:
+        sizes.append(("num_experts", c.moe.num_experts, 1))
+    return sizes
 
 
 def cache_whole(config: ModelConfig) -> bool:
@@ -70,6 +77,12 @@ def slices(config: ModelConfig, rank: int, size: int) -> dict[str, slice]:
     own = families.of(c).tensor_module()
     if own is not None:
         return dict(own.rows(c, part))
+    return default_rows(c, part)
+
+
+def default_rows(c: ModelConfig, part: Any) -> dict[str, slice]:
+    """`slices` for the Llama family and DeepSeek-V2/V3 (`part(total)`: this rank's share of
+    `total` rows)."""
     out = {"lm_head.weight": part(c.vocab_size), "model.embed_tokens.weight": part(c.vocab_size)}
     heads_of = _mla_heads(c) if isinstance(c.shape, MlaShape) else _gqa_heads(c)
     for i in range(c.num_layers):

@@ -79,7 +79,13 @@ def sliced(
     own = families.of(config).tensor_module()
     if own is not None:
         return own.sliced(config, weights, rank, size)
-    c = config
+    return default_sliced(config, weights, size)
+
+
+def default_sliced(
+    c: ModelConfig, weights: dict[str, torch.Tensor], size: int
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """`sliced` for the Llama family and DeepSeek-V2/V3."""
     if c.tie_word_embeddings:
         weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
     mine = dataclasses.replace(
@@ -185,6 +191,11 @@ def parallelize(model: Any, group: TensorGroup, experts: bool = True) -> None:
     if own is not None:
         own.parallelize(model, group, experts)
         return
+    default_parallelize(model, group, experts)
+
+
+def default_parallelize(model: Any, group: TensorGroup, experts: bool) -> None:
+    """`parallelize` for the Llama family and DeepSeek-V2/V3."""
     for i, layer in enumerate(model.layers):
         attention = dataclasses.replace(
             layer.attention, o=Gathered(layer.attention.o, group, whole_input=True)

@@ -1,6 +1,7 @@
 """Exact tensor parallelism (services/model/parallel/tensor.py): the embedded model split over
-3 ranks (its 3 KV heads, one each), a tiny Qwen3 (q/k norms, a tied head) and a tiny Qwen3-MoE
-(its experts spread over the ranks) over 2, processes over gloo, each running the same
+3 ranks (its 3 KV heads, one each), a tiny Qwen3 (q/k norms, a tied head), a tiny Qwen3-MoE
+(its experts spread over the ranks) and tiny DeepSeek-V3, V3.2 (its sparse attention's
+products at the whole head count) and V4 over 2, processes over gloo, each running the same
 engine, give one process's tokens, text, finish reasons, logprobs and prompt logprobs
 exactly, greedy and seeded, with stops, penalties and n, in every dtype `--dtype auto` picks
 here."""
@@ -77,8 +78,11 @@ def _tensor_parallel(path: str, dtype: str, size: int) -> list[list[tuple]]:
 @pytest.mark.parametrize("dtype", COMPUTE_DTYPES)
 @pytest.mark.parametrize(
     ("checkpoint", "size"),
-    [("embedded", 3), ("qwen3", 2), ("qwen3_moe", 2), ("deepseek_v3", 2), ("deepseek_v4", 2)],
-)
+    [
+        ("embedded", 3), ("qwen3", 2), ("qwen3_moe", 2), ("deepseek_v3", 2), ("deepseek_v32", 2),
+        ("deepseek_v4", 2),
+    ],
+)  # fmt: skip
 def test_ranks_answer_as_one_process(embedded, embedded_dir, tiny_dir, checkpoint, size, dtype):
     path = embedded_dir if checkpoint == "embedded" else tiny_dir(checkpoint)
     shared = checkpoint == "embedded" and dtype == "float32"  # the session's model, not a copy
@@ -115,11 +119,13 @@ def test_tensor_settings_that_cannot_work_are_refused_before_anything_loads(
         check(build("decode", model=model, **values))
     check(build("prefill", model=str(embedded_dir), tensor_parallel=3))
     check(build("decode", model=str(tiny_dir("deepseek_v4")), tensor_parallel=2))
+    check(build("decode", model=str(tiny_dir("deepseek_v32")), tensor_parallel=2))
 
 
 @pytest.mark.parametrize("dtype", COMPUTE_DTYPES)
 @pytest.mark.parametrize(
-    ("checkpoint", "size"), [("embedded", 3), ("deepseek_v3", 2), ("deepseek_v4", 2)]
+    ("checkpoint", "size"),
+    [("embedded", 3), ("deepseek_v3", 2), ("deepseek_v32", 2), ("deepseek_v4", 2)],
 )
 def test_blocks_leave_and_enter_a_split_pool_whole(
     embedded, embedded_dir, tiny_dir, checkpoint, size, dtype

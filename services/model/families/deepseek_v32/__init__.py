@@ -12,4 +12,5 @@ FAMILY = Family(
     read_config=read_config,
     expected_shapes=expected_shapes,
     model="services.model.families.deepseek_v32.model:DeepseekV32Model",
+    tensor="services.model.families.deepseek_v32.tensor",
 )

@@ -89,6 +89,8 @@ class IndexedAttention:
     def __init__(self, config: ModelConfig, mla: MlaAttention) -> None:
         self.config, self.mla = config, mla
         self.shape: V32Shape = v32_of(config)
+        # a tensor rank's heads: (the first's place among all heads, all heads; tensor.py)
+        self.heads_at: tuple[int, int] | None = None
 
     def forward(
         self,
@@ -174,7 +176,16 @@ class IndexedAttention:
         self, query: torch.Tensor, latents: torch.Tensor, v_up: torch.Tensor
     ) -> torch.Tensor:
         """query [heads, latent_dim] over latents [k, latent_dim] in the absorbed form ->
-        [heads, v_dim]."""
+        [heads, v_dim]. A tensor rank takes the products over the heads at the whole head
+        count, its heads at their own rows (a GEMM row's bits depend on the row count)."""
+        heads = mine = len(query)
+        if self.heads_at is not None:
+            first, heads = self.heads_at
+            whole = query.new_zeros(heads, query.shape[1])
+            whole[first : first + mine] = query
+            query = whole
         scores = (query.float() @ latents.float().T) * self.mla.scale  # [heads, k]
         attended = scores.softmax(dim=-1) @ latents[:, : self.shape.kv_lora_rank].float()
+        if self.heads_at is not None:
+            attended = attended[self.heads_at[0] :][:mine]
         return torch.einsum("hc,hcv->hv", attended.to(query.dtype), v_up)
