@@ -186,3 +186,31 @@ def test_a_rank_reads_only_its_rows_of_each_split_tensor(embedded_dir):
     for name in split:
         assert torch.equal(mine[name], whole[name][rows[name]])
     assert 3 * sum(mine[n].numel() for n in split) == sum(whole[n].numel() for n in split)
+
+
+@pytest.mark.parametrize("dtype", COMPUTE_DTYPES)
+def test_v32_sparse_attention_of_a_ranks_heads_is_one_process_bit_for_bit(dtype):
+    """DeepSeek-V3.2's sparse attention at its real sizes (128 heads over 8 tensor ranks, 2,048
+    chosen latents of 512 + 64): each rank's heads, taken at their rows of a GEMM at the whole
+    head count (`heads_at`), give one process's bits; a GEMM of 16 rows alone need not (on an
+    AMX Xeon, 2026-12-07, this test without `heads_at` fails in float32 and bfloat16)."""
+    from types import SimpleNamespace
+
+    from services.model.families.deepseek_v32.model import IndexedAttention
+
+    g = torch.Generator().manual_seed(7)
+    heads, ranks_, chosen, lora, rope, v_dim = 128, 8, 2048, 512, 64, 128
+    t = DTYPES[dtype]
+    query = torch.randn(heads, lora + rope, generator=g).to(t)
+    latents = torch.randn(chosen, lora + rope, generator=g).to(t)
+    v_up = (torch.randn(heads, lora, v_dim, generator=g) / lora**0.5).to(t)
+    attention = object.__new__(IndexedAttention)
+    attention.mla = SimpleNamespace(scale=(lora + rope) ** -0.5)
+    attention.shape = SimpleNamespace(kv_lora_rank=lora)
+    attention.heads_at = None
+    whole = attention._attend(query, latents, v_up)
+    mine = heads // ranks_
+    for r in range(ranks_):
+        attention.heads_at = (r * mine, heads)
+        rows = slice(r * mine, (r + 1) * mine)
+        assert torch.equal(attention._attend(query[rows], latents, v_up[rows]), whole[rows])
