@@ -18,16 +18,14 @@ in one run, as Markdown tables:
    redundant slots: exact, from eplb.imbalance;
 3. a skewed trace measured on 2 ranks (prompts repeating the token whose routes load rank 0
    most, 10 slots... 32 + 2 here): rows per rank before and after one live rebalance, the
-   longest pause one layer's move took, and whether every answer stayed the same;
-4. what one process of N reads at load (its share of the experts, `load_model(experts=)`):
-   its peak resident memory while loading, in a fresh process each.
+   longest pause one layer's move took, and whether every answer stayed the same.
+What a process of N holds after loading its share of the experts: bench.load_memory.
 """
 
 from __future__ import annotations
 
 import argparse
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -202,31 +200,6 @@ def skew_table(path: Path, dtype: str) -> str:
     )
 
 
-LOAD_PEAK = """
-import resource, sys
-from services.model.experts.eplb import Share
-from services.model.loader import load_model
-path, dtype, owners = sys.argv[1], sys.argv[2], int(sys.argv[3])
-model = load_model(path, dtype, "cpu", experts=Share(0, owners) if owners > 1 else None).model
-built = sum(e is not None for moe in model.moe_layers().values() for e in moe.experts)
-print(built, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
-"""
-
-
-def memory_table(path: Path, dtype: str) -> str:
-    """Peak resident memory of a process loading the model, whole or its share of N."""
-    rows = [
-        "| processes the experts spread over | experts built (all layers) | peak memory loading |",
-        "|---|---|---|",
-    ]
-    for owners in (1, 2, 4):
-        out = subprocess.run([sys.executable, "-c", LOAD_PEAK, str(path), dtype, str(owners)],
-                             capture_output=True, text=True, check=True).stdout  # fmt: skip
-        built, peak_kb = out.split()[-2:]
-        rows.append(f"| {owners} | {built} | {int(peak_kb) / 1024:.0f} MiB |")
-    return "\n".join(rows)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--dtype", default="bfloat16" if cpu_has_bf16_units() else "float32")
@@ -234,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--model", type=Path, default=None, help="a MoE checkpoint directory")
-    p.add_argument("--skip", default="", help="comma-separated: speed, planner, skew, memory")
+    p.add_argument("--skip", default="", help="comma-separated: speed, planner, skew")
     a = p.parse_args(argv)
     path = a.model or checkpoint()
     skip = set(a.skip.split(","))
@@ -249,9 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         print(planner_table() + "\n")
     if "skew" not in skip:
         log("a skewed trace, rebalanced live")
-        print(skew_table(path, a.dtype) + "\n")
-    if "memory" not in skip:
-        print(memory_table(path, a.dtype))
+        print(skew_table(path, a.dtype))
     return 0
 
 
