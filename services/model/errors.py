@@ -21,12 +21,9 @@ class RankLost(RuntimeError):
     pass, and its worker leaves service."""
 
 
-class ExpertRankLost(RankLost):
-    """A rank holding experts stopped answering (expert_parallel.py)."""
-
-
 class DataRankLost(RankLost):
-    """A data-parallel rank stopped answering its votes or exchanges (parallel/data.py)."""
+    """A data-parallel rank, or an expert rank of --expert-parallel, stopped answering its
+    votes or exchanges (parallel/data.py, exchange.py)."""
 
 
 class TensorRankLost(RankLost):
