@@ -39,7 +39,8 @@ from services.engine.request import EngineRequest
 from services.model.experts import eplb
 from services.model.experts.expert_parallel import ExpertGroup, Spec, start
 from services.model.loader import LoadedModel, cpu_has_bf16_units, load_model
-from services.model.parallel.exchange import Balance, LockstepTiming
+from services.model.parallel.balancer import Balance
+from services.model.parallel.exchange import LockstepTiming
 
 
 def skewed_prompts(loaded: LoadedModel, n: int, length: int, rank_0: set[int]) -> list[list[int]]:

@@ -61,13 +61,8 @@ class _Model(Protocol):
     def expert_counts(self) -> dict[int, list[int]]: ...
 
 
-class _Exchange(Protocol):
-    def spread(self) -> dict[str, Any]: ...
-
-
 class _Lockstep(Protocol):
-    @property
-    def exchange(self) -> _Exchange: ...
+    def spread(self) -> dict[str, Any]: ...
 
     def snapshot(self) -> dict[str, Any]: ...
 
@@ -166,7 +161,7 @@ class WorkerCollector:
                     routed.add_metric([w.role, str(layer), str(expert)], float(count))
             yield routed
         if w.lockstep is not None:
-            yield from _balance_metrics(w.role, w.lockstep.exchange.spread())
+            yield from _balance_metrics(w.role, w.lockstep.spread())
 
 
 def _balance_metrics(role: str, group: dict[str, Any]) -> Iterator[Metric]:
@@ -208,7 +203,7 @@ def serve_http(worker: WorkerView, host: str, port: int) -> ThreadingHTTPServer:
                 counts = worker.engine.model.expert_counts()
                 shown: dict[str, Any] = {"role": worker.role, "layers": counts}
                 if worker.lockstep is not None:  # experts over processes: --expert-parallel
-                    shown["parallel"] = worker.lockstep.exchange.spread()  # or --data-parallel
+                    shown["parallel"] = worker.lockstep.spread()  # or --data-parallel
                     shown["data_parallel"] = worker.lockstep.snapshot()
                 self._send(200, json.dumps(shown).encode(), "application/json")
             elif self.path == "/health":

@@ -26,7 +26,7 @@ import torch
 from services.model.causal_lm import CausalLM
 from services.model.errors import DataRankLost, ModelLoadError
 from services.model.parallel import data
-from services.model.parallel.exchange import Balance, Balancing
+from services.model.parallel.balancer import Balance, Balancing
 from services.model.parallel.group import RankProcesses
 
 log = logging.getLogger("pdserve.experts")
@@ -84,16 +84,16 @@ class ExpertGroup:
 
     @property
     def placement(self) -> dict[int, list[int]]:
-        return self.exchange.placement
+        return self.exchange.balancer.placement
 
     @property
     def balance(self) -> Balance:
         """Rows per rank since the last move (a fresh Balance starts a new window)."""
-        return self.exchange.balance
+        return self.exchange.balancer.balance
 
     @balance.setter
     def balance(self, value: Balance) -> None:
-        self.exchange.balance = value
+        self.exchange.balancer.balance = value
 
     def request_rebalance(self) -> None:
         """Plan from the load since the last plan, at the next forward pass (any thread)."""
@@ -107,7 +107,7 @@ class ExpertGroup:
 
     def snapshot(self) -> dict[str, Any]:
         """What the side door shows (any thread)."""
-        return self.exchange.spread()
+        return self.lockstep.spread()
 
     def lost(self) -> str | None:
         """Why the group cannot serve: a rank process that exited."""

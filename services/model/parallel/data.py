@@ -32,8 +32,9 @@ import torch
 
 from services.model.causal_lm import CausalLM
 from services.model.errors import ModelLoadError
-from services.model.parallel.exchange import INT64, Balancing, ExpertExchange, lost_on_failure
-from services.model.parallel.group import connect
+from services.model.parallel.balancer import Balancing
+from services.model.parallel.exchange import INT64, ExpertExchange
+from services.model.parallel.group import connect, lost_on_failure
 from services.model.parallel.tensor import TensorGroup
 
 
@@ -75,7 +76,7 @@ class Lockstep:
         any_working, any_asked, any_going, *work = flags.tolist()
         self.computed = list(zip(work[::2], work[1::2], strict=True))
         if any_asked:  # every rank saw it in the same vote: all plan at the same pass
-            self.exchange.plan_asked = True
+            self.exchange.balancer.plan_asked = True
         self.done = self.done or bool(any_going)
         return bool(any_working)
 
@@ -94,17 +95,21 @@ class Lockstep:
 
     def snapshot(self) -> dict[str, Any]:
         """This rank's share of the agreement's cost, for /experts."""
-        t, x = self.timing, self.exchange
+        t, x, b = self.timing, self.exchange, self.exchange.balancer
         return {
             "rank": x.rank, "ranks": x.ranks, "votes": t.votes, "vote_ms": t.vote_ns / 1e6,
             "empty_passes": t.empty_passes, "empty_pass_ms": t.empty_ns / 1e6,
             "exchanges": t.exchanges, "exchange_ms": t.exchange_ns / 1e6,
             "sent_bytes": t.sent_bytes,
-            "passes": x.passes, "rebalances": x.moves.plans, "experts_loaded": x.experts_loaded,
-            "placement": {str(i): p for i, p in x.placement.items()},
+            "passes": b.passes, "rebalances": b.moves.plans, "experts_loaded": b.experts_loaded,
+            "placement": {str(i): p for i, p in b.placement.items()},
             "rank_rows_computed": [rows for rows, _ in self.computed],
             "rank_compute_ms": [ns / 1e6 for _, ns in self.computed],
         }  # fmt: skip
+
+    def spread(self) -> dict[str, Any]:
+        """The experts' placement and balance, as /experts' `parallel` shows them."""
+        return self.exchange.balancer.spread()
 
     def passing(self) -> None:
         """A pass of this rank's own begins (its first MoE layer): its round's vote."""

@@ -10,6 +10,7 @@ names an interface instead, as torch users expect.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
@@ -17,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -162,3 +163,15 @@ def exit_with_parent() -> None:
         os._exit(1)
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+@contextlib.contextmanager
+def lost_on_failure() -> Iterator[None]:
+    """A collective's failure as DataRankLost: a peer closed its end, or timed out (gloo's or
+    NCCL's RuntimeError); the ranks cannot step on without it."""
+    from services.model.errors import DataRankLost
+
+    try:
+        yield
+    except RuntimeError as e:
+        raise DataRankLost(f"{type(e).__name__}: {e}") from e

@@ -14,7 +14,7 @@ from services.engine.engine import Engine, EngineConfig
 from services.engine.params import SamplingParams
 from services.model.experts.expert_parallel import Spec, start
 from services.model.loader import load_model
-from services.model.parallel.exchange import Balance
+from services.model.parallel.balancer import Balance
 from tests.support.dtypes import COMPUTE_DTYPES
 
 MOE_FAMILIES = [
