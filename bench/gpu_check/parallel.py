@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing
+import os
 import shutil
 from typing import Any
 
@@ -69,11 +70,18 @@ def _rank(path: str, device: str, rank: int, port: int, batch, tokens: int, out)
         loaded = load_model(path, "float32", where)
         lockstep = data.join(loaded.model, data.Grid(rank, 2, f"127.0.0.1:{port}"))
         engine = _InStep(loaded, lockstep)
-        out.put((rank, engine.tokens(batch, tokens)))
-        while lockstep.idle():
+        got = engine.tokens(batch, tokens)
+        while lockstep.idle():  # the other rank's passes, until neither has one
             pass
+        lockstep.leave()
+        out.put((rank, got))
     except Exception as e:
         out.put((rank, f"{type(e).__name__}: {e}"))
+    # results delivered: end without the interpreter's teardown, in which a process holding
+    # groups made directly can abort (data.Lockstep.leave)
+    out.close()
+    out.join_thread()
+    os._exit(0)
 
 
 class _InStep:

@@ -27,20 +27,15 @@ from services.model.causal_lm import CausalLM
 from services.model.errors import DataRankLost, ModelLoadError
 from services.model.parallel import data
 from services.model.parallel.balancer import Balance, Balancing
-from services.model.parallel.group import RankProcesses
+from services.model.parallel.group import RankProcesses, RankSpec
 
 log = logging.getLogger("pdserve.experts")
 
 
 @dataclass(frozen=True)
-class Spec:
+class Spec(RankSpec):
     """What every rank loads and how the group is laid out."""
 
-    model: str
-    dtype: str
-    device: str
-    kernels: str
-    ranks: int
     redundant: int = 0
     policy: str = "auto"
     nodes: int = 1
@@ -52,9 +47,7 @@ class Spec:
 
     def args(self) -> list[str]:
         return [
-            "--model", self.model, "--dtype", self.dtype, "--device", self.device,
-            "--kernels", self.kernels, "--ranks", str(self.ranks),
-            "--redundant", str(self.redundant), "--policy", self.policy,
+            *super().args(), "--redundant", str(self.redundant), "--policy", self.policy,
             "--nodes", str(self.nodes), "--interval", str(self.interval),
         ]  # fmt: skip
 

@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -96,6 +97,24 @@ def local_address(host: str, port: int) -> str | None:
             return str(probe.getsockname()[0])
     except OSError:
         return None
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """What every rank of a group loads (the model as rank 0 loaded it), and how many ranks;
+    the command-line arguments that tell a rank process so."""
+
+    model: str
+    dtype: str
+    device: str
+    kernels: str
+    ranks: int
+
+    def args(self) -> list[str]:
+        return [
+            "--model", self.model, "--dtype", self.dtype, "--device", self.device,
+            "--kernels", self.kernels, "--ranks", str(self.ranks),
+        ]  # fmt: skip
 
 
 class RankProcesses:

@@ -49,7 +49,13 @@ from services.model.kv_cache import KVCache
 from services.model.layers.moe import Moe
 from services.model.parallel import data, plan
 from services.model.parallel.exchange import ExpertExchange
-from services.model.parallel.group import RankProcesses, connect, exit_with_parent, rank_device
+from services.model.parallel.group import (
+    RankProcesses,
+    RankSpec,
+    connect,
+    exit_with_parent,
+    rank_device,
+)
 from services.model.parallel.tensor import TensorGroup, parallelize
 
 log = logging.getLogger("pdserve.tensor")
@@ -58,22 +64,13 @@ INT64 = torch.int64
 
 
 @dataclass(frozen=True)
-class Spec:
-    """What every rank loads, and how many ranks."""
+class Spec(RankSpec):
+    """What every rank loads, how many ranks, and the data-parallel grid they are in."""
 
-    model: str
-    dtype: str
-    device: str
-    kernels: str
-    ranks: int
     grid: data.Grid | None = None  # the data-parallel ranks this worker is one of
 
     def args(self) -> list[str]:
-        return [
-            "--model", self.model, "--dtype", self.dtype, "--device", self.device,
-            "--kernels", self.kernels, "--ranks", str(self.ranks),
-            *(self.grid.args() if self.grid is not None else []),
-        ]  # fmt: skip
+        return [*super().args(), *(self.grid.args() if self.grid is not None else [])]
 
 
 class Leader:
