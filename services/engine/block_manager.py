@@ -84,8 +84,9 @@ class BlockManager:
     def hashes(self, seq: Sequence) -> list[bytes]:
         """The hashes of seq's full blocks (computed or not), extended as tokens arrive."""
         return extend_hashes(
-            seq.block_hashes, seq.token_ids, self.block_size, self.namespace, seq.salt
-        )
+            seq.block_hashes, seq.token_ids, self.block_size, self.namespace, seq.salt,
+            seq.image_spans,
+        )  # fmt: skip
 
     def lookup(self, hashes: Seq[bytes]) -> list[int]:
         """Blocks holding the longest cached prefix of `hashes` (none with caching off).

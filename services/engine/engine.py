@@ -24,6 +24,7 @@ import torch
 from services.engine import offline
 from services.engine.apply import Applier, LiveRequest
 from services.engine.block_manager import BlockManager
+from services.engine.images import validate_images
 from services.engine.inflight import InFlight, Sampled, async_scheduling
 from services.engine.kv_connector import BlockToSave, KVConnector, KVConnectorWorker
 from services.engine.outputs import RequestOutput, SequenceDelta, StepTimes, StepTiming
@@ -120,6 +121,7 @@ class Engine:
         mc, params, prompt = self.model.config, request.params, request.prompt_ids
         params.validate(mc.vocab_size)
         validate_prompt(prompt, mc.vocab_size, mc.max_model_len, params.max_tokens)
+        validate_images(request.images, prompt, mc.vision, mc.hidden_size)
         if request.request_id in self.requests:
             raise ValidationError("request_id", f"{request.request_id!r} is already running")
         if len(request.output_ids) >= params.max_tokens:
@@ -140,6 +142,7 @@ class Engine:
         matcher = None if grammar is None else self.grammars.matcher(grammar, output)
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         hashes = request.block_hashes[: len(prompt) // self.config.block_size]
+        vision = self.model.config.vision if request.images else None
         seqs = []
         for i in range(params.n):
             detokenizer = self._detokenizer(prompt, output, params)
@@ -154,6 +157,8 @@ class Engine:
                 salt=request.salt,
                 detokenizer=detokenizer,
                 block_hashes=list(hashes),
+                images=request.images,
+                whole_images=vision is not None and vision.bidirectional,
                 matcher=matcher if i == 0 or matcher is None else matcher.deep_copy(),
             )
             seq.text = detokenizer.text

@@ -16,6 +16,8 @@ from collections.abc import Sequence as SeqOf
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvstore.block_hash import ImageSpan
+from services.engine.images import PromptImage, fit_chunk
 from services.engine.params import SamplingParams
 from services.tokenizer.detokenize import IncrementalDetokenizer
 
@@ -53,7 +55,8 @@ class EngineRequest:
     `block_hashes`: the prompt's full-block hashes where the caller has computed them (in the
     engine's namespace, with `salt`), so they are computed once per request in a process;
     else the engine computes them. KV beyond the engine comes with the request's connector
-    (Engine.add_request)."""
+    (Engine.add_request). `images`: the prompt's images (services/engine/images.py), in
+    order; their digests are part of `block_hashes`."""
 
     request_id: str
     prompt_ids: SeqOf[int]
@@ -62,6 +65,7 @@ class EngineRequest:
     output_ids: SeqOf[int] = ()
     text_sent: int | None = None
     block_hashes: SeqOf[bytes] = ()
+    images: tuple[PromptImage, ...] = ()
 
 
 @dataclass(eq=False)
@@ -102,6 +106,20 @@ class Sequence:
     spec_length: int = 0
     spec_pause: int = 0  # steps left without proposals (they kept failing)
     draft_probs: Any = None  # a draft model's distributions for this step's draft [k, V]
+    images: tuple[PromptImage, ...] = ()  # the prompt's images, in order
+    # an image's rows attend to one another both ways (the model's): a chunk never ends
+    # inside an image
+    whole_images: bool = False
+
+    @property
+    def image_spans(self) -> tuple[ImageSpan, ...]:
+        return tuple(i.span for i in self.images)
+
+    def fit_chunk(self, n: int) -> int:
+        """The next chunk's size given n: an image never split where it must not be."""
+        if not self.whole_images:
+            return n
+        return fit_chunk(self.images, self.num_computed_tokens, n)
 
     @property
     def num_tokens(self) -> int:

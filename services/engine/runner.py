@@ -19,7 +19,7 @@ from services.engine.request import Sequence
 from services.engine.sampler import LogprobRows, Sampler
 from services.engine.scheduler import ScheduledChunk
 from services.model import kv_cache
-from services.model.batch import ForwardBatch, SeqChunk, on_device
+from services.model.batch import ForwardBatch, ImageRows, SeqChunk, on_device
 from services.model.causal_lm import CausalLM
 from services.model.kv_cache import KVCache
 from services.settings import EngineConfig
@@ -84,6 +84,7 @@ class ModelRunner:
                     c.want_logits,
                     all_logits=scores_prompt(c.seq) or bool(c.draft),
                     tables=self.kv.tables(c.seq.block_ids),
+                    images=image_rows(c.seq, c.start),
                 )
                 for c in chunks
             ],
@@ -116,3 +117,10 @@ class ModelRunner:
         if at:
             index, picked = on_device(torch.tensor([at, rows]), batch.token_ids.device)
             batch.token_ids.index_copy_(0, index, fed.index_select(0, picked))
+
+
+def image_rows(seq: Sequence, start: int) -> tuple[ImageRows, ...]:
+    """The images of a sequence whose prompt is still being computed from `start`."""
+    if not seq.images or start >= seq.prompt_len:
+        return ()
+    return tuple(ImageRows(i.span.start, i.embeds, seq.whole_images) for i in seq.images)

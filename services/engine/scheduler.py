@@ -118,8 +118,8 @@ class Scheduler:
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """Tokens of seq to compute this step: 1 when decoding, else its next chunk, cut to
-        the budget left."""
-        return min(seq.num_uncomputed, self.config.chunk_size, budget)
+        the budget left (or past it, to end after an image whose rows attend both ways)."""
+        return seq.fit_chunk(min(seq.num_uncomputed, self.config.chunk_size, budget))
 
     def _schedule_running(self, budget: int, out: SchedulerOutput) -> int:
         i = 0

@@ -8,6 +8,10 @@ Each row's K/V is written to `slot_mapping[row]` (block * block_size + offset) t
 sequence's block table; each sequence then attends over its first `context_len` tokens. A cache
 group with blocks of its own (kv_cache.py) has a table of its own for each sequence, and its
 slots through it (`tables`, `slots(index)`).
+
+An image's rows (ImageRows) replace its placeholders' token embeddings (`embeds` at
+`embed_rows`); where they attend both ways (Gemma 3), a row of the image sees every position of
+it (`SeqSpan.runs`), so a chunk holding any of an image's rows holds its last one.
 """
 
 from __future__ import annotations
@@ -16,6 +20,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+
+@dataclass(frozen=True)
+class ImageRows:
+    """An image's embeddings in a sequence: they take the place of the token embeddings of
+    positions [start, end)."""
+
+    start: int
+    embeds: torch.Tensor  # [length, hidden]
+    both_ways: bool = False  # its positions attend to one another both ways
+
+    @property
+    def end(self) -> int:
+        return self.start + int(self.embeds.shape[0])
 
 
 @dataclass(frozen=True)
@@ -30,10 +48,23 @@ class SeqChunk:
     # each cache group with blocks of its own: the group's block for each block (-1: let go,
     # never read again); none given: the block table is every group's
     tables: tuple[Sequence[int], ...] = ()
+    images: tuple[ImageRows, ...] = ()  # the sequence's images (those the chunk touches count)
 
     @property
     def context_len(self) -> int:
         return self.start + len(self.token_ids)
+
+    def image_rows(self) -> list[tuple[int, ImageRows, int, int]]:
+        """(the chunk's first row it covers, image, first, end) for each image's part in the
+        chunk: image rows [first, end) of positions start + first..."""
+        out = []
+        for image in self.images:
+            a, b = max(image.start, self.start), min(image.end, self.context_len)
+            if a < b:
+                if image.both_ways and image.end > self.context_len:
+                    raise ValueError(f"a chunk ends inside the image at {image.start}")
+                out.append((a - self.start, image, a - image.start, b - image.start))
+        return out
 
 
 @dataclass(frozen=True)
@@ -45,6 +76,15 @@ class SeqSpan:
     context_len: int  # tokens attended to, new ones included
     block_table: torch.Tensor  # [num_blocks] int64
     tables: tuple[torch.Tensor, ...] = ()  # [num_blocks] int64 each (SeqChunk.tables)
+    # positions [a, b) whose rows attend to each other both ways (an image, in Gemma 3)
+    runs: tuple[tuple[int, int], ...] = ()
+
+    def row_end(self, position: int) -> int:
+        """One past the last position the row at `position` attends to."""
+        for a, b in self.runs:
+            if a <= position < b:
+                return b
+        return position + 1
 
     def table(self, index: int | None) -> torch.Tensor:
         """The table of the cache group at `index` among those with blocks of their own (the
@@ -72,6 +112,9 @@ class ForwardBatch:
     max_query_len: int
     max_context_len: int
     group_slots: tuple[torch.Tensor, ...] = ()  # [T] each: a row's slot in a group's pool
+    # images' rows (ImageRows): embeds [E, hidden] in place of rows embed_rows [E] int64
+    embeds: torch.Tensor | None = None
+    embed_rows: torch.Tensor | None = None
 
     def slots(self, index: int | None) -> torch.Tensor:
         """Where each row's K/V goes in the cache group at `index` among those with blocks of
@@ -94,6 +137,9 @@ class ForwardBatch:
         tables: list[list[int]] = []
         logits_rows: list[int] = []
         rows: list[int] = []
+        embeds: list[torch.Tensor] = []
+        embed_rows: list[int] = []
+        runs: list[tuple[tuple[int, int], ...]] = []
         for c in chunks:
             n = len(c.token_ids)
             if n == 0:
@@ -112,6 +158,11 @@ class ForwardBatch:
                 logits_rows.extend(range(row, row + n))
             elif c.want_logits:
                 logits_rows.append(row + n - 1)
+            parts = c.image_rows()
+            for first_row, image, first, end in parts:
+                embeds.append(image.embeds[first:end])
+                embed_rows.extend(range(row + first_row, row + first_row + end - first))
+            runs.append(tuple((i.start, i.end) for _, i, _, _ in parts if i.both_ways))
         width = max((len(t) for t in tables), default=0)
         padded = [t + [0] * (width - len(t)) for t in tables]
         qlens = [len(c.token_ids) for c in chunks]
@@ -126,21 +177,30 @@ class ForwardBatch:
         token_t, position_t, slot_t, logits_t, row_t, qlen_t, len_t, table_t = parts
         table_t = table_t.view(len(padded), width)
         spans = tuple(
-            SeqSpan(row, n, length, table_t[i, : len(t)])
-            for i, (row, n, length, t) in enumerate(zip(rows, qlens, lens, tables, strict=True))
+            SeqSpan(row, n, length, table_t[i, : len(t)], runs=r)
+            for i, (row, n, length, t, r) in enumerate(
+                zip(rows, qlens, lens, tables, runs, strict=True)
+            )
         )
         group_slots: tuple[torch.Tensor, ...] = ()
         if any(c.tables for c in chunks):
             spans, group_slots = _group_tables(chunks, spans, block_size, position_t.device)
+        embed_t = embed_row_t = None
+        if embeds:
+            embed_t = torch.cat(embeds).to(position_t.device)
+            embed_row_t = torch.tensor(embed_rows, dtype=torch.int64, device=position_t.device)
         return cls(
             token_t, position_t, slot_t, spans, logits_t, block_size, table_t, row_t, qlen_t,
-            len_t, max(qlens, default=0), max(lens, default=0), group_slots,
+            len_t, max(qlens, default=0), max(lens, default=0), group_slots, embed_t,
+            embed_row_t,
         )  # fmt: skip
 
     def to_wire(self) -> torch.Tensor:
         """The batch as one int64 tensor on its device, for another process to rebuild
         (from_wire): the sizes, then every field, flat; then, with cache groups of their own,
         each group's row slots and each sequence's table in it (padded as block_tables)."""
+        if self.embeds is not None:
+            raise ValueError("a batch with images does not go to other ranks")
         groups = len(self.group_slots)
         width = self.block_tables.shape[1]
         sizes = [self.num_tokens, len(self.logits_rows), len(self.seqs), width,
@@ -208,6 +268,13 @@ def _group_tables(
                 slots[g].append(block * block_size + p % block_size)
             tables.append(torch.tensor(table, dtype=torch.int64, device=device))
         out.append(
-            SeqSpan(span.row, span.query_len, span.context_len, span.block_table, tuple(tables))
+            SeqSpan(
+                span.row,
+                span.query_len,
+                span.context_len,
+                span.block_table,
+                tuple(tables),
+                span.runs,
+            )
         )
     return tuple(out), tuple(torch.tensor(g, dtype=torch.int64, device=device) for g in slots)

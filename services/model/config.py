@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.model.cache_spec import CacheSpec
+from services.model.vision.shape import VisionShape
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,8 @@ class ModelConfig:
     # DeepSeek's FP8 checkpoints: e4m3 weights with a float32 scale per block of this shape
     # (weight_scale_inv): dequantized at load, or kept FP8 on the Triton path (kernels/gpu/fp8.py)
     fp8_block: tuple[int, int] | None = None
+    # a model that reads images: its placeholders, preprocessing and vision tower (None: text)
+    vision: VisionShape | None = None
     name: str = field(default="model", compare=False)
 
     @property

@@ -16,6 +16,7 @@ from services.model.layers.attention import resolve_kernels
 from services.model.loading import hf_config, hf_dir, quantize, sources
 from services.model.parallel.plan import slices
 from services.model.parallel.tensor import sliced
+from services.model.vision.encoder import ImageEncoder, build_encoder
 from services.settings import DEFAULTS
 from services.tokenizer.tokenizer import Tokenizer
 
@@ -28,6 +29,7 @@ class LoadedModel:
     tokenizer: Tokenizer
     path: Path  # the Hugging Face directory the weights came from
     whole: ModelConfig | None = None  # the checkpoint's config, where the model is a slice
+    encoder: ImageEncoder | None = None  # a model that reads images: its image encoder
 
     @property
     def config(self) -> ModelConfig:
@@ -115,11 +117,14 @@ def load_model(
         kernels=kernels,
         deterministic=deterministic,
     )
+    encoder = None
+    if config.vision is not None:
+        encoder = build_encoder(config.vision, weights, resolve_dtype(dtype, dev), dev)
     if quantization == "int8":
         calibration = tokenizer.encode(quantize.calibration_text(), add_special_tokens=False)
         quantize.quantize_int8(model, weights, calibration)
     weights.release()  # what the model keeps, it holds; an expert rebuilt later reads its file
-    return LoadedModel(model, tokenizer, path, whole if tensor[1] > 1 else None)
+    return LoadedModel(model, tokenizer, path, whole if tensor[1] > 1 else None, encoder)
 
 
 def load_mtp(

@@ -111,7 +111,8 @@ def attend_paged(
     table: int | None = None,  # the layer's cache group's table in the batch (None: blocks')
 ) -> torch.Tensor:  # [T, heads, Dv]
     """Each row of the batch over its sequence's cached keys and values (its window of them:
-    only the blocks the window covers are read)."""
+    only the blocks the window covers are read); a row of an image whose rows attend both
+    ways (SeqSpan.runs) over the image's later rows too."""
     keys, values, lists, base = [], [], [], 0
     bs = batch.block_size
     for span in batch.seqs:
@@ -122,6 +123,7 @@ def attend_paged(
         keys.append(k[: span.context_len - first])
         values.append(v[: span.context_len - first])
         for t in range(start, span.context_len):
-            lists.append(torch.arange(base + window_start(t, window) - first, base + t + 1 - first))
+            end = span.row_end(t)  # t + 1, or past t where an image's rows see each other
+            lists.append(torch.arange(base + window_start(t, window) - first, base + end - first))
         base += span.context_len - first
     return attend_rows(q, torch.cat(keys), torch.cat(values), lists, scale, sinks)

@@ -17,6 +17,9 @@ def read_config(path: Path) -> ModelConfig:
     if not file.is_file():
         raise ModelLoadError(path, "no config.json in the model directory")
     raw = read_json_object(file) | _generation_eos(path)
+    processor = path / "preprocessor_config.json"  # a model that reads images: its pixels
+    if processor.is_file():
+        raw["_preprocessor"] = read_json_object(processor)
     try:
         return config_from_hf(raw)
     except ModelLoadError as e:

@@ -5,6 +5,8 @@ and after each block with (1 + weight), embeddings scaled by sqrt(hidden), GELU 
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +16,8 @@ from services.model.errors import ModelLoadError
 from services.model.families.llama import refuse
 from services.model.loading.hf_fields import eos_ids, rope_scaling
 from services.model.loading.shapes import embedding_shapes
+from services.model.vision.images import read_preprocess
+from services.model.vision.shape import SiglipShape, VisionShape
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
@@ -124,3 +128,81 @@ def expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes |= {a + "q_proj.bias": (q,), a + "k_proj.bias": (kv,), a + "v_proj.bias": (kv,),
                        a + "o_proj.bias": (h,)}  # fmt: skip
     return shapes
+
+
+def read_vision_config(raw: dict[str, Any], model_type: str) -> ModelConfig:
+    """`Gemma3ForConditionalGeneration`: the text decoder above (text_config) and its SigLIP
+    tower, whose 4096 patches (896 / 14 per side) are average-pooled to `mm_tokens_per_image`
+    rows, RMS-normed and projected to the text width; an image's rows attend to each other
+    both ways. The processor's settings come from preprocessor_config.json (`_preprocessor`,
+    merged in by hf_config)."""
+    text = dict(raw["text_config"])
+    for key in ("eos_token_id", "_name_or_path"):
+        if key in raw:
+            text[key] = raw[key]
+    config = read_config(text, "gemma3_text")
+    v = raw["vision_config"]
+    if v.get("vision_use_head"):
+        raise ModelLoadError("config.json", "vision_config.vision_use_head=true is not served")
+    if v.get("hidden_act", "gelu_pytorch_tanh") not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ModelLoadError("config.json", f"unsupported vision hidden_act {v['hidden_act']!r}")
+    tower = SiglipShape(
+        hidden_size=int(v["hidden_size"]),
+        intermediate_size=int(v["intermediate_size"]),
+        num_layers=int(v["num_hidden_layers"]),
+        num_heads=int(v["num_attention_heads"]),
+        image_size=int(v["image_size"]),
+        patch_size=int(v["patch_size"]),
+        layer_norm_eps=float(v.get("layer_norm_eps", 1e-6)),
+    )
+    tokens = int(raw.get("mm_tokens_per_image") or 256)
+    side = round(tokens**0.5)
+    if side * side != tokens or tower.patches_per_side % side:
+        raise ModelLoadError(
+            "config.json",
+            f"mm_tokens_per_image {tokens}: a square whose side divides the "
+            f"{tower.patches_per_side} patches per side",
+        )
+    vision = VisionShape(
+        image_token_id=int(raw.get("image_token_index") or raw["image_token_id"]),
+        tokens_per_image=tokens,
+        begin_token_id=int(raw.get("boi_token_index") or 255999),
+        end_token_id=int(raw.get("eoi_token_index") or 256000),
+        around="\n\n",
+        preprocess=read_preprocess(raw.get("_preprocessor") or {}, tower.image_size),
+        tower=tower,
+        encoder="services.model.families.gemma3.vision:Gemma3Encoder",
+        bidirectional=True,
+    )
+    return dataclasses.replace(config, architecture=model_type, vision=vision)
+
+
+def vision_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The text decoder's tensors, the tower's and the projector's (canonical names:
+    `stored_name`)."""
+    assert c.vision is not None
+    tower = c.vision.tower
+    assert isinstance(tower, SiglipShape)
+    return (
+        expected_shapes(c)
+        | tower.tensor_shapes("vision_tower.")
+        | {
+            "multi_modal_projector.mm_input_projection_weight": (tower.hidden_size, c.hidden_size),
+            "multi_modal_projector.mm_soft_emb_norm.weight": (tower.hidden_size,),
+        }
+    )
+
+
+# checkpoint names as transformers 4 and 5 save them -> the names above
+_STORED = (
+    (re.compile(r"^(model\.)?language_model\.(model\.)?"), "model."),
+    (re.compile(r"^model\.lm_head\."), "lm_head."),
+    (re.compile(r"^(model\.)?vision_tower\.(vision_model\.)?"), "vision_tower."),
+    (re.compile(r"^model\.multi_modal_projector\."), "multi_modal_projector."),
+)
+
+
+def canonical_name(stored: str) -> str:
+    for pattern, replacement in _STORED:
+        stored = pattern.sub(replacement, stored, count=1)
+    return stored

@@ -97,6 +97,8 @@ class Gemma3Model(PagedModel):
         c = self.config
         tables = {k: r.tables(batch.positions, self.dtype) for k, r in self._rope.items()}
         h = self.embed.index_select(0, batch.token_ids) * self.embed_scale
+        if batch.embeds is not None:  # an image's rows, not scaled
+            h[batch.embed_rows] = batch.embeds.to(h.dtype)
         for i, layer in enumerate(self.layers):
             x = _norm(h, layer.norms["input"], c.rms_norm_eps)
             q, k, v = layer.qkv(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)

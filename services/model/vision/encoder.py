@@ -1,0 +1,74 @@
+"""A worker's image encoder: an image's file bytes in, its embeddings out, one image at a
+time (an image's bits depend on it alone), the last ones kept by digest so that a repeated
+image is encoded once.
+
+    bytes -> open_image (checked) -> Preprocess.pixels -> the family's encoder -> [tokens, C]
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+
+import torch
+
+from kvstore.block_hash import image_digest
+from services.model.families.family import load_symbol
+from services.model.vision.images import ImageLimits, open_image
+from services.model.vision.shape import VisionShape
+
+CACHED_IMAGES = 64  # embeddings kept per worker (Gemma 3: 256 x 2560 x 2 bytes, 1.3 MB each)
+# a worker re-checks what the router checked; these bound it whatever the router allows
+WORKER_LIMITS = ImageLimits(max_bytes=64 << 20, max_pixels=64 << 20)
+
+
+class ImageEncoder:
+    """Thread-safe: a worker's request coroutines call `encode` from executor threads."""
+
+    def __init__(
+        self,
+        vision: VisionShape,
+        encode: Callable[[torch.Tensor], torch.Tensor],
+        device: torch.device,
+        cached: int = CACHED_IMAGES,
+    ) -> None:
+        self.vision = vision
+        self._encode = encode
+        self.device = device
+        self._cache: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+        self._cached = cached
+        self._lock = threading.Lock()
+        self.encoded = 0  # images run through the tower (cache misses)
+        self.hits = 0
+
+    def digest(self, data: bytes) -> bytes:
+        return image_digest(data, self.vision.preprocess.settings)
+
+    def encode(self, data: bytes) -> torch.Tensor:
+        """The image's embeddings [tokens_per_image, hidden]; ImageError for a bad file."""
+        key = self.digest(data)
+        with self._lock:
+            found = self._cache.get(key)
+            if found is not None:
+                self._cache.move_to_end(key)
+                self.hits += 1
+                return found
+            pixels = self.vision.preprocess.pixels(open_image(data, WORKER_LIMITS))
+            out = self._encode(torch.from_numpy(pixels).to(self.device))
+            self.encoded += 1
+            self._cache[key] = out
+            while len(self._cache) > self._cached:
+                self._cache.popitem(last=False)
+            return out
+
+
+def build_encoder(
+    vision: VisionShape,
+    weights: Mapping[str, torch.Tensor],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> ImageEncoder:
+    """The family's encoder (VisionShape.encoder) over the checkpoint's weights."""
+    family_encoder = load_symbol(vision.encoder)(vision, weights, dtype, device)
+    return ImageEncoder(vision, family_encoder, device)

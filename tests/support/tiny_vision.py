@@ -1,0 +1,74 @@
+"""A tiny random `Gemma3ForConditionalGeneration` made with transformers (no hub): Gemma 3's
+text decoder of tiny_models' size, a two-layer SigLIP tower over 32 x 32 images in 4 x 4
+patches (64), pooled to 16 rows an image; the embedded tokenizer with Gemma 3's three image
+tokens added, a chat template that places images as Gemma 3's does, and a
+preprocessor_config.json."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+import transformers
+
+BEGIN, END, IMAGE = 49152, 49153, 49154  # <start_of_image>, <end_of_image>, <image_soft_token>
+TOKEN_TEXT = {BEGIN: "<start_of_image>", END: "<end_of_image>", IMAGE: "<image_soft_token>"}
+TOKENS_PER_IMAGE = 16
+IMAGE_SIZE = 32
+
+# Gemma 3's way with a message's parts: an image part is its begin token, text parts trimmed
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for item in message['content'] %}"
+    "{% if item['type'] == 'image' %}<start_of_image>"
+    "{% elif item['type'] == 'text' %}{{ item['text'] | trim }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def vision_config() -> transformers.Gemma3Config:
+    text = dict(
+        vocab_size=49160, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+        query_pre_attn_scalar=16, final_logit_softcapping=30.0, max_position_embeddings=512,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+    )  # fmt: skip
+    vision = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        image_size=IMAGE_SIZE, patch_size=4, vision_use_head=False,
+    )  # fmt: skip
+    return transformers.Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=TOKENS_PER_IMAGE,
+        boi_token_index=BEGIN, eoi_token_index=END, image_token_index=IMAGE,
+    )  # fmt: skip
+
+
+def save_tiny_gemma3_vision(path: Path, embedded_dir: Path, seed: int = 0):
+    """The checkpoint at `path`; returns transformers' model (float32, eval)."""
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForConditionalGeneration(vision_config()).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith(("bias", "mm_input_projection_weight")):
+                p.normal_(0, 0.5)  # (1 + weight) norms and zero projections hide nothing
+    model.save_pretrained(path)
+    tokenizer = json.loads((embedded_dir / "tokenizer.json").read_text())
+    for token_id, text in TOKEN_TEXT.items():
+        flags = dict.fromkeys(("single_word", "lstrip", "rstrip", "normalized"), False)
+        token = {"id": token_id, "content": text, "special": True, **flags}
+        tokenizer["added_tokens"].append(token)
+    (path / "tokenizer.json").write_text(json.dumps(tokenizer))
+    shutil.copy(embedded_dir / "tokenizer_config.json", path / "tokenizer_config.json")
+    (path / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    processor = {
+        "image_processor_type": "Gemma3ImageProcessor", "do_resize": True, "do_rescale": True,
+        "do_normalize": True, "size": {"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+        "rescale_factor": 1 / 255, "resample": 2, "do_pan_and_scan": False,
+    }  # fmt: skip
+    (path / "preprocessor_config.json").write_text(json.dumps(processor))
+    return model
