@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable
 from collections.abc import Sequence as Seq
 
 from decode.prefetch import Prefetcher
+from kvstore.block_hash import ImageSpan
 from services.engine.block_manager import BlockManager
 from services.engine.kv_connector import BlockToSave, ImportedKV, full_blocks
 from services.engine.request import Sequence
@@ -45,11 +46,12 @@ class DecodeConnector:
         write_back: bool,
         prefetcher: Prefetcher | None = None,
         compute_head: Callable[[list[bytes], int], Awaitable[None]] | None = None,
+        images: Seq[ImageSpan] = (),
     ) -> DecodeConnector:
         """The connector of a request, with what the store holds of its prompt (and what a
         prefetch read of it already). `compute_head(hashes, n)`: the engine computes the
         prompt's first n blocks, for a split between computing and reading (KVLink.fetch)."""
-        full, partial = link.hashes(prompt, salt)
+        full, partial = link.hashes(prompt, salt, images)
         rest = len(prompt) % link.layout.block_size
         read = await prefetcher.claim(request_id, full) if prefetcher is not None else None
         head = None if compute_head is None else functools.partial(compute_head, full)

@@ -29,7 +29,7 @@ from services.rpc import worker_pb2 as pb
 from services.rpc import worker_pb2_grpc
 from services.settings import Settings
 from services.tracing import Span
-from services.worker import convert, siblings
+from services.worker import convert, images, siblings
 from services.worker.server import Worker, refuse, trace_steps
 
 log = logging.getLogger("pdserve.decode")
@@ -90,6 +90,9 @@ class DecodeWorker(Worker, worker_pb2_grpc.DecodeWorkerServicer):
             params = convert.sampling_params(request.params, request.seed)
             if not rid:
                 raise ValidationError("request_id", "must not be empty")
+            files = [image.data for image in request.images]
+            spans = images.spans_of(self.encoder, prompt, files)
+            encoded = await images.encode(self.encoder, spans, files)
         except ValidationError as e:
             await refuse(context, e)
 
@@ -103,7 +106,8 @@ class DecodeWorker(Worker, worker_pb2_grpc.DecodeWorkerServicer):
             request.salt,
             self.settings.worker.write_back,
             self.prefetcher,
-            compute_head,
+            None if spans else compute_head,  # a head would need the images' rows too
+            spans,
         )
         kv = connector.imported
         span.event("fetched", tokens=kv.num_tokens if kv is not None else 0)
@@ -118,6 +122,7 @@ class DecodeWorker(Worker, worker_pb2_grpc.DecodeWorkerServicer):
                     output_ids=output,
                     text_sent=request.text_sent if request.HasField("text_sent") else None,
                     block_hashes=connector.block_hashes,
+                    images=encoded,
                 ),
                 connector,
             )

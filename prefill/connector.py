@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 
+from kvstore.block_hash import ImageSpan
 from services.engine.block_manager import BlockManager
 from services.engine.kv_connector import BlockToSave, ImportedKV, full_blocks
 from services.engine.params import SamplingParams
@@ -33,10 +34,16 @@ class PrefillConnector:
 
     @classmethod
     async def fetch(
-        cls, link: KVLink, request_id: str, prompt: Seq[int], salt: bytes, params: SamplingParams
+        cls,
+        link: KVLink,
+        request_id: str,
+        prompt: Seq[int],
+        salt: bytes,
+        params: SamplingParams,
+        images: Seq[ImageSpan] = (),
     ) -> PrefillConnector:
         """The connector of a prompt, with what the store holds of it."""
-        full, partial = link.hashes(prompt, salt)
+        full, partial = link.hashes(prompt, salt, images)
         usable = (len(prompt) - 1) // link.layout.block_size  # the last token computes
         if params.prompt_logprobs is not None:
             usable = 0

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import pydantic
 from fastapi import Request
 
+from kvstore.block_hash import ImageSpan, image_digest
 from router.completions.openai_format import ChoiceState
 from router.completions.protocol import SamplingFields
 from router.completions.structured import grammar_of
@@ -28,6 +29,7 @@ from router.responses.store import ResponseStore
 from router.workers.generation import Delta, Job, Pipeline
 from router.workers.policy import Policy
 from router.workers.registry import Registry
+from services.engine.images import image_spans
 from services.engine.params import SamplingParams, ValidationError
 from services.model.config import ModelConfig
 from services.model.loading import hf_config, sources
@@ -165,9 +167,12 @@ class RouterState:
         params: SamplingParams,
         seed: int | None,
         salt: bytes,
+        images: Sequence[bytes] = (),
     ) -> list[Job]:
+        """One job a prompt; `images`: the one prompt's image files (chat), in order."""
         seed = random.getrandbits(63) if seed is None else seed
         wire = to_proto_params(params)
+        spans = self.image_spans(prompts[0], images) if images else ()
         return [
             Job(
                 f"{rid}-{i}",
@@ -177,10 +182,22 @@ class RouterState:
                 params.n,
                 salt,
                 i * params.n,
-                self.pipeline.block_hashes(ids, salt),
+                self.pipeline.block_hashes(ids, salt, spans),
+                images,
             )
             for i, ids in enumerate(prompts)
         ]
+
+    def image_spans(self, ids: Sequence[int], images: Sequence[bytes]) -> tuple[ImageSpan, ...]:
+        """The prompt's image places, named as the workers name them (their digests)."""
+        vision = self.model.vision
+        assert vision is not None  # images.read_all refused images otherwise
+        settings = vision.preprocess.settings
+        digests = [image_digest(data, settings) for data in images]
+        try:
+            return image_spans(ids, vision.image_token_id, vision.tokens_per_image, digests)
+        except ValidationError as e:
+            raise bad_request(e.message, "messages") from None
 
     # -- running ---------------------------------------------------------------------
 
@@ -324,9 +341,30 @@ async def read_model(request: Request, model: type[M], limit: int) -> M:
     try:
         return model.model_validate(data)
     except pydantic.ValidationError as e:
-        first = e.errors()[0]
-        param = ".".join(str(p) for p in first["loc"]) or None
+        first = telling_error(e.errors())
+        param = ".".join(error_path(first["loc"])) or None
         raise bad_request(f"{param}: {first['msg']}" if param else first["msg"], param) from e
+
+
+def error_path(loc: Sequence[Any]) -> list[str]:
+    """A pydantic location as the body names it: no union branch types (`list[...]`), a
+    tagged union's tag not repeated before the field it tags."""
+    out: list[str] = []
+    for part in map(str, loc):
+        if "[" not in part and (not out or out[-1] != part):
+            out.append(part)
+    return out
+
+
+def telling_error(errors: list[Any]) -> Any:
+    """The error to report: the first, or where it is one branch of a union (a message's
+    content: a string or parts), the deepest of that field's (the part that is wrong)."""
+    first = errors[0]
+    loc = tuple(first["loc"])
+    if not loc or loc[-1] != "str":
+        return first
+    same = [e for e in errors if tuple(e["loc"])[: len(loc) - 1] == loc[:-1]]
+    return max(same, key=lambda e: len(e["loc"]))
 
 
 # A UTF-16 surrogate can only enter a str through a JSON escape (the body is strict UTF-8).

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from router.completions import tools
+from router.completions import images, tools
 from router.completions.answer import Replies, respond
 from router.completions.forced_calls import ForcedCalls
 from router.completions.openai_format import (
@@ -123,7 +124,8 @@ async def chat(request: Request) -> Response:
     req = await read_model(request, ChatCompletionRequest, state.config.max_body_bytes)
     state.check_model(req.model)
     rid = new_id("chatcmpl")
-    run = prepare_chat(state, req, request, rid)
+    files = await images.read_all(state.config, state.model.vision, req.messages)
+    run = prepare_chat(state, req, request, rid, files)
     tool_plan, top, scores = run.tool_plan, run.top, PromptScores(state.tokenizer, [run.ids], 0)
     envelope = Envelope(rid, "chat.completion.chunk", int(time.time()), state.model_id)
     splitters: dict[int, tools.CallSplitter] = {}
@@ -203,18 +205,28 @@ class ChatRun:
 
 
 def prepare_chat(
-    state: RouterState, req: ChatCompletionRequest, request: Request, rid: str
+    state: RouterState,
+    req: ChatCompletionRequest,
+    request: Request,
+    rid: str,
+    files: Sequence[bytes] = (),
 ) -> ChatRun:
     """The request's tools checked, its messages templated, its parameters validated (400
-    naming the field), and its job: what chat completions and Responses share."""
+    naming the field), and its job: what chat completions and Responses share. `files`: the
+    messages' images (images.read_all), in order."""
     tool_plan = tools.plan(req)
     has_tools = state.tokenizer.template_has_tools
-    messages = tools.template_messages(req.messages, tool_plan.tools, has_tools)
+    vision = state.model.vision if files else None
+    image_text = images.image_text(state.tokenizer, vision) if vision else None
+    messages = tools.template_messages(req.messages, tool_plan.tools, has_tools, image_text)
     offered = [t.model_dump(exclude_none=True) for t in tool_plan.tools] if has_tools else None
     try:
-        ids = state.tokenizer.encode_chat(messages, req.add_generation_prompt, tools=offered)
+        text = state.tokenizer.render_chat(messages, req.add_generation_prompt, tools=offered)
     except ValueError as e:
         raise bad_request(f"the chat template refused the messages: {e}", "messages") from e
+    if vision is not None:
+        text = images.expand(text, state.tokenizer, vision, len(files))
+    ids = state.tokenizer.encode(text, add_special_tokens=False)
     limit = state.model.max_model_len
     max_tokens = req.max_completion_tokens or req.max_tokens or max(1, limit - len(ids))
     state.check_prompt(ids, max_tokens, "messages")
@@ -225,7 +237,7 @@ def prepare_chat(
     params = state.sampling(
         req, max_tokens, logprobs, grammar=tool_plan.grammar, prompt_logprobs=req.prompt_logprobs
     )
-    jobs = state.jobs(rid, [ids], params, req.seed, state.salt(request))
+    jobs = state.jobs(rid, [ids], params, req.seed, state.salt(request), files)
     return ChatRun(ids, tool_plan, jobs, top)
 
 

@@ -140,6 +140,20 @@ class TextPart(Tolerant):
     text: str
 
 
+class ImageUrl(Tolerant):
+    url: str  # a data: URL; file:// under allowed_local_media_path; http(s) from
+    # allowed_media_domains (router/completions/images.py)
+    detail: Literal["auto", "low", "high"] = "auto"  # accepted; the served models see one size
+
+
+class ImagePart(Tolerant):
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
 class FunctionCall(Tolerant):
     name: str
     arguments: str  # JSON text, as OpenAI sends it
@@ -155,7 +169,7 @@ class ToolCall(Tolerant):
 
 class ChatMessage(Tolerant):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # assistant turns
     tool_call_id: str | None = None  # tool turns: the call answered
@@ -164,12 +178,31 @@ class ChatMessage(Tolerant):
     def text(self) -> str:
         content = self.content
         if isinstance(content, list):
-            return "".join(part.text for part in content)
+            return "".join(part.text for part in content if isinstance(part, TextPart))
         return content or ""
 
-    def as_template_input(self) -> dict[str, Any]:
+    @property
+    def images(self) -> list[ImageUrl]:
+        if not isinstance(self.content, list):
+            return []
+        return [part.image_url for part in self.content if isinstance(part, ImagePart)]
+
+    def as_template_input(self, image_text: str | None = None) -> dict[str, Any]:
+        """The message as a chat template reads it. With images: its parts as a list
+        ({"type": "text", "text": ...}, {"type": "image"}) for a template that reads parts
+        (`image_text` None), else its text with `image_text` where each image goes."""
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": self.text}
+        if not self.images:
+            return {"role": role, "content": self.text}
+        assert isinstance(self.content, list)
+        if image_text is not None:
+            pieces = [p.text if isinstance(p, TextPart) else image_text for p in self.content]
+            return {"role": role, "content": "".join(pieces)}
+        parts = [
+            {"type": "text", "text": p.text} if isinstance(p, TextPart) else {"type": "image"}
+            for p in self.content
+        ]
+        return {"role": role, "content": parts}
 
 
 # a function's name, as OpenAI allows it

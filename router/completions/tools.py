@@ -87,11 +87,15 @@ def param(i: int) -> str:
 
 
 def template_messages(
-    messages: list[ChatMessage], tools: list[Tool], template_has_tools: bool
+    messages: list[ChatMessage],
+    tools: list[Tool],
+    template_has_tools: bool,
+    image_text: str | None = None,
 ) -> list[dict[str, Any]]:
     """The conversation as the chat template takes it: earlier calls and their results in
-    the Hermes format, and (templates without a tools section) the tools in a system message."""
-    out = [render(m, structured=template_has_tools) for m in messages]
+    the Hermes format, and (templates without a tools section) the tools in a system message.
+    `image_text`: what an image is in a template that reads no parts (ChatMessage)."""
+    out = [render(m, template_has_tools, image_text) for m in messages]
     if tools and not template_has_tools:
         listed = "\n".join(json.dumps(t.function.model_dump(exclude_none=True)) for t in tools)
         prompt = TOOLS_PROMPT.format(tools=listed)
@@ -102,10 +106,10 @@ def template_messages(
     return out
 
 
-def render(message: ChatMessage, structured: bool) -> dict[str, Any]:
+def render(message: ChatMessage, structured: bool, image_text: str | None = None) -> dict[str, Any]:
     """One message; a template with a tools section gets tool_calls as fields, any other
     the calls and results written out."""
-    out = message.as_template_input()
+    out = message.as_template_input(image_text)
     calls = [
         {"name": c.function.name, "arguments": loads_or_text(c.function.arguments)}
         for c in message.tool_calls or []

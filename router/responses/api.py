@@ -19,6 +19,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from router.completions import images
 from router.completions.answer import begin, streamed, whole_answer
 from router.completions.api import ChatRun, prepare_chat, state_of
 from router.completions.openai_format import ChoiceState, chat_logprobs
@@ -50,7 +51,9 @@ async def create(request: Request) -> Response:
     conversation = (*earlier(state, owner, req.previous_response_id), *turn)
     rid = item_id("resp")
     try:
-        run = prepare_chat(state, chat_request(req, conversation), request, rid)
+        chat = chat_request(req, conversation)
+        files = await images.read_all(state.config, state.model.vision, chat.messages)
+        run = prepare_chat(state, chat, request, rid, files)
     except APIError as e:
         raise flat_param(e) from e
     answer = Answer(state, req, rid, run, owner, conversation)

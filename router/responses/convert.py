@@ -22,8 +22,11 @@ from router.completions.protocol import (
     FunctionCall,
     FunctionDef,
     FunctionName,
+    ImagePart,
+    ImageUrl,
     NamedToolChoice,
     ResponseFormat,
+    TextPart,
     Tool,
     ToolCall,
 )
@@ -31,7 +34,7 @@ from router.errors import APIError, bad_request
 from router.responses.protocol import ContentPart, FunctionTool, InputItem, ResponsesRequest
 
 TEXT_PARTS = ("input_text", "output_text", "text")
-MEDIA_PARTS = ("input_image", "input_file", "input_audio")
+MEDIA_PARTS = ("input_file", "input_audio")  # input_image: content_parts
 # fields passed to the chat request as they are, when given
 SAME_FIELDS = ("temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty",
                "presence_penalty", "frequency_penalty", "structured_outputs", "user")  # fmt: skip
@@ -137,7 +140,7 @@ def input_messages(items: str | Sequence[InputItem], where: str = "input") -> li
         if kind == "message":
             if item.role is None:
                 raise bad_request(f"{at}: a message needs a role", f"{at}.role")
-            out.append(ChatMessage(role=item.role, content=content_text(item.content, at)))
+            out.append(ChatMessage(role=item.role, content=content_parts(item.content, at)))
         elif kind == "function_call":
             add_call(out, function_call(item, at))
         elif kind == "function_call_output":
@@ -183,6 +186,29 @@ def add_call(messages: list[ChatMessage], call: ToolCall) -> None:
         messages.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
 
 
+def content_parts(
+    content: str | list[ContentPart] | None, at: str
+) -> str | list[TextPart | ImagePart]:
+    """A message's content as chat's: its text, or with images its parts in order."""
+    if not isinstance(content, list) or not any(p.type == "input_image" for p in content):
+        return content_text(content, at)
+    out: list[TextPart | ImagePart] = []
+    for k, part in enumerate(content):
+        where = f"{at}.content.{k}"
+        if part.type != "input_image":
+            out.append(TextPart(type="text", text=content_text([part], at)))
+            continue
+        if part.image_url is None:
+            why = "images by file_id are not supported" if part.file_id else "no image_url"
+            raise bad_request(f"{where}: {why}; send image_url", f"{where}.image_url")
+        detail = part.detail or "auto"
+        if detail not in ("auto", "low", "high"):
+            raise bad_request(f"{where}: detail {detail!r} (auto, low or high)", f"{where}.detail")
+        url = ImageUrl(url=part.image_url, detail=detail)  # type: ignore[arg-type]
+        out.append(ImagePart(type="image_url", image_url=url))
+    return out
+
+
 def content_text(content: str | list[ContentPart] | None, at: str) -> str:
     if content is None or isinstance(content, str):
         return content or ""
@@ -194,8 +220,7 @@ def content_text(content: str | list[ContentPart] | None, at: str) -> str:
             texts.append(part.refusal or "")
         elif part.type in MEDIA_PARTS:
             raise bad_request(
-                f"{at}.content.{k}: the served model reads text; {part.type} parts "
-                "are not supported",
+                f"{at}.content.{k}: {part.type} parts are not supported",
                 f"{at}.content.{k}.type",
             )
         else:

@@ -17,12 +17,16 @@ from services.engine.params import MAX_LOGPROBS, PENALTY_LIMIT
 
 
 class ContentPart(Tolerant):
-    """A part of a message's content: `input_text`, `output_text`, `refusal` (text); an
-    image, file or audio part is refused (the served models read text)."""
+    """A part of a message's content: `input_text`, `output_text`, `refusal` (text),
+    `input_image` (a model that reads images: `image_url`, a data: URL or one the operator
+    allows); a file or audio part is refused."""
 
     type: str
     text: str | None = None
     refusal: str | None = None
+    image_url: str | None = None  # input_image
+    detail: str | None = None  # input_image: auto, low or high
+    file_id: str | None = None  # input_image by an uploaded file: refused (no Files API)
 
 
 class InputItem(Tolerant):

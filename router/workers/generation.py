@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from kvstore.block_hash import BLOCK_SIZE, block_hashes
+from kvstore.block_hash import BLOCK_SIZE, ImageSpan, block_hashes
 from router.errors import APIError, bad_request, unavailable
 from router.workers.policy import Policy
 from router.workers.quiet_calls import QuietCalls
@@ -55,6 +55,12 @@ class Job:
     # the prompt's block hashes in the workers' namespace (Pipeline.block_hashes), computed
     # once: the router's own account of what each worker caches (routing and backlogs)
     block_hashes: Sequence[bytes] = ()
+    # the prompt's images (files checked at the edge), in the order of its image places
+    images: Sequence[bytes] = ()
+
+    @property
+    def wire_images(self) -> list[pb.Image]:
+        return [pb.Image(data=data) for data in self.images]
 
 
 @dataclass
@@ -86,9 +92,12 @@ class Pipeline:
         self.on_local_prefill = on_local_prefill  # called with why a decode worker prefills
         self.quiet = QuietCalls()  # Prefetch and its Abort: calls nobody waits for
 
-    def block_hashes(self, prompt_ids: Sequence[int], salt: bytes) -> list[bytes]:
+    def block_hashes(
+        self, prompt_ids: Sequence[int], salt: bytes, images: Sequence[ImageSpan] = ()
+    ) -> list[bytes]:
         """A prompt's block hashes (the partial last one too) as the workers name them."""
-        return block_hashes(prompt_ids, BLOCK_SIZE, self.registry.namespace, salt, True)
+        ns = self.registry.namespace
+        return block_hashes(prompt_ids, BLOCK_SIZE, ns, salt, True, images)
 
     async def run(self, jobs: Sequence[Job], span: Span = NO_SPAN) -> AsyncIterator[Delta]:
         """Deltas of every choice of every job, interleaved as they arrive. Choice 0 of each
@@ -186,8 +195,8 @@ class Pipeline:
         writes them (decode/prefetch.py); None for a prompt it would read quickly anyway."""
         minimum = self.settings.prefetch_tokens
         candidates = self.registry.available("decode")
-        if not minimum or len(job.prompt_ids) < minimum or not candidates:
-            return None
+        if not minimum or len(job.prompt_ids) < minimum or not candidates or job.images:
+            return None  # (a prompt with images: its Decode reads what the prefill wrote)
         worker = self.policy.pick(candidates, job.block_hashes)
         if self._uncached(worker, job) < minimum:
             return None
@@ -242,6 +251,7 @@ class Pipeline:
             params=job.params,
             seed=seed,
             salt=job.salt,
+            images=job.wire_images,
         )
         tried = Tried()
         while True:
@@ -309,6 +319,7 @@ class Pipeline:
                 salt=job.salt,
                 local_prefill=local_prefill,
                 text_sent=text_sent,
+                images=job.wire_images,
             )
             traced = span.child("Decode", CLIENT, worker=worker.address, request_id=rid)
             call = worker.stub.Decode(request, metadata=trace_metadata(traced))

@@ -20,7 +20,12 @@ CLIENT_OPTIONS = [
     ("grpc.http2.max_pings_without_data", 0),
 ]
 
+# a request's images travel in it (worker.proto's Image): gRPC's 4 MiB default would refuse
+# a few photographs; the router's max_body_bytes bounds what it sends
+MAX_MESSAGE_BYTES = 256 << 20
+
 SERVER_OPTIONS = [
     ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_S * 1000 // 2),
     ("grpc.http2.max_ping_strikes", 0),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]

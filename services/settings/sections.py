@@ -291,7 +291,23 @@ class RouterSettings(Section):
     max_prompts: int = setting(64, "prompts one completions request may carry", ROUTER,
                                minimum=1)  # fmt: skip
     max_n: int = setting(16, "largest n (choices per prompt)", ROUTER, minimum=1)
-    max_body_bytes: int = setting(4 << 20, "largest request body (413 past it)", ROUTER)
+    max_body_bytes: int = setting(32 << 20, "largest request body (413 past it; images "
+                                  "come in it, base64)", ROUTER)  # fmt: skip
+    max_images_per_request: int = setting(8, "images one request may carry (400 past it)",
+                                          ROUTER, minimum=0)  # fmt: skip
+    max_image_bytes: int = setting(10 << 20, "largest image file (400 past it)", ROUTER,
+                                   minimum=1)  # fmt: skip
+    max_image_pixels: int = setting(32 << 20, "most pixels in an image, read from its header "
+                                    "before decoding (400 past it)", ROUTER,
+                                    minimum=1)  # fmt: skip
+    allowed_local_media_path: str | None = setting(None, "a directory whose files requests may "
+                                                   "name as file:// image URLs (none: refused)",
+                                                   ROUTER)  # fmt: skip
+    allowed_media_domains: tuple[str, ...] = setting((), "hosts whose http(s) image URLs the "
+                                                     "router fetches (none: remote URLs "
+                                                     "refused)", ROUTER)  # fmt: skip
+    media_fetch_timeout: float = setting(10.0, "seconds fetching a remote image may take",
+                                         ROUTER, minimum=0)  # fmt: skip
     health_interval: float = setting(1.0, "seconds between worker health checks (a worker not "
                                      "healthy is asked every 0.25 s)", ROUTER)  # fmt: skip
     health_timeout: float = setting(5.0, "seconds a worker's health check may take (a busy "

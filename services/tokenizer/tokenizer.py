@@ -85,6 +85,13 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return str(self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
+    def id_to_token(self, token_id: int) -> str:
+        """A token's text as the vocabulary spells it (a special token's name)."""
+        out = self.backend.id_to_token(token_id)
+        if out is None:
+            raise ValueError(f"token {token_id} is not in the vocabulary")
+        return str(out)
+
     def token_to_id(self, token: str) -> int | None:
         out = self.backend.token_to_id(token)
         return None if out is None else int(out)

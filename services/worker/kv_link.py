@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable, Container
 from collections.abc import Sequence as Seq
 
 from kvstore import open_store
-from kvstore.block_hash import KVLayout, block_hashes
+from kvstore.block_hash import ImageSpan, KVLayout, block_hashes
 from kvstore.blocks import BlockStore, StoredBlocks
 from kvstore.codec import BlockCodec, StorageDtype
 from kvstore.keyfile import read_key
@@ -104,10 +104,12 @@ class KVLink:
 
     # -- a request's blocks ---------------------------------------------------------
 
-    def hashes(self, prompt: Seq[int], salt: bytes) -> tuple[list[bytes], bytes | None]:
+    def hashes(
+        self, prompt: Seq[int], salt: bytes, images: Seq[ImageSpan] = ()
+    ) -> tuple[list[bytes], bytes | None]:
         """The prompt's full-block hashes, and its partial block's (None if it has none)."""
         bs = self.layout.block_size
-        hashes = block_hashes(prompt, bs, self.namespace, salt, True)
+        hashes = block_hashes(prompt, bs, self.namespace, salt, True, images)
         if len(prompt) % bs:
             return hashes[:-1], hashes[-1]
         return hashes, None

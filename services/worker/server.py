@@ -66,6 +66,7 @@ class Worker:
         ms, store = settings.model, settings.store
         loaded = self._load_ranks(settings)
         self.model_name = loaded.config.name
+        self.encoder = loaded.encoder  # a model that reads images: its encoder, else None
         cache_dtype = loaded.model.dtype
         storage = StorageDtype.parse(
             str(cache_dtype).removeprefix("torch.")

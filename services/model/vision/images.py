@@ -55,6 +55,8 @@ def open_image(data: bytes, limits: ImageLimits) -> Image.Image:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
         raise ImageError(f"too many pixels: {e}") from None
+    except Image.UnidentifiedImageError:
+        raise ImageError("not an image (no format Pillow reads)") from None
     except Exception as e:  # Pillow raises OSError, SyntaxError, ValueError... on bad files
         raise ImageError(f"not a readable image ({type(e).__name__}: {e})") from None
     if width < 1 or height < 1:
@@ -113,4 +115,4 @@ def read_preprocess(raw: dict[str, Any], default_size: int) -> Preprocess:
     if len(mean) != 3 or len(std) != 3 or min(std) <= 0:
         raise ValueError("preprocessor_config.json: image_mean and image_std of 3 channels")
     rescale = float(raw.get("rescale_factor") or 1 / 255)
-    return Preprocess(height, width, mean, std, rescale, resample)  # type: ignore[arg-type]
+    return Preprocess(height, width, mean, std, rescale, resample)
