@@ -25,7 +25,7 @@ from services.engine.request import EngineRequest, FinishReason
 from services.rpc import worker_pb2 as pb
 from services.rpc import worker_pb2_grpc
 from services.settings import Settings
-from services.worker import convert, images, siblings
+from services.worker import convert, siblings
 from services.worker.server import Worker, refuse, trace_steps
 
 log = logging.getLogger("pdserve.prefill")
@@ -47,9 +47,7 @@ class PrefillWorker(Worker, worker_pb2_grpc.PrefillWorkerServicer):
             params = convert.sampling_params(request.params, request.seed)
             if not rid:
                 raise ValidationError("request_id", "must not be empty")
-            files = [image.data for image in request.images]
-            spans = images.spans_of(self.encoder, prompt, files)
-            encoded = await images.encode(self.encoder, spans, files)
+            spans, encoded = await self.prompt_images(prompt, request.images)
         except ValidationError as e:
             await refuse(context, e)
         connector = await PrefillConnector.fetch(

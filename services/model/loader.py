@@ -119,7 +119,9 @@ def load_model(
     )
     encoder = None
     if config.vision is not None:
-        encoder = build_encoder(config.vision, weights, resolve_dtype(dtype, dev), dev)
+        encoder = build_encoder(
+            config.vision, weights, config.hidden_size, resolve_dtype(dtype, dev), dev
+        )
     if quantization == "int8":
         calibration = tokenizer.encode(quantize.calibration_text(), add_special_tokens=False)
         quantize.quantize_int8(model, weights, calibration)

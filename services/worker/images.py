@@ -1,48 +1,118 @@
 """A request's images on a worker: checked, named and encoded here, never taken on a caller's
 word. The worker finds the prompt's image places itself (runs of the model's image token),
 names each image by the digest of its bytes and the model's preprocessing (the block hashes
-include them), and encodes it (the encoder's cache keeps the last ones), in a thread of its
-own: the engine thread keeps stepping the batch meanwhile."""
+include them), and gets its rows: from its encoder's own cache, from the store (an encode
+worker, or another worker, put them there: kvstore/embeddings.py), or by encoding it here,
+in a thread of its own (the engine thread keeps stepping the batch meanwhile), then putting
+them in the store for the others. A store down or a value refused costs only the encoding.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 
+import torch
+
+from kvstore import open_store
 from kvstore.block_hash import ImageSpan
+from kvstore.codec import CodecError, StorageDtype
+from kvstore.embeddings import EmbeddingCodec, embeddings_namespace
+from kvstore.keyfile import read_key
+from kvstore.store import KVStore, StoreUnavailable
 from services.engine.images import PromptImage, image_spans
 from services.engine.params import ValidationError
 from services.model.vision.encoder import ImageEncoder
 from services.model.vision.images import ImageError
+from services.settings import StoreSettings
+
+log = logging.getLogger("pdserve.worker")
 
 
-def spans_of(
-    encoder: ImageEncoder | None, prompt: Sequence[int], images: Sequence[bytes]
-) -> tuple[ImageSpan, ...]:
-    """The prompt's image spans, one per image in order; ValidationError("images") where the
-    model reads none or they do not match the prompt's places."""
-    if not images:
-        return ()
-    if encoder is None:
-        raise ValidationError("images", "the model reads no images")
-    vision = encoder.vision
-    digests = [encoder.digest(data) for data in images]
-    return image_spans(prompt, vision.image_token_id, vision.tokens_per_image, digests)
+@dataclass
+class ImageCounters:
+    encoded: int = 0  # images run through the tower here
+    local_hits: int = 0  # found in this worker's encoder cache
+    store_hits: int = 0  # read from the store
+    store_refused: int = 0  # values the codec refused (deleted, encoded again)
 
 
-async def encode(
-    encoder: ImageEncoder | None, spans: Sequence[ImageSpan], images: Sequence[bytes]
-) -> tuple[PromptImage, ...]:
-    """Each image's embeddings beside its span; ValidationError("images") for a bad file."""
-    if not images:
-        return ()
-    assert encoder is not None  # spans_of refused the request otherwise
+class ImageSource:
+    """Thread-safe where the encoder is; its methods run on the worker's event loop."""
 
-    def run() -> list[object]:
-        return [encoder.encode(data) for data in images]
+    def __init__(
+        self, encoder: ImageEncoder, kv_namespace: str, dtype: torch.dtype, store: StoreSettings
+    ) -> None:
+        self.encoder = encoder
+        vision = encoder.vision
+        storage = StorageDtype.parse(str(dtype).removeprefix("torch."))
+        self.namespace = embeddings_namespace(
+            kv_namespace, storage.name.lower(), vision.preprocess.settings
+        )
+        key = read_key(store.kv_key_file) if store.kv_key_file else None
+        width = encoder.width
+        self.codec = EmbeddingCodec(self.namespace, storage, vision.tokens_per_image, width, key)
+        self.store: KVStore = open_store(
+            store.kv_store, self.namespace, timeout=store.store_timeout, max_bytes=store.max_bytes
+        )
+        self.counters = ImageCounters()
 
-    try:
-        embeds = await asyncio.to_thread(run)
-    except ImageError as e:
-        raise ValidationError("images", str(e)) from None
-    return tuple(PromptImage(s, e) for s, e in zip(spans, embeds, strict=True))
+    def spans(self, prompt: Sequence[int], files: Sequence[bytes]) -> tuple[ImageSpan, ...]:
+        vision = self.encoder.vision
+        digests = [self.encoder.digest(data) for data in files]
+        return image_spans(prompt, vision.image_token_id, vision.tokens_per_image, digests)
+
+    async def rows(
+        self, spans: Sequence[ImageSpan], files: Sequence[bytes]
+    ) -> tuple[PromptImage, ...]:
+        """Each image's rows beside its span; ValidationError("images") for a bad file."""
+        out = []
+        for span, data in zip(spans, files, strict=True):
+            out.append(PromptImage(span, await self.get(span.digest, data)))
+        return tuple(out)
+
+    async def get(self, digest: bytes, data: bytes) -> torch.Tensor:
+        """The image's rows: this worker's cache, the store's, or encoded here (and stored)."""
+        found = self.encoder.cached(digest)
+        if found is not None:
+            self.counters.local_hits += 1
+            return found
+        stored = await self._read(digest)
+        if stored is not None:
+            self.counters.store_hits += 1
+            return self.encoder.remember(digest, stored.to(self.encoder.device))
+        try:
+            rows = await asyncio.to_thread(self.encoder.encode, data)
+        except ImageError as e:
+            raise ValidationError("images", str(e)) from None
+        self.counters.encoded += 1
+        await self._write(digest, rows)
+        return rows
+
+    async def _read(self, digest: bytes) -> torch.Tensor | None:
+        try:
+            (value,) = await self.store.get_many([digest])
+        except StoreUnavailable:
+            return None
+        if value is None:
+            return None
+        try:
+            return self.codec.decode(value, digest)
+        except CodecError as e:
+            self.counters.store_refused += 1
+            log.warning("image rows refused", extra={"fields": {"why": e.reason}})
+            with contextlib.suppress(StoreUnavailable):
+                await self.store.delete([digest])
+            return None
+
+    async def _write(self, digest: bytes, rows: torch.Tensor) -> None:
+        try:
+            await self.store.put_many([(digest, self.codec.encode(rows, digest))])
+        except StoreUnavailable as e:
+            log.warning("image rows not stored", extra={"fields": {"why": str(e)}})
+
+    async def close(self) -> None:
+        await self.store.close()

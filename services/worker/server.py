@@ -16,16 +16,19 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 import torch
 
+from kvstore.block_hash import ImageSpan
 from kvstore.codec import StorageDtype
 from kvstore.store import StoreUnavailable
 from services.engine.driver import AsyncEngine
 from services.engine.engine import Engine
+from services.engine.images import PromptImage
 from services.engine.outputs import SequenceDelta
 from services.engine.params import ValidationError
 from services.model import kv_cache
@@ -43,6 +46,7 @@ from services.rpc import worker_pb2 as pb
 from services.settings import Settings
 from services.tracing import Span, Tracer, from_metadata
 from services.worker.fetch_choice import attention_k
+from services.worker.images import ImageSource
 from services.worker.kv_link import KVLink
 
 log = logging.getLogger("pdserve.worker")
@@ -66,7 +70,6 @@ class Worker:
         ms, store = settings.model, settings.store
         loaded = self._load_ranks(settings)
         self.model_name = loaded.config.name
-        self.encoder = loaded.encoder  # a model that reads images: its encoder, else None
         cache_dtype = loaded.model.dtype
         storage = StorageDtype.parse(
             str(cache_dtype).removeprefix("torch.")
@@ -91,6 +94,9 @@ class Worker:
             draft = load_mtp(
                 loaded.path, mc, model.dtype, model.device, model.kernels, ms.deterministic
             )
+        self.images = None  # a model that reads images: where its images' rows come from
+        if loaded.encoder is not None:
+            self.images = ImageSource(loaded.encoder, self.namespace, cache_dtype, store)
         self.link = KVLink(
             self.layout,
             storage,
@@ -113,6 +119,19 @@ class Worker:
         self.serving = False  # between start and drain
         self.exit_code = 0  # 1 once the engine is found dead or stalled
         self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def prompt_images(
+        self, prompt: Sequence[int], images: Sequence[pb.Image]
+    ) -> tuple[tuple[ImageSpan, ...], tuple[PromptImage, ...]]:
+        """The prompt's image spans (for its block hashes) and their rows; ValidationError
+        ("images") where they do not fit the prompt, a file is bad or the model reads none."""
+        files = [image.data for image in images]
+        if not files:
+            return (), ()
+        if self.images is None:
+            raise ValidationError("images", "the model reads no images")
+        spans = self.images.spans(prompt, files)
+        return spans, await self.images.rows(spans, files)
 
     def _load_ranks(self, settings: Settings) -> LoadedModel:
         """The model, and the processes it spans: this worker's tensor ranks (the model is

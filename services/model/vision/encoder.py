@@ -24,51 +24,66 @@ WORKER_LIMITS = ImageLimits(max_bytes=64 << 20, max_pixels=64 << 20)
 
 
 class ImageEncoder:
-    """Thread-safe: a worker's request coroutines call `encode` from executor threads."""
+    """Thread-safe: a worker's request coroutines call it from executor threads."""
 
     def __init__(
         self,
         vision: VisionShape,
         encode: Callable[[torch.Tensor], torch.Tensor],
+        width: int,
         device: torch.device,
         cached: int = CACHED_IMAGES,
     ) -> None:
         self.vision = vision
         self._encode = encode
+        self.width = width  # each row's: the text model's hidden size
         self.device = device
         self._cache: OrderedDict[bytes, torch.Tensor] = OrderedDict()
         self._cached = cached
-        self._lock = threading.Lock()
-        self.encoded = 0  # images run through the tower (cache misses)
-        self.hits = 0
+        self._lock = threading.Lock()  # the cache
+        self._tower = threading.Lock()  # one image through the tower at a time
+        self.encoded = 0  # images run through the tower
+        self.hits = 0  # encode() calls answered from the cache
 
     def digest(self, data: bytes) -> bytes:
         return image_digest(data, self.vision.preprocess.settings)
 
-    def encode(self, data: bytes) -> torch.Tensor:
-        """The image's embeddings [tokens_per_image, hidden]; ImageError for a bad file."""
-        key = self.digest(data)
+    def cached(self, digest: bytes) -> torch.Tensor | None:
         with self._lock:
-            found = self._cache.get(key)
+            found = self._cache.get(digest)
             if found is not None:
-                self._cache.move_to_end(key)
-                self.hits += 1
-                return found
-            pixels = self.vision.preprocess.pixels(open_image(data, WORKER_LIMITS))
-            out = self._encode(torch.from_numpy(pixels).to(self.device))
-            self.encoded += 1
-            self._cache[key] = out
+                self._cache.move_to_end(digest)
+            return found
+
+    def remember(self, digest: bytes, rows: torch.Tensor) -> torch.Tensor:
+        with self._lock:
+            self._cache[digest] = rows
+            self._cache.move_to_end(digest)
             while len(self._cache) > self._cached:
                 self._cache.popitem(last=False)
-            return out
+        return rows
+
+    def encode(self, data: bytes) -> torch.Tensor:
+        """The image's rows [tokens_per_image, width]; ImageError for a bad file."""
+        key = self.digest(data)
+        found = self.cached(key)
+        if found is not None:
+            self.hits += 1
+            return found
+        pixels = self.vision.preprocess.pixels(open_image(data, WORKER_LIMITS))
+        with self._tower:
+            out = self._encode(torch.from_numpy(pixels).to(self.device))
+            self.encoded += 1
+        return self.remember(key, out)
 
 
 def build_encoder(
     vision: VisionShape,
     weights: Mapping[str, torch.Tensor],
+    width: int,
     dtype: torch.dtype,
     device: torch.device,
 ) -> ImageEncoder:
     """The family's encoder (VisionShape.encoder) over the checkpoint's weights."""
     family_encoder = load_symbol(vision.encoder)(vision, weights, dtype, device)
-    return ImageEncoder(vision, family_encoder, device)
+    return ImageEncoder(vision, family_encoder, width, device)
