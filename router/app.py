@@ -36,7 +36,8 @@ def create_app(settings: Settings, state: RouterState | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # channels belong to the serving loop: the configured workers are added here
-        for role, addresses in (("prefill", config.prefill), ("decode", config.decode)):
+        roles = (("prefill", config.prefill), ("decode", config.decode), ("encode", config.encode))
+        for role, addresses in roles:
             for address in addresses:
                 state.registry.configure(role, address)
         await state.registry.resolve()

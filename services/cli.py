@@ -59,6 +59,7 @@ def _parser() -> argparse.ArgumentParser:
     for role, text in (
         ("prefill", "run a prefill worker (gRPC)"),
         ("decode", "run a decode worker (gRPC)"),
+        ("encode", "run an encode worker: a model's vision tower alone (gRPC)"),
         ("router", "serve the OpenAI API in front of the workers"),
         ("up", "run router, prefill and decode workers and the KV store together"),
     ):

@@ -1,8 +1,9 @@
 """`pdserve up`: the whole stack on one machine, as child processes of this one.
 
 Starts the KV store (a redis-server child with `--redis`; otherwise the URL given, by default
-the embedded `local://` store the workers share through files), `num_prefill` prefill and
-`num_decode` decode workers on free ports, and the router on `--host`/`--port`. Waits until
+the embedded `local://` store the workers share through files), `num_prefill` prefill,
+`num_decode` decode and `num_encode` encode workers on free ports, and the router on
+`--host`/`--port`. Waits until
 the router's /health says 200, prints the URL and a ready line, and passes the children's
 output through, each line prefixed with the child's name.
 
@@ -140,9 +141,10 @@ class Stack:
         if ranks > 1:
             roles = "decode" if self.colocated else f"prefill x{u.num_prefill}, decode"
             return f"{roles} x{u.num_decode}, each {ranks} data-parallel ranks"
+        encoders = f", encode x{u.num_encode}" if u.num_encode else ""
         if not self.colocated:
-            return f"prefill x{u.num_prefill}, decode x{u.num_decode}"
-        shape = f"colocated: decode x{u.num_decode} computing prompts too"
+            return f"prefill x{u.num_prefill}, decode x{u.num_decode}{encoders}"
+        shape = f"colocated: decode x{u.num_decode} computing prompts too{encoders}"
         if u.colocated is None:
             shape += (
                 f" (chosen for {self.cores} cores: faster than prefill and decode "
@@ -169,7 +171,7 @@ class Stack:
         )
         shared = sum(count for _, count in roles) * s.worker.data_parallel > 1
         shared_cores = shared_host_env(base) if shared else {}
-        addresses: dict[str, list[str]] = {"prefill": [], "decode": []}
+        addresses: dict[str, list[str]] = {"prefill": [], "decode": [], "encode": []}
         workers: list[Child] = []
         ranks = s.worker.data_parallel  # each worker N processes, each its own target
         meeting = 0
@@ -190,13 +192,20 @@ class Stack:
                 argv = [PDSERVE, role, "--host", "127.0.0.1", "--port", str(port)]
                 workers.append(Child(f"{role}-{i}", argv, env))
                 addresses[role].append(f"127.0.0.1:{port}")
+        for i in range(s.up.num_encode):
+            port = free_port()
+            env = {**base, **child_env(s, "encode"), **secrets_env}
+            argv = [PDSERVE, "encode", "--host", "127.0.0.1", "--port", str(port)]
+            workers.append(Child(f"encode-{i}", argv, env))
+            addresses["encode"].append(f"127.0.0.1:{port}")
         self.children += workers
         env = {**base, **child_env(s, "router")}
         if self.colocated:  # the router sends every prompt to a decode worker
             env[env_name("disagg_threshold")] = str(COLOCATED_THRESHOLD)
         argv = [PDSERVE, "router", "--host", s.server.host, "--port", str(s.port),
                 "--prefill", ",".join(addresses["prefill"]) or "",
-                "--decode", ",".join(addresses["decode"])]  # fmt: skip
+                "--decode", ",".join(addresses["decode"]),
+                "--encode", ",".join(addresses["encode"]) or ""]  # fmt: skip
         self.children.append(Child("router", argv, env))
         return store
 

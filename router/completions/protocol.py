@@ -258,5 +258,5 @@ class DetokenizeRequest(Tolerant):
 
 
 class WorkerChange(Strict):
-    role: Literal["prefill", "decode"]
+    role: Literal["prefill", "decode", "encode"]
     address: str

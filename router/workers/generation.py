@@ -26,6 +26,7 @@ import grpc
 
 from kvstore.block_hash import BLOCK_SIZE, ImageSpan, block_hashes
 from router.errors import APIError, bad_request, unavailable
+from router.workers import encoding
 from router.workers.policy import Policy
 from router.workers.quiet_calls import QuietCalls
 from router.workers.registry import Registry, Tried, WorkerState
@@ -152,6 +153,9 @@ class Pipeline:
         early: WorkerState | None = None  # the decode worker reading the prompt's KV early
         try:
             reply = None
+            if job.images and prefilled is not None:  # choice 0: the images, once
+                timeout = self.settings.prefill_timeout
+                await encoding.encode(self.registry, rid, job.wire_images, timeout, span)
             if self._compute_on_decode(job):
                 self.on_local_prefill("colocated" if self.colocated else "short_prompt")
             elif self._spill(job):

@@ -49,6 +49,8 @@ CHANNEL_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
     *keepalive.CLIENT_OPTIONS,
 ]
+STUBS = {"prefill": pbg.PrefillWorkerStub, "decode": pbg.DecodeWorkerStub,
+         "encode": pbg.EncodeWorkerStub}  # fmt: skip
 # A worker not healthy (starting, restarting, refused) is asked this often, whatever the
 # interval: a stack is ready, and a restarted worker back, as soon as it answers.
 RECHECK_UNHEALTHY = 0.25
@@ -56,10 +58,10 @@ RECHECK_UNHEALTHY = 0.25
 
 @dataclass
 class WorkerState:
-    role: str  # "prefill" or "decode"
+    role: str  # "prefill", "decode" or "encode"
     address: str
     channel: grpc.aio.Channel
-    stub: Any  # PrefillWorkerStub or DecodeWorkerStub
+    stub: Any  # PrefillWorkerStub, DecodeWorkerStub or EncodeWorkerStub
     healthy: bool = False
     namespace: str = ""
     refused: str | None = None  # why its KV cannot be used with the others' (Registry._check)
@@ -145,7 +147,7 @@ class Registry:
         key = (role, address)
         if key not in self.workers:
             channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-            stub_class = pbg.PrefillWorkerStub if role == "prefill" else pbg.DecodeWorkerStub
+            stub_class = STUBS[role]
             self.workers[key] = WorkerState(role, address, channel, stub_class(channel))
             log.warning("worker added", extra={"fields": {"role": role, "address": address}})
         return self.workers[key]

@@ -23,8 +23,9 @@ class PromptImage:
 def validate_images(
     images: Sequence[PromptImage], prompt: Sequence[int], vision: Any, hidden: int
 ) -> None:
-    """ValidationError("images") unless each image covers placeholder tokens of the prompt
-    alone, in order, with one embedding row of the model's width per placeholder."""
+    """ValidationError("images") unless the images cover the prompt's runs of placeholder
+    tokens one to one, in order, with one embedding row of the model's width per
+    placeholder (a prompt without images may hold placeholder tokens: they are tokens)."""
     if not images:
         return
     if vision is None:
@@ -39,6 +40,11 @@ def validate_images(
         if shape != (span.length, hidden):
             raise ValidationError("images", f"image {i}: embeddings {shape}")
         end = span.end
+    runs = placeholder_runs(prompt, vision.image_token_id)
+    if [(i.span.start, i.span.length) for i in images] != runs:
+        raise ValidationError(
+            "images", f"{len(images)} images do not cover the prompt's {len(runs)} image places"
+        )
 
 
 def fit_chunk(images: Sequence[PromptImage], start: int, n: int) -> int:

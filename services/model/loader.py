@@ -129,6 +129,21 @@ def load_model(
     return LoadedModel(model, tokenizer, path, whole if tensor[1] > 1 else None, encoder)
 
 
+def load_encoder(
+    spec: str, dtype: str = DEFAULTS.model.dtype, device: str = DEFAULTS.model.device
+) -> tuple[ImageEncoder, ModelConfig, Path]:
+    """A model's image encoder alone (an encode worker's): only its tensors are read."""
+    dev = resolve_device(device)
+    path = sources.resolve(spec)
+    config = hf_config.read_config(path)
+    if config.vision is None:
+        raise ModelLoadError(path, "the model reads no images: nothing to encode")
+    weights = hf_dir.read_weights(path, config, only=config.vision.weights)
+    vision, width = config.vision, config.hidden_size
+    encoder = build_encoder(vision, weights, width, resolve_dtype(dtype, dev), dev)
+    return encoder, config, path
+
+
 def load_mtp(
     path: Path,
     config: ModelConfig,

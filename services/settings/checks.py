@@ -23,15 +23,17 @@ def check(settings: Settings) -> Settings:
     _trace_file(settings)
     if role in ROUTER:
         settings = _router_secrets(settings)
-    if role in WORKER:
+    if role in (*WORKER, "encode"):
         _store(settings)
-        if settings.engine.speculative.method == "draft":
-            if settings.engine.speculative.draft_model is None:  # the worker loads it
-                raise SettingsError(settings.engine.speculative.malformed)
-            check_model(settings.engine.speculative.draft_model)
+    if role in WORKER and settings.engine.speculative.method == "draft":
+        if settings.engine.speculative.draft_model is None:  # the worker loads it
+            raise SettingsError(settings.engine.speculative.malformed)
+        check_model(settings.engine.speculative.draft_model)
     if role == "up":
         _up(settings)
     path = check_model(settings.model.model)
+    if role == "encode" or (role == "up" and settings.up.num_encode):
+        _reads_images(path)
     if role in WORKER and settings.experts.expert_parallel > 1:
         _experts(settings, path)
     if role in WORKER and settings.model.tensor_parallel > 1:
@@ -166,6 +168,15 @@ def _store(s: Settings) -> None:
             private_dir(path_of(s.store.kv_store))
     except (OSError, ValueError) as e:
         raise SettingsError(str(e)) from e
+
+
+def _reads_images(path: Path) -> None:
+    """An encode worker needs a model that reads images."""
+    from services.model.loading.hf_config import read_config
+
+    if read_config(path).vision is None:
+        raise SettingsError(f"encode: {path.name} reads no images (an encode worker runs a "
+                            "model's vision tower)")  # fmt: skip
 
 
 def _up(s: Settings) -> None:

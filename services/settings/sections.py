@@ -19,12 +19,14 @@ from typing import Any
 
 from kvstore.block_hash import BLOCK_SIZE
 
-ROLES = ("router", "prefill", "decode", "up")
+ROLES = ("router", "prefill", "decode", "encode", "up")
 WORKER = ("prefill", "decode", "up")
+ENCODE = (*WORKER, "encode")  # what an encode worker takes too (model, dtype, the store)
 ROUTER = ("router", "up")
 EVERY = ROLES
 OFFLINE = ("generate",)  # `pdserve generate` takes the model's settings
-DEFAULT_PORTS = {"router": 8000, "prefill": 50051, "decode": 50052, "up": 8000, "generate": 0}
+DEFAULT_PORTS = {"router": 8000, "prefill": 50051, "decode": 50052, "encode": 50053, "up": 8000,
+                 "generate": 0}  # fmt: skip
 SECRETS = ("api_keys", "admin_key")  # shown as <set>
 SPECULATIVE_METHODS = ("ngram", "suffix", "draft", "mtp")
 GIB = 1 << 30
@@ -71,9 +73,9 @@ class ModelSettings(Section):
     model: str = setting("embedded", 'model: "embedded" (SmolLM2-135M-Instruct), a .gguf file '
                          "or a Hugging Face directory", (*EVERY, *OFFLINE))  # fmt: skip
     dtype: str = setting("auto", "compute dtype; auto = bfloat16 where the CPU has bf16 units",
-                         (*WORKER, *OFFLINE),
+                         (*ENCODE, *OFFLINE),
                          choices=("auto", "float32", "bfloat16", "float16"))  # fmt: skip
-    device: str = setting("auto", "auto, cpu or cuda[:N]", (*WORKER, *OFFLINE))
+    device: str = setting("auto", "auto, cpu or cuda[:N]", (*ENCODE, *OFFLINE))
     kernels: str = setting("auto", "attention and layer kernels: auto (Triton on CUDA, C on "
                            "CPUs), c, torch, or triton (on a CPU: Triton's interpreter, for "
                            "tests)", (*WORKER, *OFFLINE),
@@ -86,7 +88,7 @@ class ModelSettings(Section):
     quantization: str = setting("none", "int8: the decoder layers' q/k/v, o and gate/up "
                                 "products in int8, weights and activations (CPUs; fast with "
                                 "VNNI or AMX; perplexity +0.3%, docs/benchmarks.md)",
-                                (*WORKER, *OFFLINE), choices=("none", "int8"))  # fmt: skip
+                                (*ENCODE, *OFFLINE), choices=("none", "int8"))  # fmt: skip
     tensor_parallel: int = setting(1, "processes each layer is split over by its output "
                                    "columns (heads, MLP columns, vocabulary), the worker and "
                                    "N - 1 ranks it starts; answers equal one process's, bit "
@@ -193,20 +195,20 @@ class StoreSettings(Section):
     """A worker's KV store (services/worker/kv_link.py)."""
 
     kv_store: str = setting("local://", "KV store: local://[PATH], memory://, redis://...",
-                            WORKER)  # fmt: skip
+                            ENCODE)  # fmt: skip
     kv_store_dtype: str = setting("auto", "stored blocks' dtype: auto, float32, float16, "
-                                  "bfloat16, fp8", WORKER)  # fmt: skip
+                                  "bfloat16, fp8", ENCODE)  # fmt: skip
     kv_store_max_gb: float = setting(8.0, "size cap of a local:// store (least recently used "
-                                     "blocks go first)", WORKER)  # fmt: skip
+                                     "blocks go first)", ENCODE)  # fmt: skip
     store_timeout: float = setting(1.0, "seconds per store call before it counts as down",
-                                   WORKER)  # fmt: skip
+                                   ENCODE)  # fmt: skip
     kv_fetch: str = setting("auto", "a prompt's blocks in the store: auto (read, computed, "
                             "or the first computed while the rest is read: whichever the "
                             "measured link and prompt rate make soonest), always, never",
                             WORKER, choices=("auto", "always", "never"))  # fmt: skip
     kv_key_file: str | None = setting(None, "file holding the secret every worker of the "
                                       "deployment shares: stored blocks carry a MAC made with "
-                                      "it (none: a checksum only)", WORKER)  # fmt: skip
+                                      "it (none: a checksum only)", ENCODE)  # fmt: skip
 
     @property
     def max_bytes(self) -> int:
@@ -218,7 +220,7 @@ class StoreSettings(Section):
 class WorkerSettings(Section):
     """A worker process around its engine (services/worker/server.py)."""
 
-    grace_period: float = setting(10.0, "seconds in-flight requests get on SIGTERM", WORKER)
+    grace_period: float = setting(10.0, "seconds in-flight requests get on SIGTERM", ENCODE)
     engine_stall_timeout: float = setting(60.0, "seconds without an engine step while requests "
                                           "wait before a worker exits (for a restart)",
                                           WORKER)  # fmt: skip
@@ -271,6 +273,9 @@ class RouterSettings(Section):
     served_model_name: str | None = setting(None, "the model id clients send", ROUTER)
     prefill: tuple[str, ...] = setting((), "prefill workers, HOST:PORT (router)", ("router",))
     decode: tuple[str, ...] = setting((), "decode workers, HOST:PORT (router)", ("router",))
+    encode: tuple[str, ...] = setting((), "encode workers, HOST:PORT: a prompt's images are "
+                                      "encoded there first (none: by the worker computing the "
+                                      "prompt)", ("router",))  # fmt: skip
     policy: str = setting("kv_aware", "routing policy", ROUTER,
                           choices=("round_robin", "least_load", "kv_aware"))  # fmt: skip
     imbalance: int = setting(8, "kv_aware: requests a cached worker may be busier by", ROUTER)
@@ -337,6 +342,9 @@ class UpSettings(Section):
 
     num_prefill: int = setting(1, "prefill workers to start", ("up",), minimum=1)
     num_decode: int = setting(1, "decode workers to start", ("up",), minimum=1)
+    num_encode: int = setting(0, "encode workers to start (a model that reads images; 0: the "
+                              "worker computing a prompt encodes its images)", ("up",),
+                              minimum=0)  # fmt: skip
     colocated: bool | None = setting(None, "no prefill workers: each decode worker computes "
                                      "prompts too, in one engine; unset: chosen by the host's "
                                      "cores (colocated below 8, where the two roles' processes "

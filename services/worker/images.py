@@ -92,6 +92,20 @@ class ImageSource:
         await self._write(digest, rows)
         return rows
 
+    async def publish(self, data: bytes) -> bool:
+        """The image's rows in the store: True when encoded here, False when the store held
+        them already (an encode worker's job); ImageError for a bad file."""
+        digest = self.encoder.digest(data)
+        try:
+            if await self.store.longest_prefix([digest]):
+                return False
+        except StoreUnavailable:
+            pass  # encoded all the same: the Encode's caller falls back to its own
+        rows = await asyncio.to_thread(self.encoder.encode, data)
+        self.counters.encoded += 1
+        await self._write(digest, rows)
+        return True
+
     async def _read(self, digest: bytes) -> torch.Tensor | None:
         try:
             (value,) = await self.store.get_many([digest])

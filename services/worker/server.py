@@ -18,12 +18,13 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
 import torch
 
-from kvstore.block_hash import ImageSpan
+from kvstore.block_hash import ImageSpan, KVLayout
 from kvstore.codec import StorageDtype
 from kvstore.store import StoreUnavailable
 from services.engine.driver import AsyncEngine
@@ -34,6 +35,7 @@ from services.engine.params import ValidationError
 from services.model import kv_cache
 from services.model.allocator import keep_freed_memory
 from services.model.causal_lm import CausalLM, MtpLayer
+from services.model.config import ModelConfig
 from services.model.experts import expert_parallel
 from services.model.experts.eplb import Share
 from services.model.loader import LoadedModel, load_model, load_mtp
@@ -71,18 +73,8 @@ class Worker:
         loaded = self._load_ranks(settings)
         self.model_name = loaded.config.name
         cache_dtype = loaded.model.dtype
-        storage = StorageDtype.parse(
-            str(cache_dtype).removeprefix("torch.")
-            if store.kv_store_dtype == "auto"
-            else store.kv_store_dtype
-        )
         mc = loaded.config
-        weights_id = sources.fingerprint(loaded.path)  # quantized weights compute other KV
-        if ms.quantization != "none":
-            weights_id += f"+{ms.quantization}"
-        self.layout = kv_cache.layout(
-            weights_id, storage.name.lower(), settings.engine.block_size, mc
-        )
+        self.layout, storage = kv_layout(settings, loaded.path, mc, cache_dtype)
         self.namespace = self.layout.namespace()
         draft: CausalLM | MtpLayer | None = None
         if settings.engine.speculative.draft_model is not None:
@@ -229,6 +221,8 @@ class Worker:
             store_writes=stats.puts,
             store_bytes_read=stats.bytes_read,
             store_bytes_written=stats.bytes_written,
+            images_encoded=self.images.counters.encoded if self.images else 0,
+            images_from_store=self.images.counters.store_hits if self.images else 0,
         )
 
     # -- serving ---------------------------------------------------------------------
@@ -318,6 +312,24 @@ class Worker:
                 self.exit_code = 1
                 stop.set()
                 return
+
+
+def kv_layout(
+    settings: Settings, path: Path, config: ModelConfig, dtype: torch.dtype
+) -> tuple[KVLayout, StorageDtype]:
+    """The layout of the blocks a worker of these settings stores (its namespace: what every
+    worker and encoder of a deployment must agree on), and their storage dtype."""
+    store = settings.store
+    storage = StorageDtype.parse(
+        str(dtype).removeprefix("torch.")
+        if store.kv_store_dtype == "auto"
+        else store.kv_store_dtype
+    )
+    weights_id = sources.fingerprint(path)  # quantized weights compute other KV
+    if settings.model.quantization != "none":
+        weights_id += f"+{settings.model.quantization}"
+    layout = kv_cache.layout(weights_id, storage.name.lower(), settings.engine.block_size, config)
+    return layout, storage
 
 
 async def refuse(context: Any, error: ValidationError) -> None:

@@ -75,6 +75,7 @@ def read_weights(
     config: ModelConfig,
     rows: Mapping[str, slice] | None = None,
     experts: frozenset[int] | None = None,
+    only: tuple[str, ...] = ("",),
 ) -> Weights:
     """Every tensor the config calls for, as stored (dtype unchanged: an FP8 checkpoint's
     weights stay e4m3 beside their block scales, `<name>_scale_inv`, checked here; the model
@@ -82,11 +83,11 @@ def read_weights(
     tensors of which only these rows are read (a tensor-parallel rank's slices: the rest of
     the tensor never reaches memory). `experts`: the routed experts read (`Weights.experts`;
     an expert stored per expert, `...experts.<e>.`: gpt-oss's stacked experts are read
-    whole)."""
+    whole). `only`: the tensors whose names start so (an image encoder's alone)."""
     from safetensors import safe_open
 
     family = families.of(config)
-    wanted = set(family.expected_shapes(config))
+    wanted = {n for n in family.expected_shapes(config) if n.startswith(only)}
     if config.fp8_block is not None and family.own_scales is not None:
         wanted |= {family.own_scales(name) for name in wanted}
     elif config.fp8_block is not None:
@@ -116,7 +117,7 @@ def read_weights(
         except Exception as e:  # safetensors raises several types for a bad header
             raise ModelLoadError(file, f"not a valid safetensors file: {e}") from e
         out |= tensors
-    check_complete(path, config, out.files)
+    check_complete(path, config, out.files, only)
     if config.fp8_block is not None and family.own_scales is None:  # else the family's
         check_fp8_scales(path, out, config.fp8_block)
     return out

@@ -21,9 +21,12 @@ def check_shapes(path: Path, config: ModelConfig, shapes: Mapping[str, Sequence[
             )
 
 
-def check_complete(path: Path, config: ModelConfig, names: Collection[str]) -> None:
-    """Every tensor the config implies is present."""
-    missing = sorted(set(families.expected_shapes(config)) - set(names))
+def check_complete(
+    path: Path, config: ModelConfig, names: Collection[str], only: tuple[str, ...] = ("",)
+) -> None:
+    """Every tensor the config implies (whose name starts with one of `only`) is present."""
+    wanted = {n for n in families.expected_shapes(config) if n.startswith(only)}
+    missing = sorted(wanted - set(names))
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
         raise ModelLoadError(path, f"tensor {missing[0]!r} is missing{more}")

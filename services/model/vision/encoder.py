@@ -31,12 +31,14 @@ class ImageEncoder:
         vision: VisionShape,
         encode: Callable[[torch.Tensor], torch.Tensor],
         width: int,
+        dtype: torch.dtype,
         device: torch.device,
         cached: int = CACHED_IMAGES,
     ) -> None:
         self.vision = vision
         self._encode = encode
         self.width = width  # each row's: the text model's hidden size
+        self.dtype = dtype  # the rows' (the model's compute dtype)
         self.device = device
         self._cache: OrderedDict[bytes, torch.Tensor] = OrderedDict()
         self._cached = cached
@@ -86,4 +88,4 @@ def build_encoder(
 ) -> ImageEncoder:
     """The family's encoder (VisionShape.encoder) over the checkpoint's weights."""
     family_encoder = load_symbol(vision.encoder)(vision, weights, dtype, device)
-    return ImageEncoder(vision, family_encoder, width, device)
+    return ImageEncoder(vision, family_encoder, width, dtype, device)

@@ -66,6 +66,9 @@ class VisionShape:
     # "module:function" building the family's encoder from (VisionShape, weights, dtype,
     # device): a callable pixels [3, H, W] -> embeddings [tokens_per_image, text hidden]
     encoder: str
+    # the checkpoint's tensors the encoder reads (names starting so): an encode worker
+    # reads these alone
+    weights: tuple[str, ...] = ()
     # an image's placeholders attend to one another both ways (Gemma 3), not only to those
     # before them: a prompt's chunk never ends inside an image
     bidirectional: bool = False

@@ -172,6 +172,7 @@ def read_vision_config(raw: dict[str, Any], model_type: str) -> ModelConfig:
         preprocess=read_preprocess(raw.get("_preprocessor") or {}, tower.image_size),
         tower=tower,
         encoder="services.model.families.gemma3.vision:Gemma3Encoder",
+        weights=("vision_tower.", "multi_modal_projector."),
         bidirectional=True,
     )
     return dataclasses.replace(config, architecture=model_type, vision=vision)
