@@ -127,7 +127,7 @@ class Child:
 
 
 class WorkerProcess(Child):
-    """`pdserve prefill|decode` as a child process, ready once its Health says so."""
+    """`pdserve prefill|decode|encode` as a child process, ready once its Health says so."""
 
     def __init__(
         self,
@@ -180,7 +180,9 @@ class WorkerProcess(Child):
         from services.rpc import worker_pb2_grpc as pbg
 
         async with grpc.aio.insecure_channel(self.address) as channel:
-            stub_class = pbg.PrefillWorkerStub if self.role == "prefill" else pbg.DecodeWorkerStub
+            stub_class = {"prefill": pbg.PrefillWorkerStub, "encode": pbg.EncodeWorkerStub}.get(
+                self.role, pbg.DecodeWorkerStub
+            )
             try:
                 reply = await stub_class(channel).Health(pb.HealthRequest(), timeout=1)
             except grpc.aio.AioRpcError:

@@ -103,7 +103,9 @@ def addresses(workers: Sequence[WorkerProcess]) -> list[str]:
 def load(worker: WorkerProcess) -> pb.LoadReply:
     async def ask() -> pb.LoadReply:
         async with grpc.aio.insecure_channel(worker.address) as channel:
-            stub_class = pbg.PrefillWorkerStub if worker.role == "prefill" else pbg.DecodeWorkerStub
+            stub_class = {"prefill": pbg.PrefillWorkerStub, "encode": pbg.EncodeWorkerStub}.get(
+                worker.role, pbg.DecodeWorkerStub
+            )
             reply: pb.LoadReply = await stub_class(channel).Load(pb.LoadRequest(), timeout=2)
             return reply
 

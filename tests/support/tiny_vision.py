@@ -7,7 +7,6 @@ preprocessor_config.json."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import torch
@@ -62,7 +61,9 @@ def save_tiny_gemma3_vision(path: Path, embedded_dir: Path, seed: int = 0):
         token = {"id": token_id, "content": text, "special": True, **flags}
         tokenizer["added_tokens"].append(token)
     (path / "tokenizer.json").write_text(json.dumps(tokenizer))
-    shutil.copy(embedded_dir / "tokenizer_config.json", path / "tokenizer_config.json")
+    config = json.loads((embedded_dir / "tokenizer_config.json").read_text())
+    config["chat_template"] = CHAT_TEMPLATE  # (it wins over chat_template.jinja)
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
     (path / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     processor = {
         "image_processor_type": "Gemma3ImageProcessor", "do_resize": True, "do_rescale": True,
