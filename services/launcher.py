@@ -16,6 +16,7 @@ import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
 from services.settings import DEFAULTS
@@ -180,9 +181,9 @@ class WorkerProcess(Child):
         from services.rpc import worker_pb2_grpc as pbg
 
         async with grpc.aio.insecure_channel(self.address) as channel:
-            stub_class = {"prefill": pbg.PrefillWorkerStub, "encode": pbg.EncodeWorkerStub}.get(
-                self.role, pbg.DecodeWorkerStub
-            )
+            stubs: dict[str, Any] = {"prefill": pbg.PrefillWorkerStub,
+                                     "encode": pbg.EncodeWorkerStub}  # fmt: skip
+            stub_class = stubs.get(self.role, pbg.DecodeWorkerStub)
             try:
                 reply = await stub_class(channel).Health(pb.HealthRequest(), timeout=1)
             except grpc.aio.AioRpcError:

@@ -8,7 +8,7 @@ import re
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 import httpx
@@ -103,9 +103,9 @@ def addresses(workers: Sequence[WorkerProcess]) -> list[str]:
 def load(worker: WorkerProcess) -> pb.LoadReply:
     async def ask() -> pb.LoadReply:
         async with grpc.aio.insecure_channel(worker.address) as channel:
-            stub_class = {"prefill": pbg.PrefillWorkerStub, "encode": pbg.EncodeWorkerStub}.get(
-                worker.role, pbg.DecodeWorkerStub
-            )
+            stubs: dict[str, Any] = {"prefill": pbg.PrefillWorkerStub,
+                                     "encode": pbg.EncodeWorkerStub}  # fmt: skip
+            stub_class = stubs.get(worker.role, pbg.DecodeWorkerStub)
             reply: pb.LoadReply = await stub_class(channel).Load(pb.LoadRequest(), timeout=2)
             return reply
 
