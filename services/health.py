@@ -27,12 +27,13 @@ def probe(port: int, live: bool = False, address: str = "127.0.0.1", timeout: fl
 
 async def _grpc_probe(address: str, live: bool, timeout: float) -> bool:
     async with grpc.aio.insecure_channel(address) as channel:
-        for stub in (pbg.PrefillWorkerStub(channel), pbg.DecodeWorkerStub(channel)):
+        stubs = (pbg.PrefillWorkerStub, pbg.DecodeWorkerStub, pbg.EncodeWorkerStub)
+        for stub in (make(channel) for make in stubs):
             try:
                 reply = await stub.Health(pb.HealthRequest(), timeout=timeout)
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.UNIMPLEMENTED:
-                    continue  # the other role's service
+                    continue  # another role's service
                 return False
             return live or bool(reply.ready)
     return False

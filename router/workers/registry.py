@@ -114,6 +114,7 @@ class Registry:
         self.on_health = on_health  # called on every change of a worker's health
         self.workers: dict[tuple[str, str], WorkerState] = {}
         self.discovered: dict[tuple[str, str], set[str]] = {}  # (role, dns name) -> addresses
+        self.unresolved: set[str] = set()  # names whose last lookup failed
         self._task: asyncio.Task[None] | None = None
 
     def configure(self, role: str, address: str) -> None:
@@ -131,10 +132,13 @@ class Registry:
             try:
                 infos = await loop.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
             except (OSError, ValueError) as e:
-                log.warning(
-                    "cannot resolve workers", extra={"fields": {"name": name, "why": str(e)}}
-                )
+                if name not in self.unresolved:  # once until it resolves (none may exist yet)
+                    log.warning(
+                        "cannot resolve workers", extra={"fields": {"name": name, "why": str(e)}}
+                    )
+                self.unresolved.add(name)
                 continue
+            self.unresolved.discard(name)
             ips = {str(info[4][0]) for info in infos}
             found = {f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}" for ip in ips}
             for address in sorted(found - known):
