@@ -51,12 +51,14 @@ async def stack(request: Request) -> dict[str, Any]:
     state: RouterState = request.app.state.router
     _check_key(request, state)
     workers = state.registry.of("prefill") + state.registry.of("decode")
+    encoders = state.registry.of("encode")
     now = time.time()
     return {
         "model": state.model_id,
         "colocated": state.colocated,
+        "reads_images": state.model.vision is not None,
         "time": round(now, 3),
-        "workers": [_worker(w) for w in workers],
+        "workers": [_worker(w) for w in (*workers, *encoders)],
         "store": state.store_rates.sample(now, workers),
         "requests": list(state.recent.requests),
         "latency": state.recent.latency(),
@@ -85,4 +87,6 @@ def _worker(w: WorkerState) -> dict[str, Any]:
         "blocks_used": load.referenced_blocks,
         "blocks_cached": load.cached_blocks,
         "blocks_total": load.total_blocks,
+        "images_encoded": load.images_encoded,
+        "images_from_store": load.images_from_store,
     }

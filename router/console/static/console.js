@@ -7,7 +7,7 @@ const keys = {
   api: sessionStorage.getItem("pdserve.apiKey") || "",
   admin: sessionStorage.getItem("pdserve.adminKey") || "",
 };
-const chat = { history: [], controller: null, model: null };
+const chat = { history: [], controller: null, model: null, images: [] };
 const POLL_MS = 1000;
 
 function authHeaders(key) {
@@ -49,11 +49,18 @@ async function apiError(res) {
   return new Error(message);
 }
 
-function request(text) {
+// A user turn: its text, or with images its parts (the images as data: URLs).
+function userContent(text, images) {
+  if (!images.length) return text;
+  const parts = images.map((url) => ({ type: "image_url", image_url: { url } }));
+  return text ? [...parts, { type: "text", text }] : parts;
+}
+
+function request(content) {
   const messages = [];
   const system = $("system").value.trim();
   if (system) messages.push({ role: "system", content: system });
-  messages.push(...chat.history, { role: "user", content: text });
+  messages.push(...chat.history, { role: "user", content });
   const body = {
     messages, stream: true, stream_options: { include_usage: true },
     temperature: Number($("temperature").value || 0),
@@ -64,9 +71,13 @@ function request(text) {
 }
 
 async function send(text) {
-  const body = request(text);
-  chat.history.push({ role: "user", content: text });
-  $("messages").append(el("div", "message user", text));
+  const images = chat.images.splice(0);
+  showAttached();
+  const body = request(userContent(text, images));
+  chat.history.push({ role: "user", content: userContent(text, images) });
+  const question = el("div", "message user", text);
+  if (images.length) question.prepend(thumbs(images));
+  $("messages").append(question);
   const answer = el("div", "message assistant");
   answer.dataset.done = "false";
   const content = el("span", "content");
@@ -143,6 +154,44 @@ async function* events(res) {
   }
 }
 
+// -- images in the chat ------------------------------------------------------------------
+
+function thumbs(urls, remove) {
+  const row = el("div", "thumbs");
+  urls.forEach((url, i) => {
+    const img = el("img", "thumb");
+    img.src = url;
+    img.alt = "image " + (i + 1);
+    if (remove) {
+      img.title = "remove";
+      img.addEventListener("click", () => remove(i));
+    }
+    row.append(img);
+  });
+  return row;
+}
+
+function showAttached() {
+  const box = $("attached");
+  box.hidden = !chat.images.length;
+  box.replaceChildren(...(chat.images.length ? thumbs(chat.images, (i) => {
+    chat.images.splice(i, 1);
+    showAttached();
+  }).children : []));
+}
+
+function attach(files) {
+  for (const file of files) {
+    if (!file.type.startsWith("image/")) continue;
+    const reader = new FileReader();
+    reader.onload = () => {
+      chat.images.push(reader.result);  // a data: URL
+      showAttached();
+    };
+    reader.readAsDataURL(file);
+  }
+}
+
 function busy(on) {
   $("send").disabled = on;
   $("stop").disabled = !on;
@@ -190,6 +239,10 @@ function render(view) {
   workers($("prefill-workers"), roles("prefill"),
     view.colocated ? "none: prompts are computed by the decode workers" : "none");
   workers($("decode-workers"), roles("decode"), "none");
+  const encoders = roles("encode");
+  $("encode-column").hidden = $("encode-arrow").hidden = !encoders.length;
+  workers($("encode-workers"), encoders, "none");
+  $("attach").hidden = !view.reads_images;
   store(view.store);
   requests(view.requests);
   drawChart(view.latency, view.time);
@@ -207,6 +260,12 @@ function workers(box, list, none) {
     name.append(el("span", "dot"), el("span", "", w.address));
     const state = w.healthy ? "healthy" : (w.refused ? "refused: " + w.refused : "unhealthy");
     const load = el("div", "", state + " \u00b7 running " + w.running + " \u00b7 waiting " + w.waiting);
+    if (w.role === "encode") {
+      card.append(name, load, el("div", "muted", "images encoded " + w.images_encoded +
+        " \u00b7 found in the store " + w.images_from_store));
+      box.append(card);
+      continue;
+    }
     const kv = el("div", "muted", "KV blocks " + w.blocks_used + " used, " + w.blocks_cached +
       " cached of " + w.blocks_total);
     const meter = el("div", "meter");
@@ -312,7 +371,7 @@ function drawChart(points, now) {
 $("composer").addEventListener("submit", (e) => {
   e.preventDefault();
   const text = $("prompt").value.trim();
-  if (!text || $("send").disabled) return;
+  if ((!text && !chat.images.length) || $("send").disabled) return;
   $("prompt").value = "";
   send(text);
 });
@@ -323,8 +382,22 @@ $("prompt").addEventListener("keydown", (e) => {
   }
 });
 $("stop").addEventListener("click", () => chat.controller && chat.controller.abort());
+$("image-file").addEventListener("change", (e) => {
+  attach(e.target.files);
+  e.target.value = "";
+});
+$("prompt").addEventListener("paste", (e) => {
+  if ($("attach").hidden) return;  // the model reads no images
+  const files = [...e.clipboardData.files].filter((f) => f.type.startsWith("image/"));
+  if (files.length) {
+    e.preventDefault();
+    attach(files);
+  }
+});
 $("clear").addEventListener("click", () => {
   chat.history = [];
+  chat.images = [];
+  showAttached();
   $("messages").replaceChildren();
 });
 $("keys-button").addEventListener("click", () => askForKeys("Keys are kept for this tab only."));
