@@ -87,6 +87,11 @@ def parser() -> argparse.ArgumentParser:
     work.add_argument("--groups", type=int, default=8, help="shared-prefix: prompt groups")
     work.add_argument("--turns", type=int, default=4, help="multi-turn: turns per conversation")
     work.add_argument("--dataset-path", type=Path, help="sharegpt JSON or trace JSONL")
+    work.add_argument("--images-per-request", type=int, default=1, help="random-mm: images")
+    work.add_argument("--image-sizes", default="224x224",
+                      help="random-mm: WxH[,WxH...], one drawn per image")  # fmt: skip
+    work.add_argument("--image-repeat", type=float, default=0.0,
+                      help="random-mm: share of images repeated from earlier requests")  # fmt: skip
     out = p.add_argument_group("results")
     out.add_argument(
         "--goodput",
@@ -116,6 +121,14 @@ def main(argv: Sequence[str]) -> int:
     except ValueError as e:
         print(f"pdserve bench: error: {e}", file=sys.stderr)
         return 2
+    if args.workload == "random-mm" and args.endpoint != "chat":
+        print("pdserve bench: error: random-mm sends images: --endpoint chat", file=sys.stderr)
+        return 2
+    try:
+        sizes = tuple(parse_size(s) for s in args.image_sizes.split(","))
+    except ValueError as e:
+        print(f"pdserve bench: error: --image-sizes: {e}", file=sys.stderr)
+        return 2
     base = args.base_url.rstrip("/")
     base = base if base.endswith("/v1") else base + "/v1"
     model = args.model or first_model(base, args.api_key)
@@ -129,6 +142,8 @@ def main(argv: Sequence[str]) -> int:
         workload = WorkloadConfig(
             args.workload, args.num_prompts, args.input_len, args.output_len, args.range_ratio,
             args.prefix_len, args.groups, args.turns, args.dataset_path, seed=args.seed,
+            images_per_request=args.images_per_request, image_sizes=sizes,
+            image_repeat=args.image_repeat,
         )  # fmt: skip
         conversations = build(workload, tokenizer)
         load = LoadConfig(rate, args.burstiness, args.max_concurrency, args.warmup,
@@ -162,6 +177,13 @@ def main(argv: Sequence[str]) -> int:
         report.write_json(args.result_file, results[0] if len(results) == 1 else {"runs": results})
         print(f"wrote {args.result_file}")
     return 0
+
+
+def parse_size(text: str) -> tuple[int, int]:
+    width, _, height = text.strip().lower().partition("x")
+    if not (width.isdigit() and height.isdigit()) or int(width) < 1 or int(height) < 1:
+        raise ValueError(f"{text!r} is not WIDTHxHEIGHT")
+    return int(width), int(height)
 
 
 def first_model(base: str, api_key: str | None) -> str:

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 
 from bench.load.metrics import RequestRecord
-from bench.load.workloads import Conversation, Tokenizer
+from bench.load.workloads import Conversation, Tokenizer, Turn
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ def body(target: Target, conversation: Conversation, turn: int) -> dict[str, Any
                 {"role": "user", "content": t.user},
                 {"role": "assistant", "content": answer},
             ]
-        out["messages"] = [*messages, {"role": "user", "content": current.user}]
+        out["messages"] = [*messages, {"role": "user", "content": user_content(current)}]
     else:
         history = "".join(
             t.user + answer
@@ -68,9 +68,19 @@ def body(target: Target, conversation: Conversation, turn: int) -> dict[str, Any
     return out | (target.extra_body or {})
 
 
+def user_content(turn: Turn) -> str | list[dict[str, Any]]:
+    """A turn's text, or with images its parts: the images first, then the text."""
+    if not turn.images:
+        return turn.user
+    images = [{"type": "image_url", "image_url": {"url": url}} for url in turn.images]
+    return [*images, {"type": "text", "text": turn.user}]
+
+
 def count_input(tokenizer: Tokenizer, request: dict[str, Any]) -> int:
     if "prompt" in request:
         return len(tokenizer.encode(request["prompt"], False))
+    if any(not isinstance(m["content"], str) for m in request["messages"]):
+        return 0  # images: only the server knows their tokens (its usage says)
     encode_chat = getattr(tokenizer, "encode_chat", None)
     if encode_chat is not None:
         return len(encode_chat(request["messages"]))

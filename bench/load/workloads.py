@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-WORKLOADS = ("random", "shared-prefix", "multi-turn", "sharegpt", "trace")
+WORKLOADS = ("random", "shared-prefix", "multi-turn", "sharegpt", "trace", "random-mm")
 
 
 class Tokenizer(Protocol):
@@ -34,6 +34,7 @@ class Turn:
     user: str
     output_tokens: int
     input_tokens: int = 0  # of `user` alone (completions prompts: of the whole prompt)
+    images: list[str] = field(default_factory=list)  # data: URLs, sent before the text
 
 
 @dataclass
@@ -57,6 +58,11 @@ class WorkloadConfig:
     dataset_path: Path | None = None  # sharegpt (JSON) or trace (JSONL)
     trace_block_size: int = 512  # trace: tokens per hash id (Mooncake's blocks)
     seed: int = 0
+    # random-mm: images per request, their sizes (one drawn per image), and the share of
+    # images repeated from earlier requests (the encoder cache's hits)
+    images_per_request: int = 1
+    image_sizes: tuple[tuple[int, int], ...] = ((224, 224),)
+    image_repeat: float = 0.0
 
 
 class Words:
@@ -101,10 +107,43 @@ def build(config: WorkloadConfig, tokenizer: Tokenizer) -> list[Conversation]:
             out = _length(config.output_len, config.range_ratio, rng)
             turns.append(Turn(words.text(n, rng), out, n))
         system = prefixes[i % config.groups] if config.name == "shared-prefix" else None
-        if config.name not in ("random", "shared-prefix", "multi-turn"):
+        if config.name not in ("random", "shared-prefix", "multi-turn", "random-mm"):
             raise ValueError(f"unknown workload {config.name!r} (choose {', '.join(WORKLOADS)})")
         conversations.append(Conversation(turns, system))
+    if config.name == "random-mm":
+        _add_images(conversations, config, rng)
     return conversations
+
+
+def _add_images(
+    conversations: list[Conversation], config: WorkloadConfig, rng: random.Random
+) -> None:
+    """random-mm (as vLLM's random-mm dataset): each request's images of random pixels, each
+    of one of the sizes; a share `image_repeat` of them an earlier request's image again."""
+    made: list[str] = []
+    for c in conversations:
+        for turn in c.turns:
+            for _ in range(config.images_per_request):
+                if made and rng.random() < config.image_repeat:
+                    turn.images.append(rng.choice(made))
+                    continue
+                width, height = rng.choice(config.image_sizes)
+                made.append(random_image(width, height, rng))
+                turn.images.append(made[-1])
+
+
+def random_image(width: int, height: int, rng: random.Random) -> str:
+    """A PNG of random pixels as a data: URL."""
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(rng.getrandbits(32)).integers(0, 256, (height, width, 3))
+    out = io.BytesIO()
+    Image.fromarray(pixels.astype(np.uint8)).save(out, "PNG")
+    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
 
 
 def _sharegpt(config: WorkloadConfig, tokenizer: Tokenizer) -> list[Conversation]:

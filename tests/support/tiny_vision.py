@@ -46,10 +46,13 @@ def vision_config() -> transformers.Gemma3Config:
     )  # fmt: skip
 
 
-def save_tiny_gemma3_vision(path: Path, embedded_dir: Path, seed: int = 0):
-    """The checkpoint at `path`; returns transformers' model (float32, eval)."""
+def save_tiny_gemma3_vision(
+    path: Path, embedded_dir: Path, seed: int = 0, config: transformers.Gemma3Config | None = None
+):
+    """The checkpoint at `path` (`config`: another size, bench/images.py's); returns
+    transformers' model (float32, eval)."""
     torch.manual_seed(seed)
-    model = transformers.Gemma3ForConditionalGeneration(vision_config()).eval()
+    model = transformers.Gemma3ForConditionalGeneration(config or vision_config()).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith(("bias", "mm_input_projection_weight")):
@@ -65,9 +68,10 @@ def save_tiny_gemma3_vision(path: Path, embedded_dir: Path, seed: int = 0):
     config["chat_template"] = CHAT_TEMPLATE  # (it wins over chat_template.jinja)
     (path / "tokenizer_config.json").write_text(json.dumps(config))
     (path / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    side = model.config.vision_config.image_size
     processor = {
         "image_processor_type": "Gemma3ImageProcessor", "do_resize": True, "do_rescale": True,
-        "do_normalize": True, "size": {"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+        "do_normalize": True, "size": {"height": side, "width": side},
         "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
         "rescale_factor": 1 / 255, "resample": 2, "do_pan_and_scan": False,
     }  # fmt: skip
