@@ -42,6 +42,9 @@ from tests.support.up import Up
 TEXT = dict(vocab_size=49160, hidden_size=576, intermediate_size=1536, num_hidden_layers=8,
             num_attention_heads=9, num_key_value_heads=3, head_dim=64, sliding_window=512,
             query_pre_attn_scalar=64, max_position_embeddings=4096)  # fmt: skip
+ANSWER = 8  # tokens each answer is long
+SEED = 100  # the images of the runs: the same for every server
+NAMES = {0: "pdserve, colocated (the worker encodes)", 1: "pdserve, colocated + 1 encode worker"}
 VISION = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
               num_attention_heads=12, image_size=448, patch_size=14,
               vision_use_head=False)  # fmt: skip
@@ -59,7 +62,36 @@ def save_model(path: Path) -> Path:
         boi_token_index=BEGIN, eoi_token_index=END, image_token_index=IMAGE,
     )  # fmt: skip
     tiny_vision.save_tiny_gemma3_vision(path, resolve(EMBEDDED), config=config)
+    add_newline_tokens(path)
+    tower_names_as_vllm_reads_them(path)
     return path
+
+
+def tower_names_as_vllm_reads_them(path: Path) -> None:
+    """`vision_tower.vision_model.*`, as transformers 4 saved the tower (vLLM 0.32 reads only
+    that; pdserve reads both)."""
+    from safetensors.torch import load_file, save_file
+
+    file = path / "model.safetensors"
+    tensors = load_file(str(file))
+    renamed = {
+        n.replace("vision_tower.", "vision_tower.vision_model.", 1)
+        if n.startswith("vision_tower.") else n: t
+        for n, t in tensors.items()
+    }  # fmt: skip
+    save_file(renamed, str(file), metadata={"format": "pt"})
+
+
+def add_newline_tokens(path: Path) -> None:
+    """Runs of 1-4 newlines as tokens of their own, as Gemma's vocabulary has them: vLLM's
+    Gemma 3 looks them up by text when it places an image (ids 49155-49158, inside the
+    vocabulary; both servers then tokenize newlines alike)."""
+    file = path / "tokenizer.json"
+    tokenizer = json.loads(file.read_text())
+    flags = dict.fromkeys(("single_word", "lstrip", "rstrip", "normalized", "special"), False)
+    for i in range(1, 5):
+        tokenizer["added_tokens"].append({"id": IMAGE + i, "content": "\n" * i, **flags})
+    file.write_text(json.dumps(tokenizer))
 
 
 def png(seed: int, size: tuple[int, int] = (640, 480)) -> bytes:
@@ -80,37 +112,47 @@ def encoder_rate(path: Path, dtype: str, images: int) -> dict[str, float]:
     return {"images_per_s": images / seconds, "ms_per_image": 1000 * seconds / images}
 
 
-def ttft(client: openai.OpenAI, model: str, text: str, image: bytes) -> float:
+def ask(client: openai.OpenAI, model: str, text: str, image: bytes) -> tuple[float, str]:
+    """TTFT in ms (the first content chunk, streamed) and the greedy answer's text."""
     url = "data:image/png;base64," + base64.b64encode(image).decode()
-    content = [{"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": url}}]
+    content: Any = [{"type": "text", "text": text},
+                    {"type": "image_url", "image_url": {"url": url}}]  # fmt: skip
     start = time.perf_counter()
-    stream = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": content}], max_tokens=4,
+    stream: Any = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": content}], max_tokens=ANSWER,
         temperature=0, stream=True,
     )  # fmt: skip
-    first = None
+    first, answer = None, ""
     for chunk in stream:
-        if first is None and chunk.choices and chunk.choices[0].delta.content is not None:
-            first = time.perf_counter()
+        if chunk.choices and chunk.choices[0].delta.content is not None:
+            first = first or time.perf_counter()
+            answer += chunk.choices[0].delta.content
     assert first is not None
-    return 1000 * (first - start)
+    return 1000 * (first - start), answer
 
 
-def topology(path: Path, dtype: str, encoders: int, requests: int, seed: int) -> dict[str, Any]:
+def measure(base_url: str, requests: int, seed: int) -> dict[str, Any]:
+    """One server: a warm-up, then `requests` new images (the encoder cache misses), then
+    `requests` times one image seen once before (it hits), each after text of its own."""
+    client = openai.OpenAI(base_url=base_url, api_key="none", max_retries=0)
+    model = client.models.list().data[0].id
+    ask(client, model, "warm up", png(seed - 1))
+    same = png(seed + 10_000)
+    ask(client, model, "first sight of the repeated image", same)
+    miss = [ask(client, model, f"request {seed + i}:", png(seed + i)) for i in range(requests)]
+    hit = [ask(client, model, f"again {seed + i}:", same) for i in range(requests)]
+    return {"miss_ms": summary([t for t, _ in miss]), "hit_ms": summary([t for t, _ in hit]),
+            "answers": [a for _, a in miss]}  # fmt: skip
+
+
+def topology(path: Path, dtype: str, encoders: int, requests: int) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="bench-images-"))
     up = Up("--port", str(free_port()), "--model", str(path), "--dtype", dtype,
             "--kv-store", f"local://{work}/kv", "--num-encode", str(encoders))  # fmt: skip
     try:
-        client = openai.OpenAI(base_url=up.ready(), api_key="none", max_retries=0)
-        model = client.models.list().data[0].id
-        ttft(client, model, "warm up", png(seed - 1))
-        same = png(seed + 10_000)
-        ttft(client, model, "first sight of the repeated image", same)
-        miss = [ttft(client, model, f"request {seed + i}:", png(seed + i)) for i in range(requests)]
-        hit = [ttft(client, model, f"again {seed + i}:", same) for i in range(requests)]
+        return {"name": NAMES[encoders]} | measure(up.ready(), requests, SEED)
     finally:
         up.stop()
-    return {"encoders": encoders, "miss_ms": summary(miss), "hit_ms": summary(hit)}
 
 
 def summary(values: list[float]) -> dict[str, float]:
@@ -133,36 +175,43 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=8)
     p.add_argument("--images", type=int, default=8, help="images through the encoder alone")
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--save-model", type=Path, help="only write the model here (for vLLM)")
+    p.add_argument("--vllm", help="base URL of a vLLM serving --save-model's directory: "
+                   "measured instead of pdserve")  # fmt: skip
     p.add_argument("--json", type=Path)
     args = p.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = save_model(Path(tmp) / "model")
-        out: dict[str, Any] = {"machine": machine(), "dtype": args.dtype}
-        out["encoder"] = encoder_rate(path, args.dtype, args.images)
-        print(f"encoder alone: {out['encoder']['images_per_s']:.2f} images/s "
-              f"({out['encoder']['ms_per_image']:.0f} ms an image)")  # fmt: skip
-        out["topologies"] = [
-            topology(path, args.dtype, encoders, args.requests, seed=100 + 1000 * encoders)
-            for encoders in (0, 1)
-        ]
+    if args.save_model:
+        save_model(args.save_model)
+        return
+    out: dict[str, Any] = {"machine": machine(), "dtype": args.dtype}
+    if args.vllm:
+        out["topologies"] = [{"name": "vLLM-cpu"} | measure(args.vllm, args.requests, SEED)]
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = save_model(Path(tmp) / "model")
+            out["encoder"] = encoder_rate(path, args.dtype, args.images)
+            print(f"encoder alone: {out['encoder']['images_per_s']:.2f} images/s "
+                  f"({out['encoder']['ms_per_image']:.0f} ms an image)")  # fmt: skip
+            out["topologies"] = [
+                topology(path, args.dtype, encoders, args.requests) for encoders in (0, 1)
+            ]
     print(table(out))
     if args.json:
         args.json.write_text(json.dumps(out, indent=2))
 
 
 def table(out: dict[str, Any]) -> str:
-    rows = ["| topology | TTFT, new image (median / p90 ms) | TTFT, repeated image | hit saves |",
+    rows = ["| server | TTFT, new image (median / p90 ms) | TTFT, repeated image | hit saves |",
             "| --- | --- | --- | --- |"]  # fmt: skip
     for t in out["topologies"]:
-        name = "colocated + 1 encode worker" if t["encoders"] else "colocated (worker encodes)"
         miss, hit = t["miss_ms"], t["hit_ms"]
-        rows.append(f"| {name} | {miss['median']:.0f} / {miss['p90']:.0f} | "
+        rows.append(f"| {t['name']} | {miss['median']:.0f} / {miss['p90']:.0f} | "
                     f"{hit['median']:.0f} / {hit['p90']:.0f} | "
                     f"{miss['median'] - hit['median']:.0f} ms |")  # fmt: skip
-    local, hop = (t["miss_ms"]["median"] for t in out["topologies"])
-    rows.append(
-        f"\nthe encode hop: {hop - local:+.0f} ms of TTFT on a new image ({out['machine']})"
-    )
+    if len(out["topologies"]) == 2:
+        local, hop = (t["miss_ms"]["median"] for t in out["topologies"])
+        rows.append(f"\nthe encode hop: {hop - local:+.0f} ms of TTFT on a new image")
+    rows.append(f"({out['machine']}, {out['dtype']})")
     return "\n".join(rows)
 
 

@@ -66,6 +66,12 @@ def save_tiny_gemma3_vision(
     (path / "tokenizer.json").write_text(json.dumps(tokenizer))
     config = json.loads((embedded_dir / "tokenizer_config.json").read_text())
     config["chat_template"] = CHAT_TEMPLATE  # (it wins over chat_template.jinja)
+    # Gemma 3's processor reads these (transformers' AutoProcessor, vLLM)
+    config["extra_special_tokens"] = {
+        "boi_token": TOKEN_TEXT[BEGIN], "eoi_token": TOKEN_TEXT[END],
+        "image_token": TOKEN_TEXT[IMAGE],
+    }  # fmt: skip
+    config["processor_class"] = "Gemma3Processor"
     (path / "tokenizer_config.json").write_text(json.dumps(config))
     (path / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     side = model.config.vision_config.image_size
@@ -76,4 +82,7 @@ def save_tiny_gemma3_vision(
         "rescale_factor": 1 / 255, "resample": 2, "do_pan_and_scan": False,
     }  # fmt: skip
     (path / "preprocessor_config.json").write_text(json.dumps(processor))
+    tokens = model.config.mm_tokens_per_image
+    wrapper = {"processor_class": "Gemma3Processor", "image_seq_length": tokens}
+    (path / "processor_config.json").write_text(json.dumps(wrapper))
     return model

@@ -5,7 +5,9 @@ hand them to any prefill.
 
     pixels [3, S, S] -> patches [P, C] (P = (S / patch)^2) -> layers -> norm -> [P, C]
 
-Transformers' eager arithmetic in the weights' dtype; attention's softmax in float32."""
+Transformers' arithmetic (its SDPA attention) in the weights' dtype: torch's fused attention
+and GELU, whose bits are fixed for a shape, and every image of a model has the same shape.
+(Materialized logits and a float32 softmax took 0.75 of 2.1 s an image at 1,024 patches.)"""
 
 from __future__ import annotations
 
@@ -15,7 +17,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from services.model.layers import pointwise
 from services.model.vision.shape import SiglipShape
 
 Weight = Callable[[str], torch.Tensor]  # a tensor by its name under the tower's prefix
@@ -70,11 +71,9 @@ class SiglipTower:
         for layer in self.layers:
             x = F.layer_norm(h, h.shape[-1:], *layer.norm1, eps)
             q, k, v = F.linear(x, *layer.qkv).view(len(x), 3, heads, -1).unbind(1)
-            q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, P, D]
-            logits = (q @ k.transpose(1, 2)) * q.shape[-1] ** -0.5
-            probs = logits.softmax(dim=-1, dtype=torch.float32).to(q.dtype)
-            x = (probs @ v).transpose(0, 1).reshape(len(x), -1)
+            q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))  # [1, H, P, D]: fused on CPUs
+            x = F.scaled_dot_product_attention(q, k, v)[0].transpose(0, 1).reshape(len(x), -1)
             h = h + F.linear(x, *layer.out)
             x = F.layer_norm(h, h.shape[-1:], *layer.norm2, eps)
-            h = h + F.linear(pointwise.gelu_tanh(F.linear(x, *layer.fc1)), *layer.fc2)
+            h = h + F.linear(F.gelu(F.linear(x, *layer.fc1), approximate="tanh"), *layer.fc2)
         return F.layer_norm(h, h.shape[-1:], *self.post_norm, eps)

@@ -27,6 +27,7 @@ from services.model.loader import LoadedModel, load_encoder, load_model
 from services.model.loading.hf_config import read_config
 from services.model.vision.images import ImageError, ImageLimits, Preprocess, open_image
 from services.model.vision.shape import SiglipShape, VisionShape
+from tests.support.dtypes import COMPUTE_DTYPES
 from tests.support.tiny_vision import BEGIN, END, IMAGE, IMAGE_SIZE, save_tiny_gemma3_vision
 
 ANY = ImageLimits(max_bytes=1 << 30, max_pixels=1 << 30)
@@ -143,6 +144,23 @@ def test_a_repeated_image_is_served_from_the_cache(loaded):
     other = encoder.encode(saved(noise(45, 27, seed=21), "PNG"))
     assert (encoder.encoded, encoder.hits) == (encoded + 1, hits + 1)
     assert not torch.equal(other, first)
+
+
+@pytest.mark.parametrize("dtype", COMPUTE_DTYPES)
+def test_an_images_rows_do_not_depend_on_the_threads(checkpoint, dtype):
+    """One image, encoded with 1 and with 2 threads, the same bits: whichever process (an
+    encode worker, the prompt's worker) makes an image's rows, the answer is the same."""
+    data = saved(noise(60, 44, seed=30), "PNG")
+    threads = torch.get_num_threads()
+    rows = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            encoder, _, _ = load_encoder(str(checkpoint[0]), dtype, "cpu")  # nothing cached
+            rows.append(encoder.encode(data))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(rows[0], rows[1])
 
 
 def test_config_of_the_checkpoint(checkpoint):
