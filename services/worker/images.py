@@ -59,6 +59,8 @@ class ImageSource:
             store.kv_store, self.namespace, timeout=store.store_timeout, max_bytes=store.max_bytes
         )
         self.counters = ImageCounters()
+        # images being encoded here now: a second request for one waits for its rows
+        self._encoding: dict[bytes, asyncio.Future[torch.Tensor]] = {}
 
     def spans(self, prompt: Sequence[int], files: Sequence[bytes]) -> tuple[ImageSpan, ...]:
         vision = self.encoder.vision
@@ -80,30 +82,50 @@ class ImageSource:
         if found is not None:
             self.counters.local_hits += 1
             return found
+        if digest in self._encoding:
+            return await asyncio.shield(self._encoding[digest])
         stored = await self._read(digest)
         if stored is not None:
             self.counters.store_hits += 1
             return self.encoder.remember(digest, stored.to(self.encoder.device))
         try:
-            rows = await asyncio.to_thread(self.encoder.encode, data)
+            return await self._encode_once(digest, data)
         except ImageError as e:
             raise ValidationError("images", str(e)) from None
-        self.counters.encoded += 1
-        await self._write(digest, rows)
-        return rows
+
+    async def _encode_once(self, digest: bytes, data: bytes) -> torch.Tensor:
+        """The image encoded here and its rows stored; requests for it meanwhile wait for
+        this one (ImageError for a bad file, to each of them)."""
+        if digest in self._encoding:
+            return await asyncio.shield(self._encoding[digest])
+        done: asyncio.Future[torch.Tensor] = asyncio.get_running_loop().create_future()
+        self._encoding[digest] = done
+        try:
+            rows = await asyncio.to_thread(self.encoder.encode, data)
+            self.counters.encoded += 1
+            await self._write(digest, rows)
+            done.set_result(rows)
+            return rows
+        except BaseException as e:
+            done.set_exception(e)
+            done.exception()  # retrieved: nobody else may be waiting
+            raise
+        finally:
+            del self._encoding[digest]
 
     async def publish(self, data: bytes) -> bool:
         """The image's rows in the store: True when encoded here, False when the store held
         them already (an encode worker's job); ImageError for a bad file."""
         digest = self.encoder.digest(data)
+        if digest in self._encoding:
+            await asyncio.shield(self._encoding[digest])
+            return False
         try:
             if await self.store.longest_prefix([digest]):
                 return False
         except StoreUnavailable:
             pass  # encoded all the same: the Encode's caller falls back to its own
-        rows = await asyncio.to_thread(self.encoder.encode, data)
-        self.counters.encoded += 1
-        await self._write(digest, rows)
+        await self._encode_once(digest, data)
         return True
 
     async def _read(self, digest: bytes) -> torch.Tensor | None:

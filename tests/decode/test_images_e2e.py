@@ -12,6 +12,7 @@ import base64
 import functools
 import http.server
 import io
+import json
 import signal
 import threading
 
@@ -323,6 +324,37 @@ def test_local_files_and_allowed_remote_urls_read_the_same_image(stack, media, c
         for url in (data_url(data), f"file://{root}/local.png", f"{base}/local.png")
     }
     assert len(answers) == 1
+
+
+def test_pdserve_bench_random_mm_sends_images(stack, checkpoint, tmp_path):
+    """`pdserve bench --workload random-mm`: 6 chats of 2 images each, a third of them an
+    earlier request's: every request answered, each image's tokens in the server's count, and
+    the encoder encodes each distinct image once."""
+    from bench.load.cli import main as bench
+    from bench.load.workloads import WorkloadConfig, build
+
+    client, _, encode, _, _ = stack
+    before = load(encode).images_encoded
+    result = tmp_path / "run.json"
+    code = bench([
+        "--base-url", str(client.base_url).removesuffix("/v1/"), "--endpoint", "chat",
+        "--workload", "random-mm", "--num-prompts", "6", "--images-per-request", "2",
+        "--image-sizes", "40x30,64x64", "--image-repeat", "0.34", "--input-len", "8",
+        "--output-len", "4", "--ignore-eos", "--tokenizer", str(checkpoint[0]),
+        "--result-file", str(result), "--detailed", "--no-progress", "--seed", "2",
+    ])  # fmt: skip
+    assert code == 0
+    run = json.loads(result.read_text())
+    assert (run["completed"], run["failed"]) == (6, 0)
+    # 8 text tokens, 2 x (16 placeholders + begin, end and their newlines), the template's
+    assert all(r["input_tokens"] > 2 * 16 + 8 for r in run["requests"])
+    sizes = ((40, 30), (64, 64))
+    config = WorkloadConfig("random-mm", 6, 8, 4, images_per_request=2, image_sizes=sizes,
+                            image_repeat=0.34, seed=2)  # fmt: skip
+    distinct = {url for c in build(config, Tokenizer.from_dir(checkpoint[0])) for url in
+                c.turns[0].images}  # fmt: skip
+    assert 0 < len(distinct) < 12
+    assert load(encode).images_encoded == before + len(distinct)
 
 
 def test_a_decode_worker_killed_mid_stream_changes_nothing(stack, checkpoint, tokenizer):

@@ -1,0 +1,88 @@
+"""A worker's image rows (services/worker/images.py) over a real store: encoded once however
+many requests ask for an image at the same time; found in the store by another worker's
+source (no encoding there); a value damaged or planted under another image's digest refused,
+deleted and encoded again; a bad file is the request's ValidationError."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from kvstore.keyfile import make_key
+from services.engine.params import ValidationError
+from services.model.loader import load_encoder
+from services.settings import DEFAULTS
+from services.worker.images import ImageSource
+from tests.support.tiny_vision import save_tiny_gemma3_vision
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, embedded_dir):
+    path = tmp_path_factory.mktemp("gemma3-vision")
+    save_tiny_gemma3_vision(path, embedded_dir)
+    return path
+
+
+def png(seed: int) -> bytes:
+    out = io.BytesIO()
+    pixels = np.random.default_rng(seed).integers(0, 255, (24, 36, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(out, "PNG")
+    return out.getvalue()
+
+
+def source(checkpoint, store_dir, key) -> ImageSource:
+    """A fresh worker's source: its own encoder (nothing cached), the shared local:// store."""
+    encoder, _, _ = load_encoder(str(checkpoint), "float32", "cpu")
+    store = DEFAULTS.store.__class__(**{**DEFAULTS.store.__dict__,
+                                        "kv_store": f"local://{store_dir}",
+                                        "kv_key_file": str(key)})  # fmt: skip
+    return ImageSource(encoder, "ab" * 16, torch.float32, store)
+
+
+def test_one_encoding_however_many_ask_and_the_next_worker_reads_it(checkpoint, tmp_path):
+    key = make_key(tmp_path / "kv.key")
+    data = png(1)
+
+    async def run() -> None:
+        first = source(checkpoint, tmp_path / "kv", key)
+        rows = await asyncio.gather(*(first.get(first.encoder.digest(data), data)
+                                      for _ in range(4)))  # fmt: skip
+        assert first.counters.encoded == 1
+        assert all(torch.equal(r, rows[0]) for r in rows)
+        second = source(checkpoint, tmp_path / "kv", key)
+        again = await second.get(second.encoder.digest(data), data)
+        assert (second.counters.encoded, second.counters.store_hits) == (0, 1)
+        assert torch.equal(again, rows[0])
+        await first.close()
+        await second.close()
+
+    asyncio.run(run())
+
+
+def test_rows_planted_under_another_image_are_refused_and_encoded(checkpoint, tmp_path):
+    """The store's writer copies image A's value under image B's key: the codec checks the
+    digest it asked for, so B's rows are B's."""
+    key = make_key(tmp_path / "kv.key")
+    a, b = png(2), png(3)
+
+    async def run() -> None:
+        writer = source(checkpoint, tmp_path / "kv", key)
+        da, db = writer.encoder.digest(a), writer.encoder.digest(b)
+        rows_a = await writer.get(da, a)
+        (value,) = await writer.store.get_many([da])
+        await writer.store.put_many([(db, value)])
+        reader = source(checkpoint, tmp_path / "kv", key)
+        rows_b = await reader.get(db, b)
+        assert (reader.counters.store_refused, reader.counters.encoded) == (1, 1)
+        assert not torch.equal(rows_b, rows_a)
+        with pytest.raises(ValidationError, match="not an image"):
+            await reader.get(b"\0" * 32, b"no image here")
+        await writer.close()
+        await reader.close()
+
+    asyncio.run(run())
