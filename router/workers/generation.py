@@ -154,7 +154,7 @@ class Pipeline:
         try:
             reply = None
             if job.images and prefilled is not None:  # choice 0: the images, once
-                timeout = self.settings.prefill_timeout
+                timeout = self.settings.encode_timeout
                 await encoding.encode(self.registry, rid, job.wire_images, timeout, span)
             if self._compute_on_decode(job):
                 self.on_local_prefill("colocated" if self.colocated else "short_prompt")

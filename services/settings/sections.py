@@ -59,7 +59,8 @@ class Section:
 @dataclass(frozen=True)
 class ServerSettings(Section):
     host: str = setting("127.0.0.1", "address to listen on", EVERY)
-    port: int | None = setting(None, "port (default: router 8000, prefill 50051, decode 50052)",
+    port: int | None = setting(None, "port (default: router 8000, prefill 50051, decode 50052, "
+                               "encode 50053)",
                                EVERY)  # fmt: skip
     trace_file: str | None = setting(None, "append OpenTelemetry spans of every request to this "
                                      "file (OTLP/JSON lines; bench/timeline.py reads them); "
@@ -313,6 +314,9 @@ class RouterSettings(Section):
                                                      "refused)", ROUTER)  # fmt: skip
     media_fetch_timeout: float = setting(10.0, "seconds fetching a remote image may take",
                                          ROUTER, minimum=0)  # fmt: skip
+    encode_timeout: float = setting(30.0, "seconds an Encode may take before another encoder "
+                                    "is tried (none left: the prompt's worker encodes)",
+                                    ROUTER, minimum=0)  # fmt: skip
     health_interval: float = setting(1.0, "seconds between worker health checks (a worker not "
                                      "healthy is asked every 0.25 s)", ROUTER)  # fmt: skip
     health_timeout: float = setting(5.0, "seconds a worker's health check may take (a busy "

@@ -15,6 +15,7 @@ import io
 import json
 import signal
 import threading
+import time
 
 import numpy as np
 import openai
@@ -100,7 +101,7 @@ def stack(checkpoint, media, tmp_path_factory):
             logs, [prefill.address], [d.address for d in decode], f"--encode={encode.address}",
             "--allowed-local-media-path", str(media[0]), "--allowed-media-domains", "127.0.0.1",
             "--max-image-pixels", "1000000", "--max-images-per-request", "3",
-            "--health-interval", "0.5", model=str(path),
+            "--health-interval", "0.5", "--encode-timeout", "2", model=str(path),
         ).start()  # fmt: skip
         client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="x", max_retries=0)
         yield client, store, encode, prefill, decode
@@ -376,18 +377,39 @@ def test_a_decode_worker_killed_mid_stream_changes_nothing(stack, checkpoint, to
     assert text == whole
 
 
-def test_an_encoder_lost_leaves_the_encoding_to_the_prefill_worker(stack, checkpoint, tokenizer):
-    """Last: the encoder is killed; the router's Encode fails over to none, and the prefill
-    worker encodes the image itself: the same answer."""
+def test_an_encoder_that_hangs_then_dies_mid_request_changes_no_answer(
+    stack, checkpoint, tokenizer
+):
+    """The encoder stopped (SIGSTOP): a request's Encode waits on it and passes the router's
+    --encode-timeout (2 s), and the prefill worker encodes the image itself. Then, with a
+    second request's Encode in flight to the stopped encoder, it is killed: the call fails at
+    once and that image too is encoded by the prefill worker. Both answers are transformers'."""
     client, _, encode, prefill, _ = stack
-    encode.process.send_signal(signal.SIGKILL)
-    encode.process.wait()
-    fresh = picture(8, (25, 45))
-    parts = [text_part("And this one? "), image_part(data_url(fresh))]
-    encoded = load(prefill).images_encoded
-    reply = ask(client, parts)
-    assert reply.choices[0].message.content == reference(checkpoint, tokenizer, parts, [fresh])
-    assert load(prefill).images_encoded == encoded + 1
+    encode.process.send_signal(signal.SIGSTOP)
+    try:
+        hung = picture(8, (25, 45))
+        parts = [text_part("And this one? "), image_part(data_url(hung))]
+        encoded = load(prefill).images_encoded
+        started = time.monotonic()
+        reply = ask(client, parts)
+        assert time.monotonic() - started >= 2.0  # the Encode's timeout passed first
+        assert reply.choices[0].message.content == reference(checkpoint, tokenizer, parts, [hung])
+        assert load(prefill).images_encoded == encoded + 1
+
+        last = picture(9, (45, 25))
+        parts = [text_part("And the last? "), image_part(data_url(last))]
+        answer: list[str] = []
+        asking = threading.Thread(target=lambda: answer.append(
+            ask(client, parts).choices[0].message.content))  # fmt: skip
+        asking.start()
+        time.sleep(0.5)  # its Encode waits on the stopped encoder
+        assert asking.is_alive()
+    finally:
+        encode.process.send_signal(signal.SIGKILL)
+        encode.process.wait()
+    asking.join(30)
+    assert answer == [reference(checkpoint, tokenizer, parts, [last])]
+    assert load(prefill).images_encoded == encoded + 2
 
 
 def test_preprocessing_settings_name_the_image(checkpoint):
