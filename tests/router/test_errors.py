@@ -115,7 +115,7 @@ def test_unknown_model_is_404(router, client):
 
 
 def test_oversized_body_is_413(router):
-    body = json.dumps({**GOOD, "prompt": "a " * (3 << 20)}).encode()  # 6 MiB > 4 MiB
+    body = json.dumps({**GOOD, "prompt": "a " * (17 << 20)}).encode()  # 34 MiB > 32 MiB
     response = httpx.post(
         f"{router.url}/v1/completions", content=body, headers={"content-type": "application/json"}
     )

@@ -214,8 +214,12 @@ def test_text_format_parses_into_nested_pydantic_models(client):
             },
             "tools.0.parameters",
         ),
-        (
+        (  # the embedded model reads text: an image is refused where it is
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            "input.0.content.0.image_url",
+        ),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_audio", "data": "x"}]}]},
             "input.0.content.0.type",
         ),
         ({"input": "hi", "max_output_tokens": "5"}, "max_output_tokens"),

@@ -114,7 +114,18 @@ def test_a_call_with_no_message_before_it_gets_its_own():
     ("item", "param"),
     [
         (
-            {"role": "user", "content": [{"type": "input_image", "image_url": "x"}]},
+            {"role": "user", "content": [{"type": "input_image", "file_id": "file-1"}]},
+            "input.0.content.0.image_url",
+        ),
+        (
+            {
+                "role": "user",
+                "content": [{"type": "input_image", "image_url": "x", "detail": "ultra"}],
+            },
+            "input.0.content.0.detail",
+        ),
+        (
+            {"role": "user", "content": [{"type": "input_file", "file_id": "f"}]},
             "input.0.content.0.type",
         ),
         ({"role": "user", "content": [{"type": "sticker"}]}, "input.0.content.0.type"),
