@@ -14,12 +14,13 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from router.body import read_model
 from router.completions.api import routes, state_of
 from router.completions.protocol import DetokenizeRequest, TokenizeRequest, WorkerChange
 from router.console.page import routes as console_routes
 from router.errors import APIError, bad_request, unavailable
 from router.responses.api import routes as responses_routes
-from router.state import RouterState, bearer, new_id, read_model
+from router.state import RouterState, bearer, new_id
 from services.settings import Settings
 from services.tracing import RECEIVED
 

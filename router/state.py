@@ -5,17 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import math
 import random
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
-import pydantic
 from fastapi import Request
 
 from kvstore.block_hash import ImageSpan, image_digest
@@ -26,7 +23,8 @@ from router.console.recent import Recent, StoreRates
 from router.errors import APIError, bad_request
 from router.metrics import Metrics
 from router.responses.store import ResponseStore
-from router.workers.generation import Delta, Job, Pipeline
+from router.workers.generation import Pipeline
+from router.workers.jobs import Delta, Job
 from router.workers.policy import Policy
 from router.workers.registry import Registry
 from services.engine.images import image_spans
@@ -37,8 +35,6 @@ from services.settings import RouterSettings, Settings
 from services.tokenizer.tokenizer import Tokenizer
 from services.tracing import NO_SPAN, Span, Tracer
 from services.worker.convert import USER_FIELDS, to_proto_params
-
-M = TypeVar("M", bound=pydantic.BaseModel)
 
 
 @dataclass
@@ -319,79 +315,6 @@ def forced_or_asked(forced: str | None, req: SamplingFields) -> str | None:
 def bearer(request: Request) -> str | None:
     header = request.headers.get("authorization", "")
     return header[7:].strip() if header.lower().startswith("bearer ") else None
-
-
-async def read_model(request: Request, model: type[M], limit: int) -> M:
-    """The JSON body as `model`, or the 4xx a client would expect."""
-    body = await request.body()
-    if len(body) > limit:
-        raise APIError(
-            413, f"request body of {len(body)} bytes exceeds {limit}", None, "request_too_large"
-        )
-    try:
-        data: Any = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise bad_request(f"malformed JSON: {e}") from e
-    except RecursionError as e:
-        raise bad_request("malformed JSON: nested too deeply") from e
-    if not isinstance(data, dict):
-        raise bad_request("the request body must be a JSON object")
-    if SURROGATE_ESCAPE.search(body):  # escapes may pair up into real characters: look
-        check_no_lone_surrogates(data, "")
-    try:
-        return model.model_validate(data)
-    except pydantic.ValidationError as e:
-        first = telling_error(e.errors())
-        param = ".".join(error_path(first["loc"])) or None
-        raise bad_request(f"{param}: {first['msg']}" if param else first["msg"], param) from e
-
-
-def error_path(loc: Sequence[Any]) -> list[str]:
-    """A pydantic location as the body names it: no union branch types (`list[...]`), a
-    tagged union's tag not repeated before the field it tags."""
-    out: list[str] = []
-    for part in map(str, loc):
-        if "[" not in part and (not out or out[-1] != part):
-            out.append(part)
-    return out
-
-
-def telling_error(errors: list[Any]) -> Any:
-    """The error to report: the first, or where it is one branch of a union (a message's
-    content: a string or parts), the deepest of that field's (the part that is wrong)."""
-    first = errors[0]
-    loc = tuple(first["loc"])
-    if not loc or loc[-1] != "str":
-        return first
-    same = [e for e in errors if tuple(e["loc"])[: len(loc) - 1] == loc[:-1]]
-    return max(same, key=lambda e: len(e["loc"]))
-
-
-# A UTF-16 surrogate can only enter a str through a JSON escape (the body is strict UTF-8).
-SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
-
-
-def check_no_lone_surrogates(data: Any, where: str) -> None:
-    """400 naming the field of the first string holding half a surrogate pair (it cannot be
-    encoded, tokenized or sent back as UTF-8)."""
-    stack = [(data, where)]
-    while stack:
-        value, path = stack.pop()
-        if isinstance(value, str):
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError as e:
-                raise bad_request(
-                    f"{path or 'body'}: a lone UTF-16 surrogate (\\u{ord(value[e.start]):04x}) "
-                    "is not text",
-                    path or None,
-                ) from e
-        elif isinstance(value, dict):
-            for key, item in value.items():
-                stack.append((key, path))
-                stack.append((item, f"{path}.{key}" if path else str(key)))
-        elif isinstance(value, list):
-            stack.extend((item, f"{path}.{i}") for i, item in enumerate(value))
 
 
 def new_id(prefix: str) -> str:

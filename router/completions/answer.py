@@ -17,7 +17,8 @@ from router.completions.openai_format import ChoiceState, Envelope, sse, usage
 from router.completions.protocol import ChatCompletionRequest, CompletionRequest
 from router.errors import APIError, bad_request, unavailable
 from router.state import Admission, RouterState, watch_disconnect
-from router.workers.generation import RETRY_POLL, Job
+from router.workers.generation import RETRY_POLL
+from router.workers.jobs import Job
 from services.tracing import NO_SPAN, RECEIVED, Span
 
 CLIENT_GONE = 499  # the status nginx logs for a client that closed the connection first

@@ -10,6 +10,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from router.body import read_model
 from router.completions import images, tools
 from router.completions.answer import Replies, respond
 from router.completions.forced_calls import ForcedCalls
@@ -25,8 +26,8 @@ from router.completions.openai_format import (
 )
 from router.completions.protocol import ChatCompletionRequest, CompletionRequest
 from router.errors import bad_request
-from router.state import RouterState, new_id, read_model
-from router.workers.generation import Job
+from router.state import RouterState, new_id
+from router.workers.jobs import Job
 from services.engine.params import DEFAULT_MAX_TOKENS
 
 routes = APIRouter()

@@ -19,6 +19,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from router.body import read_model
 from router.completions import images
 from router.completions.answer import begin, streamed, whole_answer
 from router.completions.api import ChatRun, prepare_chat, state_of
@@ -31,7 +32,7 @@ from router.responses.convert import chat_request, flat_param, input_messages, o
 from router.responses.output import Output, item_id
 from router.responses.protocol import ResponsesRequest
 from router.responses.store import Stored, tenant
-from router.state import Admission, RouterState, bearer, read_model
+from router.state import Admission, RouterState, bearer
 from services.rpc import worker_pb2 as pb
 from services.tracing import Span
 

@@ -20,13 +20,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
 
 import grpc
 
 from kvstore.block_hash import BLOCK_SIZE, ImageSpan, block_hashes
 from router.errors import APIError, bad_request, unavailable
 from router.workers import encoding
+from router.workers.jobs import Delta, Job
 from router.workers.policy import Policy
 from router.workers.quiet_calls import QuietCalls
 from router.workers.registry import Registry, Tried, WorkerState
@@ -40,40 +40,6 @@ log = logging.getLogger("pdserve.router")
 REFUSED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_EXISTS)
 RETRY_POLL = 0.25  # seconds between looks for a worker to come back
 MAX_FAILURES = 6  # worker failures one call survives (a worker in a crash loop ends it)
-
-
-@dataclass(frozen=True)
-class Job:
-    """A validated request: one prompt, n choices."""
-
-    request_id: str
-    prompt_ids: list[int]
-    params: pb.SamplingParams
-    seed: int
-    n: int = 1
-    salt: bytes = b""
-    index_base: int = 0  # this prompt's first choice index in the response
-    # the prompt's block hashes in the workers' namespace (Pipeline.block_hashes), computed
-    # once: the router's own account of what each worker caches (routing and backlogs)
-    block_hashes: Sequence[bytes] = ()
-    # the prompt's images (files checked at the edge), in the order of its image places
-    images: Sequence[bytes] = ()
-
-    @property
-    def wire_images(self) -> list[pb.Image]:
-        return [pb.Image(data=data) for data in self.images]
-
-
-@dataclass
-class Delta:
-    index: int  # choice index in the response
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    logprobs: list[pb.TokenLogprobs] = field(default_factory=list)
-    finish_reason: str | None = None
-    cached_tokens: int = 0  # on a choice's first delta: prompt tokens not computed
-    store_tokens: int = 0  # ... of which read from the KV store (the rest: a worker's cache)
-    prompt_logprobs: list[pb.TokenLogprobs] = field(default_factory=list)  # tokens 1.., once
 
 
 class Pipeline:
@@ -411,4 +377,4 @@ def raise_stream_ended(worker: WorkerState) -> None:
     )
 
 
-__all__ = ["APIError", "Delta", "Job", "Pipeline"]
+__all__ = ["APIError", "Pipeline"]

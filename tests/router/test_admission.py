@@ -14,7 +14,7 @@ from router.completions.answer import Replies, stream_events
 from router.completions.openai_format import Envelope
 from router.errors import APIError
 from router.state import RouterState
-from router.workers.generation import Job
+from router.workers.jobs import Job
 from services.engine.params import SamplingParams
 from services.rpc import worker_pb2 as pb
 from services.settings import RouterSettings, Settings

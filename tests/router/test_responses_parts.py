@@ -256,7 +256,7 @@ def test_a_stream_failing_midway_ends_with_response_failed():
     from router.errors import unavailable
     from router.responses.api import Answer
     from router.responses.store import ResponseStore
-    from router.workers.generation import Delta
+    from router.workers.jobs import Delta
     from services.tracing import NO_SPAN
 
     async def run(jobs, admission, span):

@@ -1,0 +1,43 @@
+"""What the router hands its pipeline and gets back: a validated request's Job (one prompt, n
+choices, its block hashes and images) and the Deltas each choice streams."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from services.rpc import worker_pb2 as pb
+
+
+@dataclass(frozen=True)
+class Job:
+    """A validated request: one prompt, n choices."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: pb.SamplingParams
+    seed: int
+    n: int = 1
+    salt: bytes = b""
+    index_base: int = 0  # this prompt's first choice index in the response
+    # the prompt's block hashes in the workers' namespace (Pipeline.block_hashes), computed
+    # once: the router's own account of what each worker caches (routing and backlogs)
+    block_hashes: Sequence[bytes] = ()
+    # the prompt's images (files checked at the edge), in the order of its image places
+    images: Sequence[bytes] = ()
+
+    @property
+    def wire_images(self) -> list[pb.Image]:
+        return [pb.Image(data=data) for data in self.images]
+
+
+@dataclass
+class Delta:
+    index: int  # choice index in the response
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[pb.TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    cached_tokens: int = 0  # on a choice's first delta: prompt tokens not computed
+    store_tokens: int = 0  # ... of which read from the KV store (the rest: a worker's cache)
+    prompt_logprobs: list[pb.TokenLogprobs] = field(default_factory=list)  # tokens 1.., once
