@@ -68,28 +68,19 @@ class EncodeWorker(worker_pb2_grpc.EncodeWorkerServicer):
         log.info("encoded", extra={"fields": {"request_id": rid, "encoded": encoded}})
         return pb.EncodeReply(encoded=encoded, stored=stored)
 
+    @property
+    def block_size(self) -> int:
+        return self.layout.block_size
+
     async def Health(self, request: pb.HealthRequest, context: Any) -> pb.HealthReply:
-        return pb.HealthReply(
-            role=self.role,
-            model=self.model_name,
-            ready=self.ready,
-            namespace=self.namespace,
-            block_size=self.layout.block_size,
-        )
+        return convert.health_reply(self)
 
     async def Load(self, request: pb.LoadRequest, context: Any) -> pb.LoadReply:
-        stats, counters = self.images.store.stats(), self.images.counters
+        counters = self.images.counters
+        stats = self.images.store.stats()
         return pb.LoadReply(
             running=self.running,
-            store_hits=stats.hits - stats.corrupt,
-            store_corrupt=stats.corrupt,
-            store_unavailable=stats.unavailable,
-            store_misses=stats.misses,
-            store_writes=stats.puts,
-            store_bytes_read=stats.bytes_read,
-            store_bytes_written=stats.bytes_written,
-            images_encoded=counters.encoded,
-            images_from_store=counters.store_hits,
+            **convert.store_load(stats, counters.encoded, counters.store_hits),
         )
 
     async def serve(self) -> int:

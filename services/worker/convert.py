@@ -6,8 +6,11 @@ naming the field; the engine never sees a raw message.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from google.protobuf.message import Message
 
+from kvstore.store import StoreStats
 from services.engine.params import SamplingParams, ValidationError
 from services.engine.request import FinishReason, TokenLogprobs
 from services.rpc import worker_pb2 as pb
@@ -89,3 +92,43 @@ def logprobs_proto(lp: TokenLogprobs) -> pb.TokenLogprobs:
         top_logprobs=[v for _, v in lp.top],
         rank=lp.rank,
     )
+
+
+class Serving(Protocol):
+    """What Health reports of a process serving a deployment's KV layout (a worker, an
+    encoder)."""
+
+    role: str
+    model_name: str
+    namespace: str
+
+    @property
+    def ready(self) -> bool: ...
+
+    @property
+    def block_size(self) -> int: ...
+
+
+def health_reply(serving: Serving) -> pb.HealthReply:
+    return pb.HealthReply(
+        role=serving.role,
+        model=serving.model_name,
+        ready=serving.ready,
+        namespace=serving.namespace,
+        block_size=serving.block_size,
+    )
+
+
+def store_load(stats: StoreStats, encoded: int, from_store: int) -> dict[str, int]:
+    """Load's fields of a process's store and images (LoadReply keywords)."""
+    return {
+        "store_hits": stats.hits - stats.corrupt,
+        "store_corrupt": stats.corrupt,
+        "store_unavailable": stats.unavailable,
+        "store_misses": stats.misses,
+        "store_writes": stats.puts,
+        "store_bytes_read": stats.bytes_read,
+        "store_bytes_written": stats.bytes_written,
+        "images_encoded": encoded,
+        "images_from_store": from_store,
+    }

@@ -47,6 +47,7 @@ from services.rpc import keepalive
 from services.rpc import worker_pb2 as pb
 from services.settings import Settings
 from services.tracing import Span, Tracer, from_metadata
+from services.worker import convert
 from services.worker.fetch_choice import attention_k
 from services.worker.images import ImageSource
 from services.worker.kv_link import KVLink
@@ -194,17 +195,15 @@ class Worker:
         log.info("abort", extra={"fields": {"request_id": request.request_id, "found": found}})
         return pb.AbortReply(found=found)
 
+    @property
+    def block_size(self) -> int:
+        return self.layout.block_size
+
     async def Health(self, request: pb.HealthRequest, context: Any) -> pb.HealthReply:
-        return pb.HealthReply(
-            role=self.role,
-            model=self.model_name,
-            ready=self.ready,
-            namespace=self.namespace,
-            block_size=self.layout.block_size,
-        )
+        return convert.health_reply(self)
 
     async def Load(self, request: pb.LoadRequest, context: Any) -> pb.LoadReply:
-        load, stats = self.driver.load, self.store.stats()
+        load, images = self.driver.load, self.images.counters if self.images else None
         return pb.LoadReply(
             waiting=load.waiting,
             running=load.running,
@@ -214,16 +213,11 @@ class Worker:
             tokens_in_flight=load.tokens_in_flight,
             referenced_blocks=load.referenced_blocks,
             recomputed_tokens=self.counters.recomputed_tokens,
-            store_hits=stats.hits - stats.corrupt,
-            store_corrupt=stats.corrupt,
-            store_unavailable=stats.unavailable,
-            store_misses=stats.misses,
-            store_writes=stats.puts,
-            store_bytes_read=stats.bytes_read,
-            store_bytes_written=stats.bytes_written,
-            images_encoded=self.images.counters.encoded if self.images else 0,
-            images_from_store=self.images.counters.store_hits if self.images else 0,
-        )
+            **convert.store_load(
+                self.store.stats(), images.encoded if images else 0,
+                images.store_hits if images else 0,
+            ),
+        )  # fmt: skip
 
     # -- serving ---------------------------------------------------------------------
 

@@ -17,7 +17,6 @@ import signal
 import threading
 import time
 
-import numpy as np
 import openai
 import pytest
 import redis
@@ -35,16 +34,16 @@ from services.model.vision.images import Preprocess
 from services.tokenizer.tokenizer import Tokenizer
 from tests.support.cluster import load
 from tests.support.redis_servers import RedisServer
-from tests.support.tiny_vision import BEGIN, END, IMAGE, TOKEN_TEXT, save_tiny_gemma3_vision
+from tests.support.tiny_vision import (
+    BEGIN,
+    END,
+    IMAGE,
+    TOKEN_TEXT,
+    picture,
+    save_tiny_gemma3_vision,
+)
 
 ANSWER = 10  # tokens each answer is long
-
-
-def picture(seed: int, size: tuple[int, int], fmt: str = "PNG") -> bytes:
-    rng = np.random.default_rng(seed)
-    out = io.BytesIO()
-    Image.fromarray(rng.integers(0, 255, (*size, 3), dtype=np.uint8)).save(out, fmt)
-    return out.getvalue()
 
 
 def data_url(data: bytes, kind: str = "png") -> str:
@@ -206,6 +205,18 @@ def spans_of(checkpoint, ids, files):
     return image_spans(ids, IMAGE, 16, digests)
 
 
+def two_images(tokenizer, text: str, seeds: tuple[int, int], size: tuple[int, int], tail: str):
+    """Two messages alike but for their image: each (file, parts), and their prompt ids
+    (the same tokens: only the image tells them apart)."""
+    out = []
+    for seed in seeds:
+        data = picture(seed, size)
+        out.append((data, [text_part(text), image_part(data_url(data)), text_part(tail)]))
+    ids = prompt_ids(tokenizer, out[0][1])
+    assert ids == prompt_ids(tokenizer, out[1][1])
+    return out[0], out[1], ids
+
+
 def test_the_same_image_shares_blocks_and_another_never(stack, checkpoint, tokenizer):
     """Same text, another image: the blocks before the image are shared, none from the
     image's first block on (their keys are the other image's); the same image again: every
@@ -213,11 +224,7 @@ def test_the_same_image_shares_blocks_and_another_never(stack, checkpoint, token
     client, store, _, prefill, _ = stack
     namespace = prefill_namespace(prefill)
     text = "A long enough opening so that whole blocks come before the picture: "
-    third, fourth = picture(3, (33, 33)), picture(4, (33, 33))
-    a = [text_part(text), image_part(data_url(third)), text_part(" what is it?")]
-    b = [text_part(text), image_part(data_url(fourth)), text_part(" what is it?")]
-    ids = prompt_ids(tokenizer, a)
-    assert ids == prompt_ids(tokenizer, b)  # the same tokens: only the image tells them apart
+    (third, a), (fourth, b), ids = two_images(tokenizer, text, (3, 4), (33, 33), " what is it?")
     first_image_block = ids.index(IMAGE) // BLOCK_SIZE
     ask(client, a)
     assert all(stored_blocks(store, namespace, ids, spans_of(checkpoint, ids, [third])))
@@ -253,10 +260,7 @@ def test_a_block_planted_for_another_image_is_refused(stack, checkpoint, tokeniz
     client, store, _, prefill, _ = stack
     namespace = prefill_namespace(prefill)
     text = "Another opening, again long enough for blocks ahead of it: "
-    x, y = picture(5, (20, 20)), picture(6, (20, 20))
-    with_x = [text_part(text), image_part(data_url(x)), text_part(" and?")]
-    with_y = [text_part(text), image_part(data_url(y)), text_part(" and?")]
-    ids = prompt_ids(tokenizer, with_x)
+    (x, with_x), (y, with_y), ids = two_images(tokenizer, text, (5, 6), (20, 20), " and?")
     ask(client, with_x)
     k = ids.index(IMAGE) // BLOCK_SIZE
     hx = block_hashes(ids, BLOCK_SIZE, namespace, b"", False, spans_of(checkpoint, ids, [x]))

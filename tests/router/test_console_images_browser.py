@@ -8,24 +8,14 @@ message (temperature 0). Skipped where chromium is missing (tests/support/consol
 from __future__ import annotations
 
 import base64
-import io
 
-import numpy as np
 import openai
 import pytest
-from PIL import Image
 
 from services.launcher import free_port
 from tests.support.console_browser import By, answers, browser, errors, screenshot, until
-from tests.support.tiny_vision import save_tiny_gemma3_vision
+from tests.support.tiny_vision import picture, save_tiny_gemma3_vision
 from tests.support.up import Up
-
-
-def png(seed: int) -> bytes:
-    rng = np.random.default_rng(seed)
-    out = io.BytesIO()
-    Image.fromarray(rng.integers(0, 255, (40, 60, 3), dtype=np.uint8)).save(out, "PNG")
-    return out.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +65,7 @@ area.dispatchEvent(new ClipboardEvent("paste", { clipboardData: transfer, bubble
 
 def test_an_image_picked_or_pasted_goes_with_the_question(stack, tmp_path):
     base, tmp = stack
-    picked, pasted = png(1), png(2)
+    picked, pasted = picture(1, (40, 60)), picture(2, (40, 60))
     (tmp / "picked.png").write_bytes(picked)
     driver = browser(tmp_path / "profile")
     try:

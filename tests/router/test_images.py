@@ -14,7 +14,6 @@ import io
 import json
 import threading
 
-import numpy as np
 import pytest
 import transformers
 from PIL import Image
@@ -26,7 +25,7 @@ from services.launcher import free_port
 from services.model.loading.hf_config import read_config
 from services.settings import DEFAULTS
 from services.tokenizer.tokenizer import Tokenizer
-from tests.support.tiny_vision import save_tiny_gemma3_vision
+from tests.support.tiny_vision import picture, save_tiny_gemma3_vision
 
 
 @pytest.fixture(scope="module")
@@ -34,13 +33,6 @@ def checkpoint(tmp_path_factory, embedded_dir):
     path = tmp_path_factory.mktemp("gemma3-vision")
     save_tiny_gemma3_vision(path, embedded_dir)
     return path
-
-
-def png(seed: int) -> bytes:
-    out = io.BytesIO()
-    pixels = np.random.default_rng(seed).integers(0, 255, (20, 30, 3), dtype=np.uint8)
-    Image.fromarray(pixels).save(out, "PNG")
-    return out.getvalue()
 
 
 def router_prompt(checkpoint, messages: list[dict]) -> list[int]:
@@ -56,7 +48,7 @@ def router_prompt(checkpoint, messages: list[dict]) -> list[int]:
 def test_the_prompt_equals_gemma3_processors(checkpoint):
     """Two turns, two images, text around them: the ids transformers' processor gives for the
     same conversation and images."""
-    url = "data:image/png;base64," + base64.b64encode(png(1)).decode()
+    url = "data:image/png;base64," + base64.b64encode(picture(1)).decode()
     messages = [
         {"role": "user", "content": [{"type": "text", "text": "Look: "},
                                      {"type": "image_url", "image_url": {"url": url}}]},
@@ -72,7 +64,7 @@ def test_the_prompt_equals_gemma3_processors(checkpoint):
         for m in messages
     ]  # fmt: skip
     text = processor.apply_chat_template(theirs_messages, add_generation_prompt=True)
-    pictures = [Image.open(io.BytesIO(png(1))), Image.open(io.BytesIO(png(1)))]
+    pictures = [Image.open(io.BytesIO(picture(1))), Image.open(io.BytesIO(picture(1)))]
     theirs = processor(text=text, images=pictures, return_tensors="np")["input_ids"][0].tolist()
     assert router_prompt(checkpoint, messages) == theirs
 
@@ -89,7 +81,7 @@ def test_a_template_of_strings_gets_the_begin_tokens_text(checkpoint, tmp_path):
     data = json.loads(config) | {"chat_template": template}
     (plain / "tokenizer_config.json").write_text(json.dumps(data))
     (plain / "chat_template.jinja").write_text(template)
-    url = "data:image/png;base64," + base64.b64encode(png(2)).decode()
+    url = "data:image/png;base64," + base64.b64encode(picture(2)).decode()
     parts = [{"type": "text", "text": "see "}, {"type": "image_url", "image_url": {"url": url}}]
     ids = router_prompt(plain, [{"role": "user", "content": parts}])
     tokenizer = Tokenizer.from_dir(plain)
@@ -110,10 +102,10 @@ def read(url: str, **changes) -> bytes:
 def test_a_symlink_out_of_the_allowed_directory_is_refused(tmp_path):
     allowed, outside = tmp_path / "media", tmp_path / "secret.png"
     allowed.mkdir()
-    outside.write_bytes(png(3))
+    outside.write_bytes(picture(3))
     (allowed / "link.png").symlink_to(outside)
-    (allowed / "own.png").write_bytes(png(4))
-    assert read(f"file://{allowed}/own.png", allowed_local_media_path=str(allowed)) == png(4)
+    (allowed / "own.png").write_bytes(picture(4))
+    assert read(f"file://{allowed}/own.png", allowed_local_media_path=str(allowed)) == picture(4)
     with pytest.raises(APIError, match="outside the allowed media directory"):
         read(f"file://{allowed}/link.png", allowed_local_media_path=str(allowed))
     with pytest.raises(APIError, match="allowed-local-media-path"):
@@ -124,8 +116,8 @@ def test_a_symlink_out_of_the_allowed_directory_is_refused(tmp_path):
 def web(tmp_path_factory):
     """An HTTP server on 127.0.0.1: /small.png, /big.png and /moved (a redirect)."""
     root = tmp_path_factory.mktemp("web")
-    (root / "small.png").write_bytes(png(5))
-    (root / "big.png").write_bytes(png(6) + bytes(50_000))
+    (root / "small.png").write_bytes(picture(5))
+    (root / "big.png").write_bytes(picture(6) + bytes(50_000))
 
     class Handler(http.server.SimpleHTTPRequestHandler):
         def do_GET(self):
@@ -145,7 +137,7 @@ def web(tmp_path_factory):
 
 def test_remote_urls_only_from_allowed_hosts_no_redirects_no_more_than_the_limit(web):
     allowed = {"allowed_media_domains": ("127.0.0.1",)}
-    assert read(f"{web}/small.png", **allowed) == png(5)
+    assert read(f"{web}/small.png", **allowed) == picture(5)
     with pytest.raises(APIError, match=r"refused \(127\.0\.0\.1 is not among"):
         read(f"{web}/small.png")
     with pytest.raises(APIError, match="answered 302"):

@@ -6,11 +6,14 @@ preprocessor_config.json."""
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 import transformers
+from PIL import Image
 
 BEGIN, END, IMAGE = 49152, 49153, 49154  # <start_of_image>, <end_of_image>, <image_soft_token>
 TOKEN_TEXT = {BEGIN: "<start_of_image>", END: "<end_of_image>", IMAGE: "<image_soft_token>"}
@@ -86,3 +89,11 @@ def save_tiny_gemma3_vision(
     wrapper = {"processor_class": "Gemma3Processor", "image_seq_length": tokens}
     (path / "processor_config.json").write_text(json.dumps(wrapper))
     return model
+
+
+def picture(seed: int, size: tuple[int, int] = (20, 30), fmt: str = "PNG") -> bytes:
+    """A file of random pixels, `size` (height, width), in `fmt`."""
+    pixels = np.random.default_rng(seed).integers(0, 255, (*size, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, fmt)
+    return out.getvalue()

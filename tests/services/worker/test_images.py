@@ -6,19 +6,16 @@ deleted and encoded again; a bad file is the request's ValidationError."""
 from __future__ import annotations
 
 import asyncio
-import io
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from kvstore.keyfile import make_key
 from services.engine.params import ValidationError
 from services.model.loader import load_encoder
 from services.settings import DEFAULTS
 from services.worker.images import ImageSource
-from tests.support.tiny_vision import save_tiny_gemma3_vision
+from tests.support.tiny_vision import picture, save_tiny_gemma3_vision
 
 
 @pytest.fixture(scope="module")
@@ -26,13 +23,6 @@ def checkpoint(tmp_path_factory, embedded_dir):
     path = tmp_path_factory.mktemp("gemma3-vision")
     save_tiny_gemma3_vision(path, embedded_dir)
     return path
-
-
-def png(seed: int) -> bytes:
-    out = io.BytesIO()
-    pixels = np.random.default_rng(seed).integers(0, 255, (24, 36, 3), dtype=np.uint8)
-    Image.fromarray(pixels).save(out, "PNG")
-    return out.getvalue()
 
 
 def source(checkpoint, store_dir, key) -> ImageSource:
@@ -46,7 +36,7 @@ def source(checkpoint, store_dir, key) -> ImageSource:
 
 def test_one_encoding_however_many_ask_and_the_next_worker_reads_it(checkpoint, tmp_path):
     key = make_key(tmp_path / "kv.key")
-    data = png(1)
+    data = picture(1, (24, 36))
 
     async def run() -> None:
         first = source(checkpoint, tmp_path / "kv", key)
@@ -68,7 +58,7 @@ def test_rows_planted_under_another_image_are_refused_and_encoded(checkpoint, tm
     """The store's writer copies image A's value under image B's key: the codec checks the
     digest it asked for, so B's rows are B's."""
     key = make_key(tmp_path / "kv.key")
-    a, b = png(2), png(3)
+    a, b = picture(2, (24, 36)), picture(3, (24, 36))
 
     async def run() -> None:
         writer = source(checkpoint, tmp_path / "kv", key)
