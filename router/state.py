@@ -15,7 +15,7 @@ from typing import Any
 
 from fastapi import Request
 
-from kvstore.block_hash import ImageSpan, image_digest
+from kvstore.block_hash import ImageSpan
 from router.completions.openai_format import ChoiceState
 from router.completions.protocol import SamplingFields
 from router.completions.structured import grammar_of
@@ -27,7 +27,7 @@ from router.workers.generation import Pipeline
 from router.workers.jobs import Delta, Job
 from router.workers.policy import Policy
 from router.workers.registry import Registry
-from services.engine.images import image_spans
+from services.engine.images import spans_of_files
 from services.engine.params import SamplingParams, ValidationError
 from services.model.config import ModelConfig
 from services.model.loading import hf_config, sources
@@ -186,12 +186,9 @@ class RouterState:
 
     def image_spans(self, ids: Sequence[int], images: Sequence[bytes]) -> tuple[ImageSpan, ...]:
         """The prompt's image places, named as the workers name them (their digests)."""
-        vision = self.model.vision
-        assert vision is not None  # images.read_all refused images otherwise
-        settings = vision.preprocess.settings
-        digests = [image_digest(data, settings) for data in images]
+        assert self.model.vision is not None  # images.read_all refused images otherwise
         try:
-            return image_spans(ids, vision.image_token_id, vision.tokens_per_image, digests)
+            return spans_of_files(ids, self.model.vision, images)
         except ValidationError as e:
             raise bad_request(e.message, "messages") from None
 

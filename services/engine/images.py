@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvstore.block_hash import ImageSpan
+from kvstore.block_hash import ImageSpan, image_digest
 from services.engine.params import ValidationError
 
 
@@ -89,3 +89,12 @@ def image_spans(
                 f"{tokens_per_image}"
             )  # fmt: skip
     return tuple(ImageSpan(s, n, d) for (s, n), d in zip(runs, digests, strict=True))
+
+
+def spans_of_files(
+    prompt: Sequence[int], vision: Any, files: Sequence[bytes]
+) -> tuple[ImageSpan, ...]:
+    """image_spans with each file named as every process names it (its digest with the
+    model's preprocessing: the router, the workers)."""
+    digests = [image_digest(data, vision.preprocess.settings) for data in files]
+    return image_spans(prompt, vision.image_token_id, vision.tokens_per_image, digests)

@@ -23,7 +23,7 @@ from kvstore.codec import CodecError, StorageDtype
 from kvstore.embeddings import EmbeddingCodec, embeddings_namespace
 from kvstore.keyfile import read_key
 from kvstore.store import KVStore, StoreUnavailable
-from services.engine.images import PromptImage, image_spans
+from services.engine.images import PromptImage, spans_of_files
 from services.engine.params import ValidationError
 from services.model.vision.encoder import ImageEncoder
 from services.model.vision.images import ImageError
@@ -63,9 +63,7 @@ class ImageSource:
         self._encoding: dict[bytes, asyncio.Future[torch.Tensor]] = {}
 
     def spans(self, prompt: Sequence[int], files: Sequence[bytes]) -> tuple[ImageSpan, ...]:
-        vision = self.encoder.vision
-        digests = [self.encoder.digest(data) for data in files]
-        return image_spans(prompt, vision.image_token_id, vision.tokens_per_image, digests)
+        return spans_of_files(prompt, self.encoder.vision, files)
 
     async def rows(
         self, spans: Sequence[ImageSpan], files: Sequence[bytes]
@@ -101,7 +99,7 @@ class ImageSource:
         done: asyncio.Future[torch.Tensor] = asyncio.get_running_loop().create_future()
         self._encoding[digest] = done
         try:
-            rows = await asyncio.to_thread(self.encoder.encode, data)
+            rows = await asyncio.to_thread(self.encoder.encode, data, digest)
             self.counters.encoded += 1
             await self._write(digest, rows)
             done.set_result(rows)

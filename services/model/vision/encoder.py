@@ -65,9 +65,10 @@ class ImageEncoder:
                 self._cache.popitem(last=False)
         return rows
 
-    def encode(self, data: bytes) -> torch.Tensor:
-        """The image's rows [tokens_per_image, width]; ImageError for a bad file."""
-        key = self.digest(data)
+    def encode(self, data: bytes, digest: bytes | None = None) -> torch.Tensor:
+        """The image's rows [tokens_per_image, width]; ImageError for a bad file. `digest`:
+        the image's, where the caller has it (else computed here)."""
+        key = digest or self.digest(data)
         found = self.cached(key)
         if found is not None:
             self.hits += 1
