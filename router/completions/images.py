@@ -3,8 +3,8 @@
 Pillow against the operator's limits, in order. Anything refused is a 400 naming the part
 (`messages.1.content.2.image_url`); no worker sees a request with a bad image.
 
-The chat template writes the image's begin token where each image goes (a template reading a
-message's parts gets {"type": "image"}; one that reads a string gets the begin token's text);
+The chat template writes the image's place token where each image goes (a template reading a
+message's parts gets {"type": "image"}; one that reads a string gets the place token's text);
 `expand` widens each to the image's run of placeholder tokens before tokenizing, as the
 model's processor does (services/model/vision/shape.py).
 """
@@ -149,22 +149,21 @@ async def remote(url: str, settings: RouterSettings, param: str) -> bytes:
 
 
 def image_text(tokenizer: Tokenizer, vision: VisionShape) -> str | None:
-    """What an image is in a template that reads messages as strings (the begin token's
-    text); None for a template that reads a message's parts (it writes the begin token)."""
+    """What an image is in a template that reads messages as strings (the place token's
+    text); None for a template that reads a message's parts (it writes the place token)."""
     template = tokenizer.chat_template
     if template is not None and "image" in template.source:
         return None
-    return tokenizer.id_to_token(vision.begin_token_id)
+    return tokenizer.id_to_token(vision.place_token_id)
 
 
 def expand(text: str, tokenizer: Tokenizer, vision: VisionShape, images: int) -> str:
-    """The rendered prompt with each image's begin token widened to its placeholders; 400
-    unless the template wrote exactly one begin token per image."""
-    begin = tokenizer.id_to_token(vision.begin_token_id)
-    written = text.count(begin)
+    """The rendered prompt with each image's place token widened to its placeholders; 400
+    unless the template wrote exactly one place token per image."""
+    place = tokenizer.id_to_token(vision.place_token_id)
+    written = text.count(place)
     if written != images:
         raise bad_request(
             f"the chat template wrote {written} image places for {images} images", "messages"
         )
-    texts = [tokenizer.id_to_token(t) for t in (vision.image_token_id, vision.end_token_id)]
-    return text.replace(begin, vision.expansion(begin, *texts))
+    return text.replace(place, vision.expansion(tokenizer.id_to_token))

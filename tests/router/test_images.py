@@ -1,8 +1,9 @@
 """The router's side of images, in process (router/completions/images.py): the prompt it makes
-of a chat with images equals transformers' Gemma3Processor's (its chat template and its
-widening of each image's begin token); a template that reads strings gets the begin token's
-text; URLs are read only where the operator allows (a symlink out of the allowed directory,
-a redirect from an allowed host and an oversized remote file are refused)."""
+of a chat with images equals transformers' Gemma3Processor's and DeepseekVLProcessor's (their
+chat templates and their widening of each image's begin or placeholder token); a template
+that reads strings gets the begin token's text; URLs are read only where the operator allows
+(a symlink out of the allowed directory, a redirect from an allowed host and an oversized
+remote file are refused)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from services.launcher import free_port
 from services.model.loading.hf_config import read_config
 from services.settings import DEFAULTS
 from services.tokenizer.tokenizer import Tokenizer
+from tests.support.tiny_deepseek_vl import save_tiny_deepseek_vl
 from tests.support.tiny_vision import picture, save_tiny_gemma3_vision
 
 
@@ -32,6 +34,13 @@ from tests.support.tiny_vision import picture, save_tiny_gemma3_vision
 def checkpoint(tmp_path_factory, embedded_dir):
     path = tmp_path_factory.mktemp("gemma3-vision")
     save_tiny_gemma3_vision(path, embedded_dir)
+    return path
+
+
+@pytest.fixture(scope="module")
+def deepseek_vl(tmp_path_factory, embedded_dir):
+    path = tmp_path_factory.mktemp("deepseek-vl")
+    save_tiny_deepseek_vl(path, embedded_dir, "llama")
     return path
 
 
@@ -45,9 +54,11 @@ def router_prompt(checkpoint, messages: list[dict]) -> list[int]:
     return tokenizer.encode(images.expand(rendered, tokenizer, vision, count), False)
 
 
-def test_the_prompt_equals_gemma3_processors(checkpoint):
+@pytest.mark.parametrize("family", ["gemma3", "deepseek_vl"])
+def test_the_prompt_equals_the_models_processors(family, request):
     """Two turns, two images, text around them: the ids transformers' processor gives for the
     same conversation and images."""
+    checkpoint = request.getfixturevalue("checkpoint" if family == "gemma3" else family)
     url = "data:image/png;base64," + base64.b64encode(picture(1)).decode()
     messages = [
         {"role": "user", "content": [{"type": "text", "text": "Look: "},

@@ -61,22 +61,9 @@ def save_tiny_gemma3_vision(
             if "norm" in name or name.endswith(("bias", "mm_input_projection_weight")):
                 p.normal_(0, 0.5)  # (1 + weight) norms and zero projections hide nothing
     model.save_pretrained(path)
-    tokenizer = json.loads((embedded_dir / "tokenizer.json").read_text())
-    for token_id, text in TOKEN_TEXT.items():
-        flags = dict.fromkeys(("single_word", "lstrip", "rstrip", "normalized"), False)
-        token = {"id": token_id, "content": text, "special": True, **flags}
-        tokenizer["added_tokens"].append(token)
-    (path / "tokenizer.json").write_text(json.dumps(tokenizer))
-    config = json.loads((embedded_dir / "tokenizer_config.json").read_text())
-    config["chat_template"] = CHAT_TEMPLATE  # (it wins over chat_template.jinja)
-    # Gemma 3's processor reads these (transformers' AutoProcessor, vLLM)
-    config["extra_special_tokens"] = {
-        "boi_token": TOKEN_TEXT[BEGIN], "eoi_token": TOKEN_TEXT[END],
-        "image_token": TOKEN_TEXT[IMAGE],
-    }  # fmt: skip
-    config["processor_class"] = "Gemma3Processor"
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
-    (path / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    special = {"boi_token": TOKEN_TEXT[BEGIN], "eoi_token": TOKEN_TEXT[END],
+               "image_token": TOKEN_TEXT[IMAGE]}  # fmt: skip
+    write_tokenizer(path, embedded_dir, TOKEN_TEXT, CHAT_TEMPLATE, special, "Gemma3Processor")
     side = model.config.vision_config.image_size
     processor = {
         "image_processor_type": "Gemma3ImageProcessor", "do_resize": True, "do_rescale": True,
@@ -89,6 +76,30 @@ def save_tiny_gemma3_vision(
     wrapper = {"processor_class": "Gemma3Processor", "image_seq_length": tokens}
     (path / "processor_config.json").write_text(json.dumps(wrapper))
     return model
+
+
+def write_tokenizer(
+    path: Path,
+    embedded_dir: Path,
+    tokens: dict[int, str],
+    template: str,
+    special: dict[str, str],
+    processor_class: str,
+) -> None:
+    """The embedded tokenizer with the image `tokens` added, the chat `template`, and the
+    `special` tokens the model's processor reads (transformers' AutoProcessor, vLLM)."""
+    tokenizer = json.loads((embedded_dir / "tokenizer.json").read_text())
+    for token_id, text in tokens.items():
+        flags = dict.fromkeys(("single_word", "lstrip", "rstrip", "normalized"), False)
+        token = {"id": token_id, "content": text, "special": True, **flags}
+        tokenizer["added_tokens"].append(token)
+    (path / "tokenizer.json").write_text(json.dumps(tokenizer))
+    config = json.loads((embedded_dir / "tokenizer_config.json").read_text())
+    config["chat_template"] = template  # (it wins over chat_template.jinja)
+    config["extra_special_tokens"] = special
+    config["processor_class"] = processor_class
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    (path / "chat_template.jinja").write_text(template)
 
 
 def picture(seed: int, size: tuple[int, int] = (20, 30), fmt: str = "PNG") -> bytes:

@@ -87,13 +87,13 @@ def read_weights(
     from safetensors import safe_open
 
     family = families.of(config)
-    wanted = {n for n in family.expected_shapes(config) if n.startswith(only)}
+    wanted = {n for n in families.expected_shapes(config) if n.startswith(only)}
     if config.fp8_block is not None and family.own_scales is not None:
         wanted |= {family.own_scales(name) for name in wanted}
     elif config.fp8_block is not None:
         wanted |= {name + SCALE for name in wanted if name.endswith(".weight")}
     out = Weights({}, experts)
-    canonical = family.stored_name
+    canonical = families.stored_name(config)
 
     def read_now(name: str) -> bool:
         expert = EXPERT.search(name)
@@ -161,9 +161,9 @@ def check_mtp(path: Path, config: ModelConfig) -> None:
             "--speculative mtp needs a DeepSeek-V3 or V4 checkpoint "
             "with num_nextn_predict_layers >= 1",
         )
-    marker = module.mtp_marker(config)
+    marker, canonical = module.mtp_marker(config), families.stored_name(config)
     for file in safetensors_files(path):
         with safe_open(str(file), framework="pt") as f:
-            if any(family.stored_name(stored) == marker for stored in f.keys()):  # noqa: SIM118
+            if any(canonical(stored) == marker for stored in f.keys()):  # noqa: SIM118
                 return
     raise ModelLoadError(path, f"no MTP layer: {marker} is missing")

@@ -28,6 +28,8 @@ def check(config: ModelConfig, size: int) -> None:
                 f"{c.architecture}: tensor parallelism covers the Llama family's decoder "
                 "(Llama, Mistral, Qwen2/3, Qwen MoE, Mixtral), DeepSeek-V2, V3, V3.2 and V4"
             )
+    if c.vision is not None:
+        problems.append("a model that reads images runs on one rank (its image rows stay there)")
     problems[:0] = [
         f"{name} ({n}) is not a multiple of {size * unit}"
         for name, n, unit in sizes

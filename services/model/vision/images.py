@@ -75,8 +75,10 @@ def to_rgb(image: Image.Image) -> Image.Image:
 
 @dataclass(frozen=True)
 class Preprocess:
-    """How a model's processor turns an image into pixels: one fixed size (Gemma 3's 896 x
-    896, squashed to it), Pillow's resampling filter, rescale, per-channel mean and std."""
+    """How a model's processor turns an image into pixels: one fixed size, reached by
+    squashing the image to it (Gemma 3's 896 x 896) or, with `pad`, by resizing its longer
+    side to it (the shorter at least `min_size`) and centering it on a square of the mean's
+    color (DeepSeek-VL's 384); Pillow's resampling filter, rescale, per-channel mean and std."""
 
     height: int
     width: int
@@ -84,6 +86,8 @@ class Preprocess:
     std: tuple[float, float, float]
     rescale: float = 1 / 255
     resample: int = 2  # PIL's numbering (RESAMPLE): bilinear
+    pad: bool = False
+    min_size: int = 1
 
     @property
     def settings(self) -> str:
@@ -93,26 +97,55 @@ class Preprocess:
 
     def pixels(self, image: Image.Image) -> np.ndarray:  # [3, height, width] float32
         rgb = to_rgb(image)
-        resized = rgb.resize((self.width, self.height), resample=Image.Resampling(self.resample))
-        x = (np.asarray(resized).astype(np.float64) * self.rescale).astype(np.float32)
+        sized = self._padded(rgb) if self.pad else self._resized(rgb, self.width, self.height)
+        x = (sized.astype(np.float64) * self.rescale).astype(np.float32)
         mean, std = np.array(self.mean, np.float32), np.array(self.std, np.float32)
         return np.ascontiguousarray(((x - mean) / std).transpose(2, 0, 1))
 
+    def _resized(self, rgb: Image.Image, width: int, height: int) -> np.ndarray:
+        return np.asarray(rgb.resize((width, height), resample=Image.Resampling(self.resample)))
 
-def read_preprocess(raw: dict[str, Any], default_size: int) -> Preprocess:
-    """A processor's preprocessor_config.json (a dict; {} where the checkpoint has none: the
-    defaults of transformers' SigLIP-style processors at the vision tower's size)."""
+    def _padded(self, rgb: Image.Image) -> np.ndarray:  # [side, side, 3] uint8
+        width, height = rgb.size
+        scale = self.height / max(width, height)
+        new_h = max(round(height * scale), self.min_size)
+        new_w = max(round(width * scale), self.min_size)
+        resized = self._resized(rgb, new_w, new_h)
+        if new_h == new_w:
+            return resized
+        side = max(new_h, new_w)
+        square = np.empty((side, side, 3), np.uint8)
+        square[:] = [int(m * 255) for m in self.mean]
+        if new_w > new_h:
+            top = (side - new_h) // 2
+            square[top : top + new_h] = resized
+        else:
+            left = (side - new_w) // 2
+            square[:, left : left + new_w] = resized
+        return square
+
+
+def read_preprocess(raw: dict[str, Any], defaults: Preprocess) -> Preprocess:
+    """A processor's preprocessor_config.json (a dict; {} where the checkpoint has none), its
+    missing fields the model's processor's `defaults`."""
     size = raw.get("size") or {}
-    height = int(size.get("height") or default_size)
-    width = int(size.get("width") or default_size)
-    resample = int(raw.get("resample", 2))
+    height = int(size.get("height") or defaults.height)
+    width = int(size.get("width") or defaults.width)
+    resample = int(raw.get("resample", defaults.resample))
     if resample not in RESAMPLE:
         raise ValueError(f"preprocessor_config.json: resample {resample} (one of 0-5)")
     if raw.get("do_pan_and_scan"):
         raise ValueError("preprocessor_config.json: do_pan_and_scan is not served")
-    mean = tuple(float(v) for v in raw.get("image_mean") or (0.5, 0.5, 0.5))
-    std = tuple(float(v) for v in raw.get("image_std") or (0.5, 0.5, 0.5))
+    for flag in ("do_resize", "do_rescale", "do_normalize"):
+        if raw.get(flag) is False:
+            raise ValueError(f"preprocessor_config.json: {flag}=false is not served")
+    mean = tuple(float(v) for v in raw.get("image_mean") or defaults.mean)
+    std = tuple(float(v) for v in raw.get("image_std") or defaults.std)
     if len(mean) != 3 or len(std) != 3 or min(std) <= 0:
         raise ValueError("preprocessor_config.json: image_mean and image_std of 3 channels")
-    rescale = float(raw.get("rescale_factor") or 1 / 255)
-    return Preprocess(height, width, mean, std, rescale, resample)
+    rescale = float(raw.get("rescale_factor") or defaults.rescale)
+    pad = bool(raw.get("do_pad", defaults.pad))
+    if pad and height != width:
+        raise ValueError(f"preprocessor_config.json: do_pad onto a square, not {height}x{width}")
+    min_size = int(raw.get("min_size") or defaults.min_size)
+    return Preprocess(height, width, mean, std, rescale, resample, pad, min_size)

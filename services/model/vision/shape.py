@@ -2,14 +2,17 @@
 
 An image enters the prompt as `tokens_per_image` placeholder tokens (`image_token_id`); the
 vision encoder's output, one row per placeholder, takes their embeddings' place. The chat
-template writes the image's begin token where an image goes; the router widens it to the
-whole run before tokenizing, as the model's processor does:
+template writes one token where an image goes; the router widens it to the whole run before
+tokenizing, as the model's processor does:
 
-    ...text <begin>  ->  ...text{around}<begin><image> x tokens_per_image<end>{around}
+    Gemma 3:      <begin>  ->  {around}<begin><image> x tokens_per_image<end>{around}
+    DeepSeek-VL:  <image>  ->  <image> x tokens_per_image
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.model.vision.images import Preprocess
@@ -58,9 +61,6 @@ class SiglipShape:
 class VisionShape:
     image_token_id: int  # each of an image's embeddings is one such token in the prompt
     tokens_per_image: int
-    begin_token_id: int  # what the chat template writes where an image goes
-    end_token_id: int
-    around: str  # text on both sides of an image's tokens ("\n\n" for Gemma 3)
     preprocess: Preprocess
     tower: SiglipShape
     # "module:function" building the family's encoder from (VisionShape, weights, dtype,
@@ -69,10 +69,38 @@ class VisionShape:
     # the checkpoint's tensors the encoder reads (names starting so): an encode worker
     # reads these alone
     weights: tuple[str, ...] = ()
+    # those tensors, each by its name as `renames` leave it, and its shape
+    tensors: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    # (pattern, replacement): a stored tensor's name made the name the model reads, each
+    # applied once in order, before the text family's own (families.stored_name)
+    renames: tuple[tuple[str, str], ...] = ()
+    # what the chat template writes where an image goes: a begin token, widened to begin,
+    # placeholders, end, with `around` on both sides (Gemma 3); None: the placeholder token
+    # itself, widened to the image's run (DeepSeek-VL)
+    begin_token_id: int | None = None
+    end_token_id: int | None = None
+    around: str = ""
     # an image's placeholders attend to one another both ways (Gemma 3), not only to those
     # before them: a prompt's chunk never ends inside an image
     bidirectional: bool = False
 
-    def expansion(self, begin: str, image: str, end: str) -> str:
-        """The text an image's begin token becomes, given the three tokens' texts."""
-        return f"{self.around}{begin}{image * self.tokens_per_image}{end}{self.around}"
+    @property
+    def place_token_id(self) -> int:
+        """The token the chat template writes where an image goes."""
+        return self.image_token_id if self.begin_token_id is None else self.begin_token_id
+
+    def expansion(self, text: Callable[[int], str]) -> str:
+        """The text an image's place token becomes (`text`: a token id's text)."""
+        run = text(self.image_token_id) * self.tokens_per_image
+        if self.begin_token_id is None:
+            return run
+        end = "" if self.end_token_id is None else text(self.end_token_id)
+        return f"{self.around}{text(self.begin_token_id)}{run}{end}{self.around}"
+
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        return dict(self.tensors)
+
+    def stored_name(self, name: str) -> str:
+        for pattern, replacement in self.renames:
+            name = re.sub(pattern, replacement, name, count=1)
+        return name

@@ -35,8 +35,6 @@ from services.model.vision.images import ImageLimits, open_image
 from services.settings import EngineConfig
 from tests.support.dtypes import COMPUTE_DTYPES
 from tests.support.tiny_vision import (
-    BEGIN,
-    END,
     IMAGE,
     TOKEN_TEXT,
     TOKENS_PER_IMAGE,
@@ -97,7 +95,7 @@ def processor(checkpoint) -> Gemma3ImageProcessorPil:
 @pytest.fixture(scope="module")
 def prompt(loaded) -> list[int]:
     """TEXT's tokens, its images where SPANS says (the tests below count blocks on it)."""
-    image = loaded.config.vision.expansion(TOKEN_TEXT[BEGIN], TOKEN_TEXT[IMAGE], TOKEN_TEXT[END])
+    image = loaded.config.vision.expansion(TOKEN_TEXT.__getitem__)
     ids = loaded.tokenizer.encode(TEXT.format(image=image))
     assert len(ids) == 75
     assert [(s.start, s.end) for s in spans(ids, [FIRST, SECOND], loaded)] == list(SPANS)

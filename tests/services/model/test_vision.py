@@ -8,6 +8,7 @@ tensors; the files `open_image` refuses, and why."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import shutil
 import struct
@@ -169,13 +170,18 @@ def test_config_of_the_checkpoint(checkpoint):
     config = read_config(checkpoint[0])
     assert config.architecture == "gemma3"
     assert (config.vocab_size, config.hidden_size, config.num_layers) == (49160, 64, 3)
-    assert config.vision == VisionShape(
+    assert config.vision is not None
+    tensors = config.vision.tensor_shapes()
+    assert len(tensors) == 5 + 16 * 2 + 2  # embeddings, norm; 16 a layer; the projector
+    assert tensors["multi_modal_projector.mm_input_projection_weight"] == (32, 64)
+    assert tensors["vision_tower.encoder.layers.1.mlp.fc1.weight"] == (64, 32)
+    assert dataclasses.replace(config.vision, tensors=(), renames=()) == VisionShape(
         image_token_id=IMAGE,
         tokens_per_image=16,
         begin_token_id=BEGIN,
         end_token_id=END,
         around="\n\n",
-        preprocess=Preprocess(32, 32, (0.5, 0.5, 0.5), (0.5, 0.5, 0.5), 1 / 255, 2),
+        preprocess=Preprocess(32, 32, (0.5, 0.5, 0.5), (0.5, 0.5, 0.5), 1 / 255, 2, False, 1),
         tower=SiglipShape(
             hidden_size=32,
             intermediate_size=64,

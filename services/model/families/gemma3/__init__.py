@@ -8,13 +8,7 @@ from typing import Any
 
 from services.model.config import ModelConfig
 from services.model.families.family import Family
-from services.model.families.gemma3.config import (
-    canonical_name,
-    expected_shapes,
-    read_config,
-    read_vision_config,
-    vision_shapes,
-)
+from services.model.families.gemma3.config import expected_shapes, read_config, read_vision_config
 
 
 def _read(raw: dict[str, Any], model_type: str) -> ModelConfig:
@@ -22,15 +16,10 @@ def _read(raw: dict[str, Any], model_type: str) -> ModelConfig:
     return reader(raw, model_type)
 
 
-def _shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    return vision_shapes(config) if config.vision is not None else expected_shapes(config)
-
-
 FAMILY = Family(
     name="gemma3",
     architectures={"Gemma3ForCausalLM": "gemma3_text", "Gemma3ForConditionalGeneration": "gemma3"},
     read_config=_read,
-    expected_shapes=_shapes,
+    expected_shapes=expected_shapes,
     model="services.model.families.gemma3.model:Gemma3Model",
-    stored_name=canonical_name,
 )

@@ -6,7 +6,6 @@ and after each block with (1 + weight), embeddings scaled by sqrt(hidden), GELU 
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +15,7 @@ from services.model.errors import ModelLoadError
 from services.model.families.llama import refuse
 from services.model.loading.hf_fields import eos_ids, rope_scaling
 from services.model.loading.shapes import embedding_shapes
-from services.model.vision.images import read_preprocess
+from services.model.vision.images import Preprocess, read_preprocess
 from services.model.vision.shape import SiglipShape, VisionShape
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -163,47 +162,32 @@ def read_vision_config(raw: dict[str, Any], model_type: str) -> ModelConfig:
             f"mm_tokens_per_image {tokens}: a square whose side divides the "
             f"{tower.patches_per_side} patches per side",
         )
+    projector = {
+        "multi_modal_projector.mm_input_projection_weight": (tower.hidden_size, config.hidden_size),
+        "multi_modal_projector.mm_soft_emb_norm.weight": (tower.hidden_size,),
+    }
+    square = Preprocess(tower.image_size, tower.image_size, (0.5,) * 3, (0.5,) * 3)
     vision = VisionShape(
         image_token_id=int(raw.get("image_token_index") or raw["image_token_id"]),
         tokens_per_image=tokens,
         begin_token_id=int(raw.get("boi_token_index") or 255999),
         end_token_id=int(raw.get("eoi_token_index") or 256000),
         around="\n\n",
-        preprocess=read_preprocess(raw.get("_preprocessor") or {}, tower.image_size),
+        preprocess=read_preprocess(raw.get("_preprocessor") or {}, square),
         tower=tower,
         encoder="services.model.families.gemma3.vision:Gemma3Encoder",
         weights=("vision_tower.", "multi_modal_projector."),
+        tensors=tuple((tower.tensor_shapes("vision_tower.") | projector).items()),
+        renames=RENAMES,
         bidirectional=True,
     )
     return dataclasses.replace(config, architecture=model_type, vision=vision)
 
 
-def vision_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """The text decoder's tensors, the tower's and the projector's (canonical names:
-    `stored_name`)."""
-    assert c.vision is not None
-    tower = c.vision.tower
-    assert isinstance(tower, SiglipShape)
-    return (
-        expected_shapes(c)
-        | tower.tensor_shapes("vision_tower.")
-        | {
-            "multi_modal_projector.mm_input_projection_weight": (tower.hidden_size, c.hidden_size),
-            "multi_modal_projector.mm_soft_emb_norm.weight": (tower.hidden_size,),
-        }
-    )
-
-
-# checkpoint names as transformers 4 and 5 save them -> the names above
-_STORED = (
-    (re.compile(r"^(model\.)?language_model\.(model\.)?"), "model."),
-    (re.compile(r"^model\.lm_head\."), "lm_head."),
-    (re.compile(r"^(model\.)?vision_tower\.(vision_model\.)?"), "vision_tower."),
-    (re.compile(r"^model\.multi_modal_projector\."), "multi_modal_projector."),
+# checkpoint names as transformers 4 and 5 save them -> the names the model reads
+RENAMES = (
+    (r"^(model\.)?language_model\.(model\.)?", "model."),
+    (r"^model\.lm_head\.", "lm_head."),
+    (r"^(model\.)?vision_tower\.(vision_model\.)?", "vision_tower."),
+    (r"^model\.multi_modal_projector\.", "multi_modal_projector."),
 )
-
-
-def canonical_name(stored: str) -> str:
-    for pattern, replacement in _STORED:
-        stored = pattern.sub(replacement, stored, count=1)
-    return stored

@@ -266,6 +266,8 @@ class DecoderModel:
         plan, at = self._plan(batch)
         rows = self.lookup(batch.token_ids) if embeds is None else embeds
         h = rows.to(torch.float32, copy=True)  # [T, hidden]
+        if batch.embeds is not None:  # images' rows in their placeholders' place
+            h[batch.embed_rows] = batch.embeds.to(rows.dtype).float()
         x = ops.add_rms_norm(h, None, self.layers[0].input_norm, c.rms_norm_eps)
         for i, layer in enumerate(self.layers):
             attended = self._attention(i, layer.attention, x, at, kv, plan)
