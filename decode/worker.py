@@ -90,7 +90,7 @@ class DecodeWorker(Worker, worker_pb2_grpc.DecodeWorkerServicer):
             params = convert.sampling_params(request.params, request.seed)
             if not rid:
                 raise ValidationError("request_id", "must not be empty")
-            spans, encoded = await self.prompt_images(prompt, request.images)
+            spans, encoded, _ = await self.prompt_images(prompt, request.images)
         except ValidationError as e:
             await refuse(context, e)
 

@@ -5,14 +5,19 @@ those available (rendezvous hashing): a repeated image reaches the encoder that 
 encoding it, so no two encoders make the same rows, and one request's images spread over the
 encoders. An encoder that fails or times out is replaced by the next one its images pick;
 with none left (or none configured) the computing worker encodes those images itself, into
-the same rows, so the answer never depends on which way they came."""
+the same rows, so the answer never depends on which way they came.
+
+The prompt does not wait for its images: the router calls the prefill worker while the
+encoders work (`beside`), and the worker queues the prompt until the rows are in the store.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 import grpc
 
@@ -23,6 +28,35 @@ from services.tracing import CLIENT, Span
 
 log = logging.getLogger("pdserve.router")
 REFUSED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_EXISTS)
+T = TypeVar("T")
+Prefill = Callable[[str, list[pb.Image] | None], Awaitable[T]]  # (request id, images)
+
+
+async def beside(
+    encode: asyncio.Future[bool] | None, prefill: Prefill[T], rid: str, waiting: list[pb.Image]
+) -> T:
+    """The prompt's prefill while `encode` (encode's task) makes its images' rows: the worker
+    gets the images `waiting` (Image.wait_ms) and waits for the rows in the store. Where the
+    encoders fail to store them all, the prompt goes again, under a request id of its own
+    (the first may not have left the worker yet), as files alone: its worker encodes them."""
+    if encode is None:
+        return await prefill(rid, None)
+    first = asyncio.ensure_future(prefill(rid, waiting))
+    both: set[asyncio.Future[Any]] = {encode, first}
+    try:
+        await asyncio.wait(both, return_when=asyncio.FIRST_COMPLETED)
+        if first.done() or encode.result():  # (an image an encoder refused: its 400)
+            return await first
+        log.info(
+            "rows not stored; the prefill worker encodes", extra={"fields": {"request_id": rid}}
+        )
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+        return await prefill(rid + "-encoding-failed", None)
+    finally:
+        for task in both:
+            task.cancel()
+        await asyncio.gather(*both, return_exceptions=True)
 
 
 def pick(image: bytes, encoders: Sequence[WorkerState]) -> WorkerState:

@@ -117,18 +117,28 @@ class Pipeline:
         seed = int64(choice_seed(job.seed, index))
         out = job.index_base + index
         early: WorkerState | None = None  # the decode worker reading the prompt's KV early
+        encode = None  # choice 0's images on their way to encoders, once
         try:
             reply = None
-            if job.images and prefilled is not None:  # choice 0: the images, once
+            if job.images and prefilled is not None and self.registry.available("encode"):
                 timeout = self.settings.encode_timeout
-                await encoding.encode(self.registry, rid, job.wire_images, timeout, span)
+                encode = asyncio.ensure_future(
+                    encoding.encode(self.registry, rid, job.wire_images, timeout, span)
+                )
             if self._compute_on_decode(job):
                 self.on_local_prefill("colocated" if self.colocated else "short_prompt")
             elif self._spill(job):
                 self.on_local_prefill("prefill_backlog")
             else:
                 early = self._prefetch(rid, job) if prefilled is not None else None
-                reply = await self._prefill(rid, job, seed, span)
+                waiting = job.images_being_encoded(round(self.settings.encode_timeout * 1000))
+                reply = await encoding.beside(
+                    encode, lambda r, images: self._prefill(r, job, seed, span, images), rid,
+                    waiting,
+                )  # fmt: skip
+                encode = None
+            if encode is not None:  # the decode worker computes the prompt: rows first
+                await encode
             if prefilled is not None:
                 prefilled.set()
             tokens: list[int] = []
@@ -156,6 +166,8 @@ class Pipeline:
                 delta.index = out
                 queue.put_nowait(delta)
         finally:
+            if encode is not None:
+                encode.cancel()
             if prefilled is not None:
                 prefilled.set()
             self.quiet.abort(early, rid)  # no Decode came (finished, failed, cancelled)
@@ -213,15 +225,18 @@ class Pipeline:
         """Prompt tokens the worker would compute, as far as the router knows its cache."""
         return max(0, len(job.prompt_ids) - worker.cached_prefix(job.block_hashes) * BLOCK_SIZE)
 
-    async def _prefill(self, rid: str, job: Job, seed: int, span: Span) -> pb.PrefillReply | None:
-        """The prefill reply; None when the KV store is down (the decode worker computes)."""
+    async def _prefill(
+        self, rid: str, job: Job, seed: int, span: Span, images: list[pb.Image] | None = None
+    ) -> pb.PrefillReply | None:
+        """The prefill reply; None when the KV store is down (the decode worker computes).
+        `images`: as the worker gets them (by default, as files alone)."""
         request = pb.PrefillRequest(
             request_id=rid,
             prompt_token_ids=job.prompt_ids,
             params=job.params,
             seed=seed,
             salt=job.salt,
-            images=job.wire_images,
+            images=job.wire_images if images is None else images,
         )
         tried = Tried()
         while True:

@@ -30,6 +30,11 @@ class Job:
     def wire_images(self) -> list[pb.Image]:
         return [pb.Image(data=data) for data in self.images]
 
+    def images_being_encoded(self, wait_ms: int) -> list[pb.Image]:
+        """The images as a worker gets them while encoders make their rows: it waits up to
+        `wait_ms` for each image's rows in the store before encoding it itself."""
+        return [pb.Image(data=data, wait_ms=wait_ms) for data in self.images]
+
 
 @dataclass
 class Delta:

@@ -222,7 +222,7 @@ class AsyncEngine:
         while not self._stopping:
             self.heartbeat = time.monotonic()
             self._run_commands()
-            if self.engine.has_unfinished:
+            if self.engine.has_unfinished and not self.engine.only_awaiting_rows:
                 try:
                     self._publish(self.engine.step())
                 except RankLost:  # no pass can finish now: the engine thread dies

@@ -24,7 +24,7 @@ import torch
 from services.engine import offline
 from services.engine.apply import Applier, LiveRequest
 from services.engine.block_manager import BlockManager
-from services.engine.images import validate_images
+from services.engine.images import PromptImage, validate_images
 from services.engine.inflight import InFlight, Sampled, async_scheduling
 from services.engine.kv_connector import BlockToSave, KVConnector, KVConnectorWorker
 from services.engine.outputs import RequestOutput, SequenceDelta, StepTimes, StepTiming
@@ -226,6 +226,32 @@ class Engine:
     @property
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+    @property
+    def only_awaiting_rows(self) -> bool:
+        """Every unfinished request waits for its images' rows: a step has nothing to do."""
+        s, flight = self.scheduler, self.flight
+        if s.running or flight.sampled is not None or flight.placed or not s.waiting:
+            return False
+        return all(seq.awaiting_rows for seq in s.waiting)
+
+    def add_rows(self, request_id: str, images: Seq[PromptImage]) -> bool:
+        """The rows of a request's images, added without them (PromptImage.embeds None), in
+        order: its sequences may enter the batch now. False when the request is gone
+        (aborted); ValidationError for rows that do not fit its images."""
+        live = self.requests.get(request_id)
+        if live is None:
+            return False
+        mc, first = self.model.config, live.seqs[0]
+        if any(i.embeds is None for i in images) or [i.span for i in images] != [
+            i.span for i in first.images
+        ]:
+            raise ValidationError("images", "rows for other images than the request's")
+        prompt = first.token_ids[: first.prompt_len]
+        validate_images(images, prompt, mc.vision, mc.hidden_size)
+        for seq in live.seqs:
+            seq.images = tuple(images)
+        return True
 
     # -- the loop --------------------------------------------------------------------
 

@@ -17,7 +17,10 @@ from services.engine.params import ValidationError
 @dataclass(frozen=True)
 class PromptImage:
     span: ImageSpan
-    embeds: Any  # torch.Tensor [span.length, hidden] on the model's device, the model's dtype
+    # torch.Tensor [span.length, hidden] on the model's device, the model's dtype; None: its
+    # rows are being made (an encoder's): the request waits in the queue for them
+    # (Engine.add_rows), the other requests go on
+    embeds: Any = None
 
 
 def validate_images(
@@ -32,12 +35,13 @@ def validate_images(
         raise ValidationError("images", "the model reads no images")
     end = 0
     for i, image in enumerate(images):
-        span, shape = image.span, tuple(image.embeds.shape)
+        span = image.span
+        shape = None if image.embeds is None else tuple(image.embeds.shape)
         if span.start < end or span.end > len(prompt) or span.length < 1:
             raise ValidationError("images", f"image {i}: positions {span.start}..{span.end}")
         if any(t != vision.image_token_id for t in prompt[span.start : span.end]):
             raise ValidationError("images", f"image {i}: not all placeholder tokens")
-        if shape != (span.length, hidden):
+        if image.embeds is not None and shape != (span.length, hidden):
             raise ValidationError("images", f"image {i}: embeddings {shape}")
         end = span.end
     runs = placeholder_runs(prompt, vision.image_token_id)

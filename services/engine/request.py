@@ -115,6 +115,11 @@ class Sequence:
     def image_spans(self) -> tuple[ImageSpan, ...]:
         return tuple(i.span for i in self.images)
 
+    @property
+    def awaiting_rows(self) -> bool:
+        """An image of its prompt has no rows yet (they come with Engine.add_rows)."""
+        return any(i.embeds is None for i in self.images)
+
     def fit_chunk(self, n: int) -> int:
         """The next chunk's size given n: an image never split where it must not be."""
         if not self.whole_images:

@@ -159,8 +159,9 @@ class Scheduler:
 
     def _schedule_waiting(self, budget: int, out: SchedulerOutput) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
-            if self.hold(seq):
+            # in order of arrival, past those whose images' rows are still being made
+            seq = next((s for s in self.waiting if not s.awaiting_rows), None)
+            if seq is None or self.hold(seq):
                 break
             if not seq.block_ids:
                 cached = self.admit(seq)
@@ -170,7 +171,7 @@ class Scheduler:
             if n == 0 or self.blocks.blocks_needed(seq, n) > self.blocks.num_free:
                 self.blocks.release(seq)  # waiting sequences hold no blocks
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.status = Status.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.arrival)
             budget -= self._schedule(

@@ -30,6 +30,7 @@ from services.model.vision.images import ImageError
 from services.settings import StoreSettings
 
 log = logging.getLogger("pdserve.worker")
+POLL = 0.02  # seconds between reads of the store for rows an encoder is making
 
 
 @dataclass
@@ -38,6 +39,7 @@ class ImageCounters:
     local_hits: int = 0  # found in this worker's encoder cache
     store_hits: int = 0  # read from the store
     store_refused: int = 0  # values the codec refused (deleted, encoded again)
+    waited: int = 0  # images whose rows were awaited in the store (an encoder making them)
 
 
 class ImageSource:
@@ -65,17 +67,29 @@ class ImageSource:
     def spans(self, prompt: Sequence[int], files: Sequence[bytes]) -> tuple[ImageSpan, ...]:
         return spans_of_files(prompt, self.encoder.vision, files)
 
-    async def rows(
-        self, spans: Sequence[ImageSpan], files: Sequence[bytes]
-    ) -> tuple[PromptImage, ...]:
-        """Each image's rows beside its span; ValidationError("images") for a bad file."""
-        out = []
-        for span, data in zip(spans, files, strict=True):
-            out.append(PromptImage(span, await self.get(span.digest, data)))
-        return tuple(out)
+    def at_hand(self, spans: Sequence[ImageSpan]) -> tuple[PromptImage, ...]:
+        """Each image with the rows this worker's cache holds (None where it holds none)."""
+        return tuple(PromptImage(span, self.encoder.cached(span.digest)) for span in spans)
 
-    async def get(self, digest: bytes, data: bytes) -> torch.Tensor:
-        """The image's rows: this worker's cache, the store's, or encoded here (and stored)."""
+    async def rows(
+        self,
+        spans: Sequence[ImageSpan],
+        files: Sequence[bytes],
+        waits: Sequence[float] | None = None,
+    ) -> tuple[PromptImage, ...]:
+        """Each image's rows beside its span; ValidationError("images") for a bad file.
+        `waits`: seconds to wait for each image's rows in the store (an encoder is making
+        them) before encoding it here."""
+        waits = waits or [0.0] * len(spans)
+        each = zip(spans, files, waits, strict=True)
+        got = await asyncio.gather(
+            *(self.get(span.digest, data, wait) for span, data, wait in each)
+        )
+        return tuple(PromptImage(span, rows) for span, rows in zip(spans, got, strict=True))
+
+    async def get(self, digest: bytes, data: bytes, wait: float = 0.0) -> torch.Tensor:
+        """The image's rows: this worker's cache, the store's (waiting up to `wait` seconds
+        for them to come), or encoded here (and stored)."""
         found = self.encoder.cached(digest)
         if found is not None:
             self.counters.local_hits += 1
@@ -83,6 +97,9 @@ class ImageSource:
         if digest in self._encoding:
             return await asyncio.shield(self._encoding[digest])
         stored = await self._read(digest)
+        if stored is None and wait > 0:
+            stored = await self._await_stored(digest, wait)
+            self.counters.waited += 1
         if stored is not None:
             self.counters.store_hits += 1
             return self.encoder.remember(digest, stored.to(self.encoder.device))
@@ -90,6 +107,21 @@ class ImageSource:
             return await self._encode_once(digest, data)
         except ImageError as e:
             raise ValidationError("images", str(e)) from None
+
+    async def _await_stored(self, digest: bytes, wait: float) -> torch.Tensor | None:
+        """The rows once the store has them, read every POLL seconds (at first more often)
+        for `wait` seconds; None when they did not come (or this worker began encoding it)."""
+        deadline = asyncio.get_running_loop().time() + wait
+        pause = POLL / 8
+        while (left := deadline - asyncio.get_running_loop().time()) > 0:
+            await asyncio.sleep(min(pause, left))
+            pause = min(pause * 2, POLL)
+            if digest in self._encoding:
+                return None
+            stored = await self._read(digest)
+            if stored is not None:
+                return stored
+        return None
 
     async def _encode_once(self, digest: bytes, data: bytes) -> torch.Tensor:
         """The image encoded here and its rows stored; requests for it meanwhile wait for

@@ -16,7 +16,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,6 +52,7 @@ from services.worker.fetch_choice import attention_k
 from services.worker.images import ImageSource
 from services.worker.kv_link import KVLink
 
+Images = tuple[PromptImage, ...]
 log = logging.getLogger("pdserve.worker")
 WATCH_INTERVAL = 0.5  # seconds between the watchdog's looks at the engine thread
 SWITCH_INTERVAL = 0.0005  # seconds; Python's default is 0.005
@@ -114,17 +115,25 @@ class Worker:
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def prompt_images(
-        self, prompt: Sequence[int], images: Sequence[pb.Image]
-    ) -> tuple[tuple[ImageSpan, ...], tuple[PromptImage, ...]]:
+        self, prompt: Sequence[int], images: Sequence[pb.Image], later: bool = False
+    ) -> tuple[tuple[ImageSpan, ...], tuple[PromptImage, ...], Coroutine[Any, Any, Images] | None]:
         """The prompt's image spans (for its block hashes) and their rows; ValidationError
-        ("images") where they do not fit the prompt, a file is bad or the model reads none."""
+        ("images") where they do not fit the prompt, a file is bad or the model reads none.
+        `later`: where an encoder is making an image's rows (Image.wait_ms) and this worker's
+        cache lacks them, the images come without rows (the request queues meanwhile) and
+        the third value gets them: waited for in the store, else encoded here."""
         files = [image.data for image in images]
         if not files:
-            return (), ()
+            return (), (), None
         if self.images is None:
             raise ValidationError("images", "the model reads no images")
         spans = self.images.spans(prompt, files)
-        return spans, await self.images.rows(spans, files)
+        waits = [image.wait_ms / 1000 for image in images]
+        if later and any(waits):
+            at_hand = self.images.at_hand(spans)
+            if any(i.embeds is None for i in at_hand):
+                return spans, at_hand, self.images.rows(spans, files, waits)
+        return spans, await self.images.rows(spans, files), None
 
     def _load_ranks(self, settings: Settings) -> LoadedModel:
         """The model, and the processes it spans: this worker's tensor ranks (the model is

@@ -76,3 +76,37 @@ def test_rows_planted_under_another_image_are_refused_and_encoded(checkpoint, tm
         await reader.close()
 
     asyncio.run(run())
+
+
+def test_rows_an_encoder_is_making_are_awaited_in_the_store_then_encoded_here(checkpoint, tmp_path):
+    """Told to wait (an encoder is making the rows): rows that reach the store 0.3 s later
+    are read there, not encoded; rows that never come are encoded here once the wait is
+    over, not before."""
+    key = make_key(tmp_path / "kv.key")
+    slow, never = picture(4, (24, 36)), picture(5, (24, 36))
+
+    async def run() -> None:
+        encoder, worker = (
+            source(checkpoint, tmp_path / "kv", key),
+            source(checkpoint, tmp_path / "kv", key),
+        )
+
+        async def encode_later() -> None:
+            await asyncio.sleep(0.3)
+            assert await encoder.publish(slow)
+
+        later = asyncio.ensure_future(encode_later())
+        rows = await worker.get(worker.encoder.digest(slow), slow, wait=30)
+        await later
+        assert (worker.counters.encoded, worker.counters.store_hits) == (0, 1)
+        assert worker.counters.waited == 1
+        assert torch.equal(rows, encoder.encoder.cached(encoder.encoder.digest(slow)))
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        await worker.get(worker.encoder.digest(never), never, wait=0.4)
+        assert loop.time() - began >= 0.4
+        assert (worker.counters.encoded, worker.counters.waited) == (1, 2)
+        await encoder.close()
+        await worker.close()
+
+    asyncio.run(run())
