@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
 import grpc
@@ -21,14 +20,13 @@ import grpc
 from kvstore.store import StoreUnavailable
 from prefill.connector import PrefillConnector
 from services.engine.driver import EngineDied
-from services.engine.outputs import SequenceDelta
 from services.engine.params import ValidationError
 from services.engine.request import EngineRequest, FinishReason
 from services.rpc import worker_pb2 as pb
 from services.rpc import worker_pb2_grpc
 from services.settings import Settings
 from services.worker import convert, siblings
-from services.worker.server import Images, Worker, refuse, trace_steps
+from services.worker.server import Worker, refuse, trace_steps
 
 log = logging.getLogger("pdserve.prefill")
 
@@ -70,8 +68,11 @@ class PrefillWorker(Worker, worker_pb2_grpc.PrefillWorkerServicer):
                 ),
                 connector,
             )
+            if later is not None:  # the prompt queued meanwhile
+                await self.give_rows(rid, later)
+                submitted, later = time.perf_counter(), None
             # a caller gone (cancelled) aborts the request as the stream is left
-            delta = await self._last_delta(rid, stream, later)
+            delta = [d async for d in stream][-1]
             cached = delta.num_cached_tokens
             seconds = time.perf_counter() - submitted
             self.link.choice.prompts.observe(cached, len(prompt) - cached, seconds)
@@ -111,37 +112,6 @@ class PrefillWorker(Worker, worker_pb2_grpc.PrefillWorkerServicer):
             reply.first_logprobs.CopyFrom(convert.logprobs_proto(delta.logprobs[0]))
         reply.prompt_logprobs.extend(convert.logprobs_proto(lp) for lp in delta.prompt_logprobs)
         return reply
-
-    async def _last_delta(
-        self,
-        rid: str,
-        stream: AsyncIterator[SequenceDelta],
-        later: Coroutine[Any, Any, Images] | None,
-    ) -> SequenceDelta:
-        """The request's last delta; with `later`, its images' rows given to the engine
-        meanwhile (the request waits in the queue for them): ValidationError, the request
-        aborted, for a bad image."""
-
-        async def last() -> SequenceDelta:
-            return [d async for d in stream][-1]
-
-        if later is None:
-            return await last()
-
-        async def give_rows() -> None:
-            rows = await later
-            await self.driver.call(lambda engine: engine.add_rows(rid, rows))
-
-        ending, rows = asyncio.ensure_future(last()), asyncio.ensure_future(give_rows())
-        try:
-            await asyncio.wait({ending, rows}, return_when=asyncio.FIRST_COMPLETED)
-            if rows.done() and rows.exception() is not None:
-                raise rows.exception()  # type: ignore[misc]
-            return await ending
-        finally:
-            for task in (ending, rows):
-                task.cancel()
-            await asyncio.gather(ending, rows, return_exceptions=True)
 
 
 def run(settings: Settings) -> int:

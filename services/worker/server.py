@@ -135,6 +135,16 @@ class Worker:
                 return spans, at_hand, self.images.rows(spans, files, waits)
         return spans, await self.images.rows(spans, files), None
 
+    async def give_rows(self, rid: str, later: Coroutine[Any, Any, Images]) -> None:
+        """A queued request's images' rows (prompt_images' `later`) given to the engine; the
+        request aborted where they cannot be had (ValidationError for a bad image)."""
+        try:
+            rows = await later
+            await self.driver.call(lambda engine: engine.add_rows(rid, rows))
+        except BaseException:
+            self.driver.abort_soon(rid)
+            raise
+
     def _load_ranks(self, settings: Settings) -> LoadedModel:
         """The model, and the processes it spans: this worker's tensor ranks (the model is
         then rank 0's slice, each pass sent to them) and the data-parallel ranks it steps
