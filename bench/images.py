@@ -1,7 +1,7 @@
 """What images cost: the encoder's throughput, TTFT with the encoder cache hit against missed,
 and the encode hop (`--num-encode 1`) against the worker encoding its prompt's images itself.
 
-    python -m bench.images [--requests 8] [--dtype auto] [--json F]
+    python -m bench.images [--requests 8] [--dtype auto] [--disaggregated] [--json F]
 
 The model: a random Gemma 3 made with transformers (no weights to download): a ViT-B-sized
 SigLIP tower (12 layers, hidden 768) over 448 x 448 images in 14 x 14 patches (1,024), pooled
@@ -12,7 +12,9 @@ to 256 rows an image, and an 8-layer text decoder of SmolLM2's width. Images of 
    chats, one at a time, each with its own text before the image (no prefix reuse): a new
    image each (the encoder cache misses), then the same image each (it hits). Reported: TTFT
    median and p90 (streamed, first content chunk), and the hop's cost as the difference of
-   the misses' medians between the two topologies.
+   the misses' medians between the two topologies. `--disaggregated`: a prefill and a decode
+   worker instead of one colocated worker (the prefill worker encodes, or queues the prompt
+   while the encode worker makes its rows).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ TEXT = dict(vocab_size=49160, hidden_size=576, intermediate_size=1536, num_hidde
             query_pre_attn_scalar=64, max_position_embeddings=4096)  # fmt: skip
 ANSWER = 8  # tokens each answer is long
 SEED = 100  # the images of the runs: the same for every server
-NAMES = {0: "pdserve, colocated (the worker encodes)", 1: "pdserve, colocated + 1 encode worker"}
+NAMES = {0: "the worker encodes", 1: "+ 1 encode worker"}
 VISION = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
               num_attention_heads=12, image_size=448, patch_size=14,
               vision_use_head=False)  # fmt: skip
@@ -145,12 +147,15 @@ def measure(base_url: str, requests: int, seed: int) -> dict[str, Any]:
             "answers": [a for _, a in miss]}  # fmt: skip
 
 
-def topology(path: Path, dtype: str, encoders: int, requests: int) -> dict[str, Any]:
+def topology(path: Path, dtype: str, encoders: int, requests: int, split: bool) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="bench-images-"))
+    workers = ("--no-colocated", "--num-prefill", "1", "--num-decode", "1") if split else ()
     up = Up("--port", str(free_port()), "--model", str(path), "--dtype", dtype,
-            "--kv-store", f"local://{work}/kv", "--num-encode", str(encoders))  # fmt: skip
+            "--kv-store", f"local://{work}/kv", "--num-encode", str(encoders),
+            *workers)  # fmt: skip
+    name = f"pdserve, {'prefill + decode' if split else 'colocated'}: {NAMES[encoders]}"
     try:
-        return {"name": NAMES[encoders]} | measure(up.ready(), requests, SEED)
+        return {"name": name} | measure(up.ready(), requests, SEED)
     finally:
         up.stop()
 
@@ -178,6 +183,8 @@ def main() -> None:
     p.add_argument("--save-model", type=Path, help="only write the model here (for vLLM)")
     p.add_argument("--vllm", help="base URL of a vLLM serving --save-model's directory: "
                    "measured instead of pdserve")  # fmt: skip
+    p.add_argument("--disaggregated", action="store_true",
+                   help="a prefill and a decode worker, not one colocated worker")  # fmt: skip
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     if args.save_model:
@@ -193,7 +200,8 @@ def main() -> None:
             print(f"encoder alone: {out['encoder']['images_per_s']:.2f} images/s "
                   f"({out['encoder']['ms_per_image']:.0f} ms an image)")  # fmt: skip
             out["topologies"] = [
-                topology(path, args.dtype, encoders, args.requests) for encoders in (0, 1)
+                topology(path, args.dtype, encoders, args.requests, args.disaggregated)
+                for encoders in (0, 1)
             ]
     print(table(out))
     if args.json:

@@ -1,10 +1,11 @@
-"""DeepSeek-VL on a DeepSeek-V3 text decoder through the whole service, as a user sends it with
-the `openai` client: a tiny random checkpoint made by transformers
-(tests/support/tiny_deepseek_vl.py) served by an encode worker, a prefill worker and a decode
-worker on a keyed Redis store, behind the router, in every dtype `--dtype auto` picks here.
-The answers are transformers' in float32 (its processor's prompt and pixels, its greedy
-tokens) and, in bfloat16, one process's engine's, token for token: encode -> store -> prefill
--> store -> decode changes nothing. A repeated image is never encoded again."""
+"""Both vision families through the whole service in every dtype `--dtype auto` picks here, as
+a user sends them with the `openai` client: tiny random checkpoints made by transformers
+(DeepSeek-VL on a DeepSeek-V3 decoder, tests/support/tiny_deepseek_vl.py; Gemma 3,
+tests/support/tiny_vision.py) served by an encode worker, a prefill worker and a decode worker
+on a Redis store, behind the router. The answers are transformers' in float32 (its
+processor's prompt and pixels, its greedy tokens) and, in bfloat16, one process's engine's,
+token for token: encode -> store -> prefill -> store -> decode changes nothing. Each image is
+encoded once, by the encoder. (Gemma 3 in float32, with faults: test_images_e2e.py.)"""
 
 from __future__ import annotations
 
@@ -24,10 +25,10 @@ from services.launcher import RouterProcess, WorkerProcess
 from services.model.loader import load_model
 from services.settings import EngineConfig
 from tests.decode.test_images_e2e import data_url, image_part, text_part
+from tests.support import tiny_deepseek_vl, tiny_vision
 from tests.support.cluster import load
 from tests.support.dtypes import COMPUTE_DTYPES
 from tests.support.redis_servers import RedisServer
-from tests.support.tiny_deepseek_vl import IMAGE, TOKENS_PER_IMAGE, save_tiny_deepseek_vl
 from tests.support.tiny_vision import picture
 
 ANSWER = 10
@@ -36,16 +37,38 @@ PARTS = [text_part("Compare "), image_part(data_url(FIRST)), text_part(" with ")
          image_part(data_url(SECOND, "jpeg")), text_part(" now")]  # fmt: skip
 
 
+FAMILIES = {  # the family's saver, its image token, its tokens an image
+    "deepseek_vl": (tiny_deepseek_vl.save_tiny_deepseek_vl, tiny_deepseek_vl.IMAGE, 16),
+    "gemma3": (tiny_vision.save_tiny_gemma3_vision, tiny_vision.IMAGE, 16),
+}
+BF16 = [p for p in COMPUTE_DTYPES if p.id == "bfloat16"]
+CASES = [
+    pytest.param(("deepseek_vl", "float32"), id="deepseek_vl-float32"),
+    *(pytest.param(("deepseek_vl", "bfloat16"), marks=p.marks, id="deepseek_vl-bfloat16")
+      for p in BF16),
+    *(pytest.param(("gemma3", "bfloat16"), marks=p.marks, id="gemma3-bfloat16") for p in BF16),
+]  # fmt: skip
+
+
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory, embedded_dir):
-    path = tmp_path_factory.mktemp("deepseek-vl-v3")
-    return path, save_tiny_deepseek_vl(path, embedded_dir, "deepseek_v3")
+def checkpoints(tmp_path_factory, embedded_dir):
+    made: dict = {}
+
+    def get(family: str):
+        if family not in made:
+            path = tmp_path_factory.mktemp(family)
+            made[family] = path, FAMILIES[family][0](path, embedded_dir)
+        return made[family]
+
+    return get
 
 
-@pytest.fixture(scope="module", params=COMPUTE_DTYPES)
-def stack(request, checkpoint, tmp_path_factory):
-    dtype, path = request.param, str(checkpoint[0])
-    logs = tmp_path_factory.mktemp(f"deepseek-vl-{dtype}")
+@pytest.fixture(scope="module", params=CASES)
+def stack(request, checkpoints, tmp_path_factory):
+    family, dtype = request.param
+    checkpoint = checkpoints(family)
+    path = str(checkpoint[0])
+    logs = tmp_path_factory.mktemp(f"{family}-{dtype}")
     store = RedisServer(logs / "redis").start()
     common = ("--num-blocks", "128")
     workers = [
@@ -64,7 +87,7 @@ def stack(request, checkpoint, tmp_path_factory):
             logs, [prefill.address], [decode.address], f"--encode={encode.address}", model=path
         ).start()
         client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="x", max_retries=0)
-        yield dtype, client, encode, prefill
+        yield family, dtype, checkpoint, client, encode, prefill
     finally:
         if router is not None:
             router.stop()
@@ -85,22 +108,25 @@ def processed(checkpoint) -> tuple[list[int], torch.Tensor]:
     return out["input_ids"][0].tolist(), out["pixel_values"]
 
 
-def expected(checkpoint, dtype: str) -> list[int]:
+def expected(family: str, checkpoint, dtype: str) -> list[int]:
     """float32: transformers' greedy tokens; bfloat16: one process's engine's (its logits
     follow transformers' bfloat16 ones: tests/services/model/test_deepseek_vl.py)."""
     ids, pixels = processed(checkpoint)
     if dtype == "float32":
         t = torch.tensor([ids])
+        both_ways = {"token_type_ids": (t == FAMILIES[family][1]).long()}  # Gemma 3's images
+        marks = both_ways if family == "gemma3" else {}
         with torch.no_grad():
             out = checkpoint[1].generate(
-                t, pixel_values=pixels, attention_mask=torch.ones_like(t),
+                t, pixel_values=pixels, attention_mask=torch.ones_like(t), **marks,
                 max_new_tokens=ANSWER, do_sample=False, pad_token_id=0, eos_token_id=None,
             )  # fmt: skip
         return out[0, len(ids) :].tolist()
     loaded = load_model(str(checkpoint[0]), dtype=dtype, device="cpu")
     assert loaded.encoder is not None
     digests = [loaded.encoder.digest(f) for f in (FIRST, SECOND)]
-    spans = image_spans(ids, IMAGE, TOKENS_PER_IMAGE, digests)
+    _, image, tokens = FAMILIES[family]
+    spans = image_spans(ids, image, tokens, digests)
     images = tuple(PromptImage(s, loaded.encoder.encode(f))
                    for s, f in zip(spans, (FIRST, SECOND), strict=True))  # fmt: skip
     engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(num_blocks=64))
@@ -112,11 +138,11 @@ def expected(checkpoint, dtype: str) -> list[int]:
     return list(seq.output_ids)
 
 
-def test_answers_through_encode_prefill_store_decode(stack, checkpoint):
+def test_answers_through_encode_prefill_store_decode(stack):
     """The prompt the router makes is the processor's; the answer is the reference's, streamed
     or not; each image was encoded once, by the encoder, and read from the store."""
-    dtype, client, encode, prefill = stack
-    want = expected(checkpoint, dtype)
+    family, dtype, checkpoint, client, encode, prefill = stack
+    want = expected(family, checkpoint, dtype)
     model = client.models.list().data[0].id
     messages = [{"role": "user", "content": PARTS}]
     ask = dict(model=model, messages=messages, max_tokens=ANSWER, temperature=0,
