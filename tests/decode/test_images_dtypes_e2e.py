@@ -5,11 +5,13 @@ tests/support/tiny_vision.py) served by an encode worker, a prefill worker and a
 on a Redis store, behind the router. The answers are transformers' in float32 (its
 processor's prompt and pixels, its greedy tokens) and, in bfloat16, one process's engine's,
 token for token: encode -> store -> prefill -> store -> decode changes nothing. Each image is
-encoded once, by the encoder. (Gemma 3 in float32, with faults: test_images_e2e.py.)"""
+encoded once, by one of two encoders; an encoder killed, its images go to the other. (Gemma 3
+in float32, with the other faults: test_images_e2e.py.)"""
 
 from __future__ import annotations
 
 import io
+import signal
 
 import openai
 import pytest
@@ -17,6 +19,7 @@ import torch
 import transformers
 from PIL import Image
 
+from router.workers.encoding import pick
 from services.engine.engine import Engine
 from services.engine.images import PromptImage, image_spans
 from services.engine.params import SamplingParams
@@ -73,6 +76,7 @@ def stack(request, checkpoints, tmp_path_factory):
     common = ("--num-blocks", "128")
     workers = [
         WorkerProcess("encode", path, store.url, logs, dtype=dtype),
+        WorkerProcess("encode", path, store.url, logs, dtype=dtype),
         WorkerProcess("prefill", path, store.url, logs, *common, dtype=dtype),
         WorkerProcess("decode", path, store.url, logs, *common, dtype=dtype),
     ]
@@ -82,12 +86,13 @@ def stack(request, checkpoints, tmp_path_factory):
             w.launch()
         for w in workers:
             w.wait_ready()
-        encode, prefill, decode = workers
+        *encoders, prefill, decode = workers
         router = RouterProcess(
-            logs, [prefill.address], [decode.address], f"--encode={encode.address}", model=path
-        ).start()
+            logs, [prefill.address], [decode.address],
+            f"--encode={','.join(e.address for e in encoders)}", model=path,
+        ).start()  # fmt: skip
         client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="x", max_retries=0)
-        yield family, dtype, checkpoint, client, encode, prefill
+        yield family, dtype, checkpoint, client, encoders, prefill
     finally:
         if router is not None:
             router.stop()
@@ -96,14 +101,16 @@ def stack(request, checkpoints, tmp_path_factory):
         store.stop()
 
 
-def processed(checkpoint) -> tuple[list[int], torch.Tensor]:
-    """transformers' processor on the conversation: its prompt ids and pixels."""
+def processed(
+    checkpoint, parts: list[dict] = PARTS, files: tuple[bytes, ...] | list[bytes] = (FIRST, SECOND)
+) -> tuple[list[int], torch.Tensor]:
+    """transformers' processor on a user message: its prompt ids and pixels."""
     processor = transformers.AutoProcessor.from_pretrained(str(checkpoint[0]))
-    content = [{"type": "image"} if p["type"] == "image_url" else p for p in PARTS]
+    content = [{"type": "image"} if p["type"] == "image_url" else p for p in parts]
     text = processor.apply_chat_template(
         [{"role": "user", "content": content}], add_generation_prompt=True
     )
-    images = [Image.open(io.BytesIO(f)) for f in (FIRST, SECOND)]
+    images = [Image.open(io.BytesIO(f)) for f in files]
     out = processor(text=text, images=images, return_tensors="pt")
     return out["input_ids"][0].tolist(), out["pixel_values"]
 
@@ -141,7 +148,7 @@ def expected(family: str, checkpoint, dtype: str) -> list[int]:
 def test_answers_through_encode_prefill_store_decode(stack):
     """The prompt the router makes is the processor's; the answer is the reference's, streamed
     or not; each image was encoded once, by the encoder, and read from the store."""
-    family, dtype, checkpoint, client, encode, prefill = stack
+    family, dtype, checkpoint, client, encoders, prefill = stack
     want = expected(family, checkpoint, dtype)
     model = client.models.list().data[0].id
     messages = [{"role": "user", "content": PARTS}]
@@ -156,5 +163,36 @@ def test_answers_through_encode_prefill_store_decode(stack):
                        if c.choices)  # fmt: skip
     assert streamed == tokenizer.decode(want)
     assert reply.usage.completion_tokens == ANSWER
-    assert load(encode).images_encoded == 2
+    assert sum(load(e).images_encoded for e in encoders) == 2
     assert load(prefill).images_encoded == 0 and load(prefill).images_from_store >= 2
+
+
+def test_an_encoder_killed_leaves_its_images_to_the_other(stack):
+    """The encoder an image's bytes pick (rendezvous) killed before the request: its Encode
+    fails, the image goes to the other encoder, which stores its rows for the prefill worker;
+    the answer is the reference's."""
+    family, dtype, checkpoint, client, encoders, prefill = stack
+    if dtype != "float32" or family != "deepseek_vl":
+        pytest.skip("one case suffices: which encoder takes an image is the router's doing")
+    image = picture(21, (30, 50))
+    chosen = pick(image, encoders)
+    other = next(e for e in encoders if e is not chosen)
+    before = load(other).images_encoded
+    chosen.process.send_signal(signal.SIGKILL)
+    chosen.process.wait()
+    parts = [text_part("What is this? "), image_part(data_url(image))]
+    reply = client.chat.completions.create(
+        model=client.models.list().data[0].id, messages=[{"role": "user", "content": parts}],
+        max_tokens=ANSWER, temperature=0, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    ids, pixels = processed(checkpoint, parts, [image])
+    t = torch.tensor([ids])
+    with torch.no_grad():
+        out = checkpoint[1].generate(
+            t, pixel_values=pixels, attention_mask=torch.ones_like(t), max_new_tokens=ANSWER,
+            do_sample=False, pad_token_id=0, eos_token_id=None,
+        )  # fmt: skip
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(checkpoint[0]))
+    assert reply.choices[0].message.content == tokenizer.decode(out[0, len(ids) :].tolist())
+    assert load(other).images_encoded == before + 1
+    assert load(prefill).images_encoded == 0
