@@ -1,15 +1,23 @@
 """Both vision families through the whole service in every dtype `--dtype auto` picks here, as
 a user sends them with the `openai` client: tiny random checkpoints made by transformers
 (DeepSeek-VL on a DeepSeek-V3 decoder, tests/support/tiny_deepseek_vl.py; Gemma 3,
-tests/support/tiny_vision.py) served by an encode worker, a prefill worker and a decode worker
-on a Redis store, behind the router. The answers are transformers' in float32 (its
-processor's prompt and pixels, its greedy tokens) and, in bfloat16, one process's engine's,
-token for token: encode -> store -> prefill -> store -> decode changes nothing. Each image is
-encoded once, by one of two encoders; an encoder killed, its images go to the other. (Gemma 3
-in float32, with the other faults: test_images_e2e.py.)"""
+tests/support/tiny_vision.py) served by two encode workers, a prefill worker and two decode
+workers on a Redis store, behind the router.
+
+    cold       encode -> store -> prefill -> store -> decode: the text and every token's
+               logprob those of one process's engine (bit for bit), and in float32 the tokens
+               transformers' from its own processor's prompt and pixels
+    warm       the same again: the prompt's blocks cached, the same text and logprobs
+    migrated   the decode worker serving the stream SIGKILLed mid-stream: the same again
+    encoder    the encoder an image picks killed: the other encodes it
+
+Each image is encoded once, by an encoder. (Gemma 3 in float32, with the other faults:
+test_images_e2e.py.)"""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import io
 import signal
 
@@ -34,7 +42,7 @@ from tests.support.dtypes import COMPUTE_DTYPES
 from tests.support.redis_servers import RedisServer
 from tests.support.tiny_vision import picture
 
-ANSWER = 10
+ANSWER = 16
 FIRST, SECOND = picture(11, (50, 70)), picture(12, (40, 30), "JPEG")
 PARTS = [text_part("Compare "), image_part(data_url(FIRST)), text_part(" with "),
          image_part(data_url(SECOND, "jpeg")), text_part(" now")]  # fmt: skip
@@ -74,31 +82,41 @@ def stack(request, checkpoints, tmp_path_factory):
     logs = tmp_path_factory.mktemp(f"{family}-{dtype}")
     store = RedisServer(logs / "redis").start()
     common = ("--num-blocks", "128")
-    workers = [
-        WorkerProcess("encode", path, store.url, logs, dtype=dtype),
-        WorkerProcess("encode", path, store.url, logs, dtype=dtype),
-        WorkerProcess("prefill", path, store.url, logs, *common, dtype=dtype),
-        WorkerProcess("decode", path, store.url, logs, *common, dtype=dtype),
-    ]
+    encoders = [WorkerProcess("encode", path, store.url, logs, dtype=dtype) for _ in range(2)]
+    prefill = WorkerProcess("prefill", path, store.url, logs, *common, dtype=dtype)
+    decode = [WorkerProcess("decode", path, store.url, logs, *common, dtype=dtype)
+              for _ in range(2)]  # fmt: skip
+    workers = [*encoders, prefill, *decode]
     router = None
     try:
         for w in workers:
             w.launch()
         for w in workers:
             w.wait_ready()
-        *encoders, prefill, decode = workers
         router = RouterProcess(
-            logs, [prefill.address], [decode.address],
-            f"--encode={','.join(e.address for e in encoders)}", model=path,
+            logs, [prefill.address], [d.address for d in decode],
+            f"--encode={','.join(e.address for e in encoders)}", "--health-interval", "0.5",
+            model=path,
         ).start()  # fmt: skip
         client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="x", max_retries=0)
-        yield family, dtype, checkpoint, client, encoders, prefill
+        yield Stack(family, dtype, checkpoint, client, encoders, prefill, decode)
     finally:
         if router is not None:
             router.stop()
         for w in workers:
             w.stop()
         store.stop()
+
+
+@dataclasses.dataclass
+class Stack:
+    family: str
+    dtype: str
+    checkpoint: tuple
+    client: openai.OpenAI
+    encoders: list[WorkerProcess]
+    prefill: WorkerProcess
+    decode: list[WorkerProcess]
 
 
 def processed(
@@ -115,21 +133,25 @@ def processed(
     return out["input_ids"][0].tolist(), out["pixel_values"]
 
 
-def expected(family: str, checkpoint, dtype: str) -> list[int]:
-    """float32: transformers' greedy tokens; bfloat16: one process's engine's (its logits
-    follow transformers' bfloat16 ones: tests/services/model/test_deepseek_vl.py)."""
-    ids, pixels = processed(checkpoint)
-    if dtype == "float32":
-        t = torch.tensor([ids])
-        both_ways = {"token_type_ids": (t == FAMILIES[family][1]).long()}  # Gemma 3's images
-        marks = both_ways if family == "gemma3" else {}
-        with torch.no_grad():
-            out = checkpoint[1].generate(
-                t, pixel_values=pixels, attention_mask=torch.ones_like(t), **marks,
-                max_new_tokens=ANSWER, do_sample=False, pad_token_id=0, eos_token_id=None,
-            )  # fmt: skip
-        return out[0, len(ids) :].tolist()
-    loaded = load_model(str(checkpoint[0]), dtype=dtype, device="cpu")
+def transformers_tokens(stack: Stack, parts: list[dict], files: list[bytes]) -> list[int]:
+    """transformers' greedy tokens (float32) on its processor's prompt and pixels."""
+    ids, pixels = processed(stack.checkpoint, parts, files)
+    t = torch.tensor([ids])
+    both_ways = {"token_type_ids": (t == FAMILIES[stack.family][1]).long()}  # Gemma 3's images
+    marks = both_ways if stack.family == "gemma3" else {}
+    with torch.no_grad():
+        out = stack.checkpoint[1].generate(
+            t, pixel_values=pixels, attention_mask=torch.ones_like(t), **marks,
+            max_new_tokens=ANSWER, do_sample=False, pad_token_id=0, eos_token_id=None,
+        )  # fmt: skip
+    return out[0, len(ids) :].tolist()
+
+
+@functools.cache
+def one_process(family: str, path: str, dtype: str) -> tuple[list[int], str, list[float]]:
+    """The in-process engine's greedy answer to PARTS in `dtype`: tokens, text, logprobs."""
+    ids, _ = processed((path,))
+    loaded = load_model(path, dtype=dtype, device="cpu")
     assert loaded.encoder is not None
     digests = [loaded.encoder.digest(f) for f in (FIRST, SECOND)]
     _, image, tokens = FAMILIES[family]
@@ -137,62 +159,84 @@ def expected(family: str, checkpoint, dtype: str) -> list[int]:
     images = tuple(PromptImage(s, loaded.encoder.encode(f))
                    for s, f in zip(spans, (FIRST, SECOND), strict=True))  # fmt: skip
     engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(num_blocks=64))
-    params = SamplingParams(max_tokens=ANSWER, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=ANSWER, temperature=0, ignore_eos=True, logprobs=1)
     engine.add_request(EngineRequest("x", ids, params, images=images))
     seq = engine.requests["x"].seqs[0]
     while engine.has_unfinished:
         engine.step()
-    return list(seq.output_ids)
+    return list(seq.output_ids), seq.text, [lp.logprob for lp in seq.logprobs]
 
 
-def test_answers_through_encode_prefill_store_decode(stack):
-    """The prompt the router makes is the processor's; the answer is the reference's, streamed
-    or not; each image was encoded once, by the encoder, and read from the store."""
-    family, dtype, checkpoint, client, encoders, prefill = stack
-    want = expected(family, checkpoint, dtype)
-    model = client.models.list().data[0].id
-    messages = [{"role": "user", "content": PARTS}]
-    ask = dict(model=model, messages=messages, max_tokens=ANSWER, temperature=0,
-               extra_body={"ignore_eos": True})  # fmt: skip
-    reply = client.chat.completions.create(**ask)
-    assert reply.usage.prompt_tokens == len(processed(checkpoint)[0])
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(checkpoint[0]))
-    assert reply.choices[0].message.content == tokenizer.decode(want)
-    streamed = "".join(c.choices[0].delta.content or ""
-                       for c in client.chat.completions.create(**ask, stream=True)
-                       if c.choices)  # fmt: skip
-    assert streamed == tokenizer.decode(want)
-    assert reply.usage.completion_tokens == ANSWER
-    assert sum(load(e).images_encoded for e in encoders) == 2
-    assert load(prefill).images_encoded == 0 and load(prefill).images_from_store >= 2
+def chat(stack: Stack, parts: list[dict] = PARTS, at: int = -1, act=lambda: None):
+    """The answer streamed (text, logprobs, usage); `act` runs after chunk `at`."""
+    text, logprobs, usage = "", [], None
+    stream = stack.client.chat.completions.create(
+        model=stack.client.models.list().data[0].id, max_tokens=ANSWER, temperature=0,
+        messages=[{"role": "user", "content": parts}], logprobs=True, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    for i, chunk in enumerate(stream):
+        for c in chunk.choices:
+            text += c.delta.content or ""
+            logprobs += [t.logprob for t in (c.logprobs.content or [])] if c.logprobs else []
+        usage = chunk.usage or usage
+        if i == at:
+            act()
+    return text, logprobs, usage
+
+
+def test_cold_and_warm_answers_are_one_process_bits(stack):
+    """Cold: the prompt the router makes is the processor's; the text and logprobs are one
+    process's engine's, bit for bit (and in float32 the tokens transformers'); each image
+    encoded once, by an encoder, read from the store by the prefill worker. Warm: the same
+    again from the prompt's cached blocks."""
+    tokens, text, logprobs = one_process(stack.family, str(stack.checkpoint[0]), stack.dtype)
+    if stack.dtype == "float32":
+        assert tokens == transformers_tokens(stack, PARTS, [FIRST, SECOND])
+    cold = chat(stack)
+    prompt = len(processed(stack.checkpoint)[0])
+    assert cold[:2] == (text, logprobs) and len(logprobs) == ANSWER
+    assert cold[2].prompt_tokens == prompt
+    warm = chat(stack)
+    assert warm[:2] == (text, logprobs)
+    assert warm[2].prompt_tokens_details.cached_tokens == (prompt - 1) // 16 * 16
+    assert sum(load(e).images_encoded for e in stack.encoders) == 2
+    p = load(stack.prefill)
+    assert p.images_encoded == 0 and p.images_from_store >= 2
 
 
 def test_an_encoder_killed_leaves_its_images_to_the_other(stack):
     """The encoder an image's bytes pick (rendezvous) killed before the request: its Encode
     fails, the image goes to the other encoder, which stores its rows for the prefill worker;
-    the answer is the reference's."""
-    family, dtype, checkpoint, client, encoders, prefill = stack
-    if dtype != "float32" or family != "deepseek_vl":
+    the answer is transformers'."""
+    if stack.dtype != "float32" or stack.family != "deepseek_vl":
         pytest.skip("one case suffices: which encoder takes an image is the router's doing")
     image = picture(21, (30, 50))
-    chosen = pick(image, encoders)
-    other = next(e for e in encoders if e is not chosen)
+    chosen = pick(image, stack.encoders)
+    other = next(e for e in stack.encoders if e is not chosen)
     before = load(other).images_encoded
     chosen.process.send_signal(signal.SIGKILL)
     chosen.process.wait()
     parts = [text_part("What is this? "), image_part(data_url(image))]
-    reply = client.chat.completions.create(
-        model=client.models.list().data[0].id, messages=[{"role": "user", "content": parts}],
-        max_tokens=ANSWER, temperature=0, extra_body={"ignore_eos": True},
-    )  # fmt: skip
-    ids, pixels = processed(checkpoint, parts, [image])
-    t = torch.tensor([ids])
-    with torch.no_grad():
-        out = checkpoint[1].generate(
-            t, pixel_values=pixels, attention_mask=torch.ones_like(t), max_new_tokens=ANSWER,
-            do_sample=False, pad_token_id=0, eos_token_id=None,
-        )  # fmt: skip
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(checkpoint[0]))
-    assert reply.choices[0].message.content == tokenizer.decode(out[0, len(ids) :].tolist())
+    text, _, _ = chat(stack, parts)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(stack.checkpoint[0]))
+    assert text == tokenizer.decode(transformers_tokens(stack, parts, [image]))
     assert load(other).images_encoded == before + 1
-    assert load(prefill).images_encoded == 0
+    assert load(stack.prefill).images_encoded == 0
+
+
+def test_a_decode_worker_killed_mid_stream_changes_no_bit(stack):
+    """The stream moves to the other decode worker, which continues from the prompt's blocks
+    in the store: the same text and logprobs as one process."""
+    _, text, logprobs = one_process(stack.family, str(stack.checkpoint[0]), stack.dtype)
+    killed = []
+
+    def kill() -> None:
+        serving = [w for w in stack.decode if load(w).running == 1]
+        assert len(serving) == 1
+        serving[0].process.send_signal(signal.SIGKILL)
+        serving[0].process.wait()
+        killed.append(serving[0])
+
+    assert chat(stack, at=5, act=kill)[:2] == (text, logprobs)
+    assert killed
