@@ -63,7 +63,8 @@ class PrefillConnector:
         sent = self.sent[seq.index] = max([sent] + [b.index + 1 for b in out])
         rest = seq.prompt_len - sent * blocks.block_size
         done = seq.num_computed_tokens >= seq.prompt_len
-        if self.partial_hash is not None and done and 0 < rest < blocks.block_size:
+        exact = seq.approximate_from is None  # approximate KV is never stored (chunk_reuse.py)
+        if self.partial_hash is not None and done and exact and 0 < rest < blocks.block_size:
             out.append(BlockToSave(sent, seq.block_ids[sent], self.partial_hash, rest))
             self.partial_hash = None  # sent once
         return out

@@ -123,7 +123,7 @@ class BlockManager:
         """Name seq's blocks that are full and computed by their content, so others match them."""
         if not self.enable_caching:
             return
-        full = seq.num_computed_tokens // self.block_size
+        full = self._exact_blocks(seq)
         hashes = self.hashes(seq)
         for i in range(full):
             block = self.blocks[seq.block_ids[i]]
@@ -204,6 +204,13 @@ class BlockManager:
     def savable(self, block_id: int) -> bool:
         """Whether a block's every part is in the pool (a store value must be whole)."""
         return self._whole(block_id)
+
+    def _exact_blocks(self, seq: Sequence) -> int:
+        """seq's full computed blocks before any approximate KV (chunk_reuse.py)."""
+        computed = seq.num_computed_tokens
+        if seq.approximate_from is not None:
+            computed = min(computed, seq.approximate_from)
+        return computed // self.block_size
 
     def _whole(self, block_id: int) -> bool:
         return all(pool.has(block_id) for pool in self.pools)
@@ -291,8 +298,8 @@ class BlockManager:
         return items
 
     def export(self, seq: Sequence) -> list[tuple[bytes, int]]:
-        """(hash, block id) of each full, computed block of `seq`, in order."""
-        full = seq.num_computed_tokens // self.block_size
+        """(hash, block id) of each full, computed block of `seq` holding exact KV, in order."""
+        full = self._exact_blocks(seq)
         return list(zip(self.hashes(seq)[:full], seq.block_ids[:full], strict=True))
 
     # -- invariants ----------------------------------------------------------------------

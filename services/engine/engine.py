@@ -24,6 +24,7 @@ import torch
 from services.engine import offline
 from services.engine.apply import Applier, LiveRequest
 from services.engine.block_manager import BlockManager
+from services.engine.chunk_reuse import APPROXIMATE, ChunkReuse, validate_chunks
 from services.engine.images import PromptImage, validate_images
 from services.engine.inflight import InFlight, Sampled, async_scheduling
 from services.engine.kv_connector import BlockToSave, KVConnector, KVConnectorWorker
@@ -80,6 +81,9 @@ class Engine:
             self.speculator = Speculator(config.speculative, mc.max_model_len, drafter)
         self.scheduler = Scheduler(config, self.blocks, self._admit, self.speculator, self._holds)
         self.kv_connector = kv_connector
+        self.reuse = ChunkReuse(config.reuse, model, self.blocks.namespace)
+        if config.reuse.kv_reuse == APPROXIMATE and ChunkReuse.refusal(model):
+            raise ValueError(f"--kv-reuse approximate: {ChunkReuse.refusal(model)}")
         self.applier = Applier(
             self.scheduler,
             self.blocks,
@@ -122,6 +126,9 @@ class Engine:
         params.validate(mc.vocab_size)
         validate_prompt(prompt, mc.vocab_size, mc.max_model_len, params.max_tokens)
         validate_images(request.images, prompt, mc.vision, mc.hidden_size)
+        validate_chunks(request.chunks, len(prompt))
+        if self.reuse.validate(request.kv_reuse) and ChunkReuse.refusal(self.model):
+            raise ValidationError("kv_reuse", ChunkReuse.refusal(self.model))
         if request.request_id in self.requests:
             raise ValidationError("request_id", f"{request.request_id!r} is already running")
         if len(request.output_ids) >= params.max_tokens:
@@ -143,6 +150,7 @@ class Engine:
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         hashes = request.block_hashes[: len(prompt) // self.config.block_size]
         vision = self.model.config.vision if request.images else None
+        approximate = self.reuse.validate(request.kv_reuse) and not request.images
         seqs = []
         for i in range(params.n):
             detokenizer = self._detokenizer(prompt, output, params)
@@ -160,6 +168,8 @@ class Engine:
                 images=request.images,
                 whole_images=vision is not None and vision.bidirectional,
                 matcher=matcher if i == 0 or matcher is None else matcher.deep_copy(),
+                approximate=approximate,
+                chunks=tuple(request.chunks),
             )
             seq.text = detokenizer.text
             sent = request.text_sent
@@ -185,17 +195,21 @@ class Engine:
         connector = self.applier.connector(seq)
         prefix = connector.prefix(seq) if connector is not None else None
         if connector is None or prefix is None:
-            return self.blocks.admit(seq)
-        items = self.blocks.admit_external(
-            seq, prefix.hashes, prefix.partial_tokens, prefix.skipped
-        )
-        if items is None:
-            return 0
-        if items:
-            assert self.kv_connector is not None
-            self.kv_connector.load(self.runner.kv, prefix.source, items)
-        connector.admitted(self.blocks, seq)
-        return seq.num_computed_tokens
+            cached = self.blocks.admit(seq)
+        else:
+            items = self.blocks.admit_external(
+                seq, prefix.hashes, prefix.partial_tokens, prefix.skipped
+            )
+            if items is None:
+                return 0
+            if items:
+                assert self.kv_connector is not None
+                self.kv_connector.load(self.runner.kv, prefix.source, items)
+            connector.admitted(self.blocks, seq)
+            cached = seq.num_computed_tokens
+        if seq.approximate:  # chunks found past the prefix: computed over them, but the last
+            self.reuse.admit(seq, self.runner.kv, self.blocks)
+        return cached
 
     def _save(self, seq: Sequence, blocks: list[BlockToSave]) -> None:
         assert self.kv_connector is not None
@@ -284,6 +298,8 @@ class Engine:
             c.seq.scheduled_ns = c.seq.scheduled_ns or timing.start_ns
             if not c.seq.is_finished and not c.draft:  # a draft's KV counts once verified
                 self.applier.computed(c.seq, c.start + c.num_tokens)
+                if c.seq.approximate and c.seq.chunks_kept < len(c.seq.chunks):
+                    self.reuse.keep(c.seq, self.runner.kv)
         logits = score_prompts(chunks, logits)
         # one row per sampled token: a chunk's last, or its last and each proposed one's
         rows = [(c, j) for c in chunks if c.want_logits for j in range(len(c.draft) + 1)]

@@ -66,6 +66,10 @@ class EngineRequest:
     text_sent: int | None = None
     block_hashes: SeqOf[bytes] = ()
     images: tuple[PromptImage, ...] = ()
+    # approximate KV reuse (services/engine/chunk_reuse.py): "exact" or "approximate" (None:
+    # the engine's --kv-reuse), and the chunks of the prompt it may reuse: [start, end) each
+    kv_reuse: str | None = None
+    chunks: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(eq=False)
@@ -110,6 +114,18 @@ class Sequence:
     # an image's rows attend to one another both ways (the model's): a chunk never ends
     # inside an image
     whole_images: bool = False
+    # approximate KV reuse (services/engine/chunk_reuse.py): whether it may reuse and keep
+    # chunks, the prompt's marked chunks [start, end), how many of them were looked at for
+    # keeping, and those placed from the chunk cache
+    approximate: bool = False
+    chunks: tuple[tuple[int, int], ...] = ()
+    chunks_kept: int = 0
+    placed_chunks: set[tuple[int, int]] = field(default_factory=set)
+    # where its KV stops being exact (the first placed chunk): blocks from there on are never
+    # named in the prefix cache; None: all exact
+    approximate_from: int | None = None
+    num_reused_tokens: int = 0  # prompt tokens whose KV was placed from the chunk cache
+    num_recomputed_tokens: int = 0  # ... of which computed again from the check layer on
 
     @property
     def image_spans(self) -> tuple[ImageSpan, ...]:

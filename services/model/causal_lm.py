@@ -10,7 +10,8 @@ from typing import Protocol
 
 import torch
 
-from services.model.batch import ForwardBatch
+from services.model.batch import ForwardBatch, SeqChunk
+from services.model.blend import BlendChoice
 from services.model.config import ModelConfig
 from services.model.kv_cache import KVCache
 from services.model.layers.moe import Moe
@@ -27,6 +28,9 @@ class Capabilities:
     # keeps its last pass's hidden rows in `hidden` when `keep_hidden` is set, which is what
     # its checkpoint's MTP layer drafts from
     hidden_rows: bool = False
+    # `blend`: a prompt computed over K/V placed from elsewhere, some rows recomputed
+    # (services/model/blend.py; approximate KV reuse, services/engine/chunk_reuse.py)
+    approximate_reuse: bool = False
 
 
 class CausalLM(Protocol):
@@ -56,6 +60,14 @@ class CausalLM(Protocol):
     def expert_counts(self) -> dict[int, list[int]]:
         """Tokens routed to each expert since start, by MoE layer (empty for dense models)."""
         ...
+
+
+class Blends(Protocol):
+    """A model whose capabilities say `approximate_reuse` (services/model/blend.py)."""
+
+    def blend(
+        self, chunk: SeqChunk, kv: KVCache, choose: BlendChoice, check: int = 1
+    ) -> tuple[list[int], torch.Tensor]: ...
 
 
 class MtpLayer(Protocol):

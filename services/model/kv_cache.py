@@ -264,6 +264,18 @@ def write(
     v_pairs[blocks, :, offsets // 2, offsets % 2, :] = v
 
 
+def read(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies of the K and V at token slots [T] of one layer: [T, kv_heads, D] each (what
+    `write` stores there)."""
+    block_size = v_cache.shape[2]
+    blocks, offsets = slots // block_size, slots % block_size
+    k_pairs, v_pairs = plain_views(k_cache, v_cache)
+    k = k_pairs[blocks, :, :, :, offsets]  # [T, kv_heads, D / 2, 2]
+    return k.flatten(-2), v_pairs[blocks, :, offsets // 2, offsets % 2, :]
+
+
 def gather(
     k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -144,6 +144,36 @@ class SpeculativeConfig(Section):
 
 
 @dataclass(frozen=True)
+class ReuseConfig(Section):
+    """Approximate KV reuse (services/engine/chunk_reuse.py)."""
+
+    kv_reuse: str = setting("exact", "KV reuse of a request that does not say (`kv_reuse` in "
+                            "its body): exact (cached prefixes only) or approximate (also the "
+                            "chunks it marks, found where another prompt computed them: keys "
+                            "re-rotated, a share of their tokens recomputed; answers may "
+                            "differ from full computation)", WORKER,
+                            choices=("exact", "approximate"))  # fmt: skip
+    requests: bool = setting(True, "requests may choose their KV reuse (`kv_reuse` in the body); "
+                             "off: a request naming one other than --kv-reuse is refused",
+                             WORKER, name="kv_reuse_requests")  # fmt: skip
+    ratio: float = setting(0.3, "approximate reuse: share of a reused chunk's tokens recomputed "
+                           "from layer 1 on, those whose values deviate most (docs/benchmarks.md "
+                           "measures it)", WORKER, minimum=0.0, name="kv_reuse_ratio")  # fmt: skip
+    min_tokens: int = setting(16, "approximate reuse: the shortest chunk stored and looked up, "
+                              "in tokens", WORKER, minimum=1,
+                              name="kv_reuse_min_tokens")  # fmt: skip
+    cache_gb: float = setting(1.0, "approximate reuse: GiB of chunks' K/V a worker keeps (least "
+                              "recently used dropped first)", WORKER, minimum=0.0,
+                              name="kv_reuse_cache_gb")  # fmt: skip
+    check_layer: int = 1  # the layer where the recomputed tokens are chosen (CacheBlend's)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.ratio > 1:
+            raise SettingsError(f"kv_reuse_ratio: a share, at most 1, got {self.ratio}")
+
+
+@dataclass(frozen=True)
 class EngineConfig(Section):
     """The engine's sizes and policies (services/engine/engine.py)."""
 
@@ -168,6 +198,7 @@ class EngineConfig(Section):
                                     "the device): on, off, auto (on with CUDA)", WORKER,
                                     choices=("auto", "on", "off"))  # fmt: skip
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    reuse: ReuseConfig = field(default_factory=ReuseConfig)
     block_size: int = BLOCK_SIZE  # tokens per KV block: part of every block's hash
     enable_prefix_caching: bool = True
 

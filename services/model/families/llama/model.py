@@ -25,7 +25,9 @@ from typing import Any, ClassVar
 import torch
 
 from kvstore.block_hash import BLOCK_SIZE
-from services.model.batch import ForwardBatch
+from services.model import kv_cache
+from services.model.batch import ForwardBatch, SeqChunk
+from services.model.blend import BlendChoice, rows_batch
 from services.model.causal_lm import Capabilities
 from services.model.config import ModelConfig
 from services.model.kv_cache import KVCache
@@ -73,11 +75,13 @@ class DecoderModel:
     @classmethod
     def supports(cls, config: ModelConfig) -> Capabilities:
         """CUDA graphs where no layer routes rows to experts (their grouped products take a
-        batch's shape), int8 weights for dense models."""
+        batch's shape), int8 weights for dense models; approximate KV reuse where every layer
+        attends to the whole context (a sliding window's keys are not all in the cache)."""
         return Capabilities(
             cuda_graphs=config.moe is None or not config.moe.layers,
             int8=config.moe is None,
             hidden_rows=True,
+            approximate_reuse=config.sliding_window is None and config.vision is None,
         )
 
     def __init__(
@@ -269,15 +273,55 @@ class DecoderModel:
         if batch.embeds is not None:  # images' rows in their placeholders' place
             h[batch.embed_rows] = batch.embeds.to(rows.dtype).float()
         x = ops.add_rms_norm(h, None, self.layers[0].input_norm, c.rms_norm_eps)
-        for i, layer in enumerate(self.layers):
-            attended = self._attention(i, layer.attention, x, at, kv, plan)
-            x = ops.add_rms_norm(h, attended, layer.post_norm, c.rms_norm_eps)
-            mlp = layer.mlp(x, ops)
-            last = i + 1 == len(self.layers)
-            norm = self.norm if last else self.layers[i + 1].input_norm
-            x = ops.add_rms_norm(h, mlp, norm, c.rms_norm_eps)
+        for i in range(len(self.layers)):
+            x = self._layer(i, h, x, at, kv, plan)
         self.hidden = x if self.keep_hidden else None
         return self.lm_head(x[batch.logits_rows]).float()
+
+    def _layer(
+        self, i: int, h: torch.Tensor, x: torch.Tensor, at: object, kv: KVCache, plan: object
+    ) -> torch.Tensor:
+        """Layer i over the residual stream h (updated in place) and its normed rows x: the
+        next layer's normed input (the final norm's after the last)."""
+        c, ops, layer = self.config, self.ops, self.layers[i]
+        attended = self._attention(i, layer.attention, x, at, kv, plan)
+        x = ops.add_rms_norm(h, attended, layer.post_norm, c.rms_norm_eps)
+        mlp = layer.mlp(x, ops)
+        last = i + 1 == len(self.layers)
+        norm = self.norm if last else self.layers[i + 1].input_norm
+        return ops.add_rms_norm(h, mlp, norm, c.rms_norm_eps)
+
+    @torch.inference_mode()
+    def blend(
+        self, chunk: SeqChunk, kv: KVCache, choose: BlendChoice, check: int = 1
+    ) -> tuple[list[int], torch.Tensor]:
+        """Compute `chunk` (prompt tokens whose slots may hold K/V placed from elsewhere) as
+        services/model/blend.py says: every row below layer `check`; there, `choose` picks from
+        the rows' new values and their slots' the rows computed from then on, the others keep
+        their slots' K/V. The rows chosen (offsets into the chunk), and the logits of the
+        chunk's last row where it wants them ([1, vocab] float32; else [0, vocab])."""
+        c, ops = self.config, self.ops
+        batch = ForwardBatch.build([chunk], kv.block_size, self.device)
+        plan, at = self._plan(batch)
+        h = self.lookup(batch.token_ids).to(torch.float32, copy=True)  # [T, hidden]
+        x = ops.add_rms_norm(h, None, self.layers[0].input_norm, c.rms_norm_eps)
+        rows = list(range(len(chunk.token_ids)))
+        for i in range(len(self.layers)):
+            if i == check:
+                placed = kv_cache.read(*kv.layer(i), batch.slot_mapping)[1]
+                rows = choose(self._values(self.layers[i].attention, x), placed)
+                keep = torch.tensor(rows, dtype=torch.int64, device=self.device)
+                h, x = h.index_select(0, keep), x.index_select(0, keep)
+                batch = rows_batch(chunk, rows, kv.block_size, self.device)
+                plan, at = self._plan(batch)
+            x = self._layer(i, h, x, at, kv, plan)
+        return rows, self.lm_head(x[batch.logits_rows]).float()
+
+    def _values(self, layer: GqaWeights, x: torch.Tensor) -> torch.Tensor:
+        """The values of rows x [T, hidden] at a layer: [T, kv_heads, D]."""
+        c = self.config
+        v = layer.qkv(x)[:, c.q_size + c.kv_size :]
+        return v.reshape(-1, c.num_kv_heads, c.head_dim)
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         return self.embed.index_select(0, ids)
