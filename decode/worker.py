@@ -121,6 +121,7 @@ class DecodeWorker(Worker, worker_pb2_grpc.DecodeWorkerServicer):
                     text_sent=request.text_sent if request.HasField("text_sent") else None,
                     block_hashes=connector.block_hashes,
                     images=encoded,
+                    **convert.reuse(request),
                 ),
                 connector,
             )
@@ -187,6 +188,8 @@ class DecodeWorker(Worker, worker_pb2_grpc.DecodeWorkerServicer):
                             completion_tokens=delta.num_output_tokens,
                             cached_tokens=delta.num_cached_tokens,
                             store_tokens=delta.num_external_tokens,
+                            approximate_tokens=delta.num_approximate_tokens,
+                            recomputed_tokens=delta.num_recomputed_tokens,
                         )
                     )
                     log.info(

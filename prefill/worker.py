@@ -65,6 +65,7 @@ class PrefillWorker(Worker, worker_pb2_grpc.PrefillWorkerServicer):
                     request.salt,
                     block_hashes=connector.block_hashes,
                     images=encoded,
+                    **convert.reuse(request),
                 ),
                 connector,
             )
@@ -105,6 +106,8 @@ class PrefillWorker(Worker, worker_pb2_grpc.PrefillWorkerServicer):
             cached_tokens=cached,
             store_tokens=delta.num_external_tokens,
             computed_tokens=len(prompt) - cached,
+            approximate_tokens=delta.num_approximate_tokens,
+            recomputed_tokens=delta.num_recomputed_tokens,
             text=delta.text,
             finish_reason=convert.FINISH[delta.finish_reason],
         )

@@ -164,8 +164,11 @@ class RouterState:
         seed: int | None,
         salt: bytes,
         images: Sequence[bytes] = (),
+        kv_reuse: str | None = None,
+        chunks: Sequence[Sequence[tuple[int, int]]] = (),
     ) -> list[Job]:
-        """One job a prompt; `images`: the one prompt's image files (chat), in order."""
+        """One job a prompt; `images`: the one prompt's image files (chat), in order;
+        `kv_reuse` (None: the workers'), `chunks`: each prompt's (router/completions/chunks.py)."""
         seed = random.getrandbits(63) if seed is None else seed
         wire = to_proto_params(params)
         spans = self.image_spans(prompts[0], images) if images else ()
@@ -180,6 +183,8 @@ class RouterState:
                 i * params.n,
                 self.pipeline.block_hashes(ids, salt, spans),
                 images,
+                kv_reuse or "",
+                tuple(chunks[i]) if chunks else (),
             )
             for i, ids in enumerate(prompts)
         ]

@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from router.completions.openai_format import ChoiceState, Envelope, sse, usage
+from router.completions.openai_format import ChoiceState, Envelope, Reuse, sse, usage
 from router.completions.protocol import ChatCompletionRequest, CompletionRequest
 from router.errors import APIError, bad_request, unavailable
 from router.state import Admission, RouterState, watch_disconnect
@@ -114,14 +114,16 @@ async def whole_answer(
 
     async def collect() -> dict[str, Any]:
         choices: dict[int, ChoiceState] = {}
-        cached, firsts = 0, first_choices(jobs)
+        cached, firsts, reuse = 0, first_choices(jobs), Reuse()
         async for delta, choice in state.run(jobs, admission, span):
             choices[choice.index] = choice
-            cached += delta.cached_tokens if delta.index in firsts else 0
+            if delta.index in firsts:
+                cached += delta.cached_tokens
+                reuse.add(delta.approximate_tokens, delta.recomputed_tokens)
         ordered = [choices[i] for i in sorted(choices)]
         completion = sum(len(c.token_ids) for c in ordered)
         prompt_tokens = sum(len(j.prompt_ids) for j in jobs)
-        return whole(ordered, usage(prompt_tokens, completion, min(cached, prompt_tokens)))
+        return whole(ordered, usage(prompt_tokens, completion, min(cached, prompt_tokens), reuse))
 
     task = asyncio.create_task(collect())
     watcher = asyncio.create_task(watch_disconnect(request, task))
@@ -175,7 +177,7 @@ async def stream_events(
     every chunk carries the usage so far, else only the last one (include_usage)."""
     role_chunk = replies.role_chunk
     started: set[int] = set()
-    completion, cached, firsts = 0, 0, first_choices(jobs)
+    completion, cached, firsts, reuse = 0, 0, first_choices(jobs), Reuse()
     try:
         async for delta, choice in state.run(jobs, admission, span):
             first = choice.index not in started
@@ -186,7 +188,9 @@ async def stream_events(
                 yield sse(event)
             started.add(choice.index)
             completion += len(delta.token_ids)
-            cached += delta.cached_tokens if delta.index in firsts else 0
+            if delta.index in firsts:
+                cached += delta.cached_tokens
+                reuse.add(delta.approximate_tokens, delta.recomputed_tokens)
             if (
                 delta.text
                 or delta.logprobs
@@ -197,14 +201,14 @@ async def stream_events(
                     if want_usage:  # so far (vLLM's continuous_usage_stats), or at the end
                         so_far = min(cached, prompt_tokens)
                         event["usage"] = (
-                            usage(prompt_tokens, completion, so_far) if continuous else None
+                            usage(prompt_tokens, completion, so_far, reuse) if continuous else None
                         )
                     yield sse(event)
                 span.event("written", tokens=len(delta.token_ids))
         if want_usage:
             yield sse(
                 replies.envelope(
-                    [], usage=usage(prompt_tokens, completion, min(cached, prompt_tokens))
+                    [], usage=usage(prompt_tokens, completion, min(cached, prompt_tokens), reuse)
                 )
             )
     except APIError as e:  # mid-stream: an error event, then the end of the stream

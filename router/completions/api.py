@@ -13,6 +13,7 @@ from fastapi.responses import Response
 from router.body import read_model
 from router.completions import images, tools
 from router.completions.answer import Replies, respond
+from router.completions.chunks import message_spans, separated
 from router.completions.forced_calls import ForcedCalls
 from router.completions.openai_format import (
     ChoiceState,
@@ -43,7 +44,7 @@ async def completions(request: Request) -> Response:
     state = state_of(request)
     req = await read_model(request, CompletionRequest, state.config.max_body_bytes)
     state.check_model(req.model)
-    prompts = prompt_ids(state, req.prompt)
+    prompts, chunks = prompt_ids(state, req.prompt, req.chunk_separator)
     max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     if max_tokens == 0 and not req.echo:
         raise bad_request("max_tokens 0 scores the prompt: it needs echo", "max_tokens")
@@ -69,7 +70,8 @@ async def completions(request: Request) -> Response:
         prompt_logprobs=max(wanted) if wanted else None,
     )
     rid = new_id("cmpl")
-    jobs = state.jobs(rid, prompts, params, req.seed, state.salt(request))
+    salt = state.salt(request)
+    jobs = state.jobs(rid, prompts, params, req.seed, salt, (), req.kv_reuse, chunks)
     echo = (
         [state.tokenizer.decode(ids) for ids in prompts for _ in range(req.n)] if req.echo else []
     )
@@ -165,7 +167,9 @@ async def chat(request: Request) -> Response:
         return events
 
     def whole(choices: list[ChoiceState], usage_: dict[str, Any]) -> dict[str, Any]:
-        body = chat_body(envelope, choices, state.tokenizer, top if req.logprobs else None, usage_)
+        body = chat_body(
+            envelope, choices, state.tokenizer, (top or 0) if req.logprobs else None, usage_
+        )
         if req.prompt_logprobs is not None:
             scores.collect(0, choices[0])
             body["prompt_logprobs"] = scores.vllm(0, req.prompt_logprobs)
@@ -225,9 +229,13 @@ def prepare_chat(
         text = state.tokenizer.render_chat(messages, req.add_generation_prompt, tools=offered)
     except ValueError as e:
         raise bad_request(f"the chat template refused the messages: {e}", "messages") from e
+    chunks: list[tuple[int, int]] = []
     if vision is not None:
         text = images.expand(text, state.tokenizer, vision, len(files))
-    ids = state.tokenizer.encode(text, add_special_tokens=False)
+        ids = state.tokenizer.encode(text, add_special_tokens=False)
+    else:
+        spans = message_spans(text, req.messages)
+        ids, chunks = state.tokenizer.encode_marked(text, spans, add_special_tokens=False)
     limit = state.model.max_model_len
     max_tokens = req.max_completion_tokens or req.max_tokens or max(1, limit - len(ids))
     state.check_prompt(ids, max_tokens, "messages")
@@ -238,7 +246,8 @@ def prepare_chat(
     params = state.sampling(
         req, max_tokens, logprobs, grammar=tool_plan.grammar, prompt_logprobs=req.prompt_logprobs
     )
-    jobs = state.jobs(rid, [ids], params, req.seed, state.salt(request), files)
+    salt = state.salt(request)
+    jobs = state.jobs(rid, [ids], params, req.seed, salt, files, req.kv_reuse, [chunks])
     return ChatRun(ids, tool_plan, jobs, top)
 
 
@@ -273,19 +282,23 @@ def cumulative_logprob(choice: ChoiceState) -> float:
 
 
 def prompt_ids(
-    state: RouterState, prompt: str | list[str] | list[int] | list[list[int]]
-) -> list[list[int]]:
-    """A completion prompt in any of its four forms, as token id lists."""
+    state: RouterState,
+    prompt: str | list[str] | list[int] | list[list[int]],
+    separator: str | None = None,
+) -> tuple[list[list[int]], list[list[tuple[int, int]]]]:
+    """A completion prompt in any of its four forms, as token id lists, and each one's chunks
+    (text prompts' pieces between `separator`s: router/completions/chunks.py)."""
     if isinstance(prompt, str):
-        return [state.tokenizer.encode(prompt)]
+        prompt = [prompt]
     if not prompt:
         raise bad_request("the prompt is empty", "prompt")
     if all(isinstance(p, int) for p in prompt):
-        return [list(prompt)]  # type: ignore[arg-type]
+        return [list(prompt)], [[]]  # type: ignore[arg-type]
     if len(prompt) > state.config.max_prompts:
         raise bad_request(
             f"{len(prompt)} prompts in one request; at most {state.config.max_prompts}", "prompt"
         )
     if all(isinstance(p, str) for p in prompt):
-        return [state.tokenizer.encode(p) for p in prompt]  # type: ignore[arg-type]
-    return [list(p) for p in prompt]  # type: ignore[arg-type]
+        marked = [state.tokenizer.encode_marked(p, separated(p, separator)) for p in prompt]  # type: ignore[arg-type]
+        return [ids for ids, _ in marked], [chunks for _, chunks in marked]
+    return [list(p) for p in prompt], [[] for _ in prompt]  # type: ignore[arg-type]

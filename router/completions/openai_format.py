@@ -51,13 +51,33 @@ def sse(payload: dict[str, Any] | str) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict[str, Any]:
+def usage(
+    prompt_tokens: int, completion_tokens: int, cached: int, reuse: Reuse | None = None
+) -> dict[str, Any]:
+    """OpenAI's usage; where approximate KV reuse placed some of the prompt (`reuse`), its
+    details also say how much (`approximate_tokens`) and how much of that was computed again
+    (`recomputed_tokens`): such an answer may differ from full computation's."""
+    details: dict[str, Any] = {"cached_tokens": cached}
+    if reuse is not None and reuse.approximate:
+        details |= {"approximate_tokens": reuse.approximate, "recomputed_tokens": reuse.recomputed}
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached},
+        "prompt_tokens_details": details,
     }
+
+
+@dataclass
+class Reuse:
+    """A response's prompt tokens placed by approximate KV reuse, summed over its prompts."""
+
+    approximate: int = 0
+    recomputed: int = 0
+
+    def add(self, approximate: int, recomputed: int) -> None:
+        self.approximate += approximate
+        self.recomputed += recomputed
 
 
 def token_text(tokenizer: Tokenizer, token_id: int) -> str:

@@ -118,6 +118,10 @@ class SamplingFields(Tolerant):
     guided_grammar: str | None = None
     # vLLM's: the prompt's logprobs (each token after the first) with this many top ones
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    # pdserve's: reuse of KV computed for other prompts (services/engine/chunk_reuse.py):
+    # exact (cached prefixes) or approximate (also chunks found where others computed them);
+    # none: the workers' --kv-reuse
+    kv_reuse: Literal["exact", "approximate"] | None = None
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -133,6 +137,9 @@ class CompletionRequest(SamplingFields):
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     best_of: Annotated[int, Field(ge=1)] | None = None  # >= n: the n best by cumulative logprob
     suffix: None = None  # accepted only as null: insertion is not supported
+    # pdserve's: a text prompt's pieces between occurrences of this string are chunks that
+    # approximate KV reuse may find again (router/completions/chunks.py)
+    chunk_separator: Annotated[str, Field(min_length=1)] | None = None
 
 
 class TextPart(Tolerant):

@@ -23,7 +23,7 @@ from router.body import read_model
 from router.completions import images
 from router.completions.answer import begin, streamed, whole_answer
 from router.completions.api import ChatRun, prepare_chat, state_of
-from router.completions.openai_format import ChoiceState, chat_logprobs
+from router.completions.openai_format import ChoiceState, Reuse, chat_logprobs
 from router.completions.openai_format import usage as chat_usage
 from router.completions.protocol import ChatMessage
 from router.errors import APIError, bad_request
@@ -156,15 +156,18 @@ class Answer:
         numbered = Numbered()
         yield numbered({"type": "response.created", "response": self.body("in_progress")})
         yield numbered({"type": "response.in_progress", "response": self.body("in_progress")})
-        prompt_tokens, completion, cached = len(self.run.ids), 0, 0
+        prompt_tokens, completion, cached, reuse = len(self.run.ids), 0, 0, Reuse()
         try:
             async for delta, _ in self.state.run(self.run.jobs, admission, span):
                 completion += len(delta.token_ids)
                 cached += delta.cached_tokens
+                reuse.add(delta.approximate_tokens, delta.recomputed_tokens)
                 logprobs: list[pb.TokenLogprobs] = delta.logprobs
                 for event in self.output.feed(delta.text, logprobs, delta.finish_reason):
                     yield numbered(event)
-            out = self.done(chat_usage(prompt_tokens, completion, min(cached, prompt_tokens)))
+            out = self.done(
+                chat_usage(prompt_tokens, completion, min(cached, prompt_tokens), reuse)
+            )
             # the last event, also when cut by max_output_tokens (status "incomplete"), as vLLM
             # sends it: the openai SDK's stream helper and the Agents SDK take their final
             # response from it (OpenAI itself sends "response.incomplete" there)

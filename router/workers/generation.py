@@ -156,6 +156,8 @@ class Pipeline:
                         reply.cached_tokens,
                         reply.store_tokens,
                         list(reply.prompt_logprobs),
+                        reply.approximate_tokens,
+                        reply.recomputed_tokens,
                     )
                 )
                 if finish is not None:
@@ -237,6 +239,8 @@ class Pipeline:
             seed=seed,
             salt=job.salt,
             images=job.wire_images if images is None else images,
+            kv_reuse=job.kv_reuse,
+            chunks=job.wire_chunks,
         )
         tried = Tried()
         while True:
@@ -305,6 +309,8 @@ class Pipeline:
                 local_prefill=local_prefill,
                 text_sent=text_sent,
                 images=job.wire_images,
+                kv_reuse=job.kv_reuse,
+                chunks=job.wire_chunks,
             )
             traced = span.child("Decode", CLIENT, worker=worker.address, request_id=rid)
             call = worker.stub.Decode(request, metadata=trace_metadata(traced))
@@ -330,6 +336,8 @@ class Pipeline:
                         usage.cached_tokens,
                         usage.store_tokens,
                         list(chunk.prompt_logprobs),
+                        usage.approximate_tokens,
+                        usage.recomputed_tokens,
                     )
                     if finish is not None:
                         self.registry.succeeded(worker)

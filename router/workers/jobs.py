@@ -25,6 +25,14 @@ class Job:
     block_hashes: Sequence[bytes] = ()
     # the prompt's images (files checked at the edge), in the order of its image places
     images: Sequence[bytes] = ()
+    # KV reuse: "exact", "approximate" or "" (the workers' default), and the prompt's chunks
+    # (router/completions/chunks.py) as token spans [start, end)
+    kv_reuse: str = ""
+    chunks: Sequence[tuple[int, int]] = ()
+
+    @property
+    def wire_chunks(self) -> list[pb.Chunk]:
+        return [pb.Chunk(start=a, end=b) for a, b in self.chunks]
 
     @property
     def wire_images(self) -> list[pb.Image]:
@@ -46,3 +54,7 @@ class Delta:
     cached_tokens: int = 0  # on a choice's first delta: prompt tokens not computed
     store_tokens: int = 0  # ... of which read from the KV store (the rest: a worker's cache)
     prompt_logprobs: list[pb.TokenLogprobs] = field(default_factory=list)  # tokens 1.., once
+    # on a choice's first delta: prompt tokens placed from chunks computed for other prompts
+    # (approximate KV reuse), and of them those computed again
+    approximate_tokens: int = 0
+    recomputed_tokens: int = 0

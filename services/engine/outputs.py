@@ -63,6 +63,10 @@ class SequenceDelta:
     step: StepTiming | None = None
     scheduled_ns: int = 0  # when the sequence first entered a step (left the queue)
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # with the first token
+    # approximate KV reuse (chunk_reuse.py): prompt tokens placed from chunks computed
+    # elsewhere, and of them those computed again
+    num_approximate_tokens: int = 0
+    num_recomputed_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -87,6 +91,8 @@ class SequenceDelta:
         return cls(
             seq.request_id, seq.index, [], "", [], seq.finish_reason,
             seq.prompt_len, seq.num_output_tokens, seq.num_cached_tokens, seq.num_external_tokens,
+            num_approximate_tokens=seq.num_reused_tokens,
+            num_recomputed_tokens=seq.num_recomputed_tokens,
         )  # fmt: skip
 
 
@@ -171,6 +177,8 @@ class StopChecker:
             step,
             seq.scheduled_ns,
             seq.prompt_logprobs if seq.num_output_tokens == 1 else [],
+            seq.num_reused_tokens,
+            seq.num_recomputed_tokens,
         )
 
     def token_reason(self, token: int, hand_off: bool = False) -> FinishReason | None:

@@ -82,6 +82,20 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
 
+    def encode_marked(
+        self, text: str, marks: Sequence[tuple[int, int]], add_special_tokens: bool = True
+    ) -> tuple[list[int], list[tuple[int, int]]]:
+        """`encode`'s ids, and for each span [a, b) of characters in `marks` the tokens lying
+        wholly inside it, [first, end) (a span holding none is left out)."""
+        encoding = self.backend.encode(text, add_special_tokens=add_special_tokens)
+        offsets = encoding.offsets
+        spans = []
+        for a, b in marks:
+            inside = [i for i, (s, e) in enumerate(offsets) if a <= s and e <= b and s < e]
+            if inside:
+                spans.append((inside[0], inside[-1] + 1))
+        return list(encoding.ids), spans
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return str(self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
 

@@ -6,7 +6,7 @@ naming the field; the engine never sees a raw message.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 from google.protobuf.message import Message
 
@@ -65,6 +65,14 @@ def sampling_params(p: pb.SamplingParams, seed: int) -> SamplingParams:
         grammar=p.grammar if p.HasField("grammar") else None,
         prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
     )
+
+
+def reuse(request: pb.PrefillRequest | pb.DecodeRequest) -> dict[str, Any]:
+    """A Prefill's or Decode's KV reuse, as EngineRequest's fields (the engine checks them)."""
+    return {
+        "kv_reuse": request.kv_reuse or None,
+        "chunks": tuple((c.start, c.end) for c in request.chunks),
+    }
 
 
 def to_proto_params(p: SamplingParams) -> pb.SamplingParams:

@@ -182,7 +182,10 @@ class TensorParallelLM:
         self.config: ModelConfig = inner.config  # this rank's heads
         # no captured graphs (a pass holds exchanges), no int8 (shard cuts float weights)
         self.capabilities = dataclasses.replace(
-            inner.capabilities, cuda_graphs=False, int8=False, hidden_rows=False,
+            inner.capabilities,
+            cuda_graphs=False,
+            int8=False,
+            hidden_rows=False,
             approximate_reuse=False,
         )
         self.dtype, self.device, self.kernels = inner.dtype, inner.device, inner.kernels

@@ -163,7 +163,7 @@ def test_what_is_refused(embedded, tiny_dir, pieces):
     with pytest.raises(ValidationError, match="not exact or approximate"):
         engine(embedded).add_request(EngineRequest("c", [1, 2], GREEDY, kv_reuse="fuzzy"))
     deepseek = load_model(str(tiny_dir("deepseek_v3")), dtype="float32", device="cpu")
-    with pytest.raises(ValueError, match="not available for deepseek_v3: .* latent"):
+    with pytest.raises(ValueError, match=r"not available for deepseek_v3: .* latent"):
         engine(deepseek)
     plain = Engine(deepseek.model, deepseek.tokenizer, EngineConfig(num_blocks=16))
     with pytest.raises(ValidationError, match="not available"):
