@@ -68,6 +68,17 @@ class Metrics:
             "Prompt tokens read from the shared KV store instead of computed",
             registry=r,
         )
+        self.approximate_tokens = Counter(
+            "pdserve_approximate_hit_tokens",
+            "Prompt tokens placed from chunks computed for other prompts (approximate KV "
+            "reuse), apart from the exact hits above",
+            registry=r,
+        )
+        self.approximate_recomputed = Counter(
+            "pdserve_approximate_recomputed_tokens",
+            "Of the approximate hits, tokens computed again (--kv-reuse-ratio)",
+            registry=r,
+        )
         self.hit_ratio = Gauge(
             "pdserve_prefix_cache_hit_ratio",
             "Prompt tokens found in the serving worker's cache / prompt tokens, since start",
@@ -131,11 +142,20 @@ class Metrics:
         )
 
     def finished(
-        self, prompt_tokens: int, generated: int, queried: int, cached: int, stored: int
+        self,
+        prompt_tokens: int,
+        generated: int,
+        queried: int,
+        cached: int,
+        stored: int,
+        approximate: tuple[int, int] = (0, 0),
     ) -> None:
         """A request done. `prompt_tokens` counts the prompt once (n choices share it);
         `queried` counts it once per choice, as `cached` (all reused tokens) and `stored`
-        (those of them read from the store) do."""
+        (those of them read from the store) do, and `approximate` (tokens placed by
+        approximate reuse, of them recomputed)."""
+        self.approximate_tokens.inc(approximate[0])
+        self.approximate_recomputed.inc(approximate[1])
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(generated)
         self.queried_tokens.inc(queried)

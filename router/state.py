@@ -255,7 +255,7 @@ class RouterState:
         start = time.perf_counter()
         choices: dict[int, ChoiceState] = {}
         last: dict[int, float] = {}
-        cached = stored = 0
+        cached = stored = approximate = recomputed = 0
         try:
             async for delta in self.pipeline.run(jobs, span):
                 now = time.perf_counter()
@@ -267,6 +267,8 @@ class RouterState:
                     last[delta.index] = now
                 cached += delta.cached_tokens
                 stored += delta.store_tokens
+                approximate += delta.approximate_tokens
+                recomputed += delta.recomputed_tokens
                 state = choices.setdefault(delta.index, ChoiceState(delta.index))
                 state.text += delta.text
                 state.token_ids += delta.token_ids
@@ -278,7 +280,9 @@ class RouterState:
             prompt = sum(len(j.prompt_ids) for j in jobs)
             generated = sum(len(c.token_ids) for c in choices.values())
             queried = sum(len(j.prompt_ids) * j.n for j in jobs)
-            self.metrics.finished(prompt, generated, queried, cached, stored)
+            self.metrics.finished(
+                prompt, generated, queried, cached, stored, (approximate, recomputed)
+            )
         finally:
             admission.release()
 

@@ -89,4 +89,7 @@ def _worker(w: WorkerState) -> dict[str, Any]:
         "blocks_total": load.total_blocks,
         "images_encoded": load.images_encoded,
         "images_from_store": load.images_from_store,
+        "exact_hit_tokens": load.prefix_hit_tokens,
+        "approximate_tokens": load.approximate_tokens,
+        "cached_chunks": load.cached_chunks,
     }

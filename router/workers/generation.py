@@ -244,7 +244,7 @@ class Pipeline:
         )
         tried = Tried()
         while True:
-            worker = await self._pick("prefill", job.block_hashes, tried)
+            worker = await self._pick("prefill", job.block_hashes, tried, job.reuse_chunks)
             worker.inflight += 1
             sent, computed = self._uncached(worker, job), 0
             worker.backlog.add(sent)
@@ -272,7 +272,7 @@ class Pipeline:
                 worker.backlog.answered(sent, computed)
                 call.end()
             self.registry.succeeded(worker)
-            worker.remember(job.block_hashes)
+            worker.remember(job.block_hashes, job.reuse_chunks)
             return reply
 
     async def _decode(
@@ -295,7 +295,7 @@ class Pipeline:
             if preferred is not None and usable and tried.allows(preferred):
                 worker = preferred
             else:
-                worker = await self._pick("decode", job.block_hashes, tried)
+                worker = await self._pick("decode", job.block_hashes, tried, job.reuse_chunks)
                 if worker is not preferred:
                     self.quiet.abort(preferred, rid)
             preferred = None
@@ -341,7 +341,7 @@ class Pipeline:
                     )
                     if finish is not None:
                         self.registry.succeeded(worker)
-                        worker.remember(job.block_hashes)
+                        worker.remember(job.block_hashes, job.reuse_chunks)
                         return
                 raise_stream_ended(worker)
             except grpc.aio.AioRpcError as e:
@@ -365,7 +365,13 @@ class Pipeline:
                 traced.end()
                 call.cancel()
 
-    async def _pick(self, role: str, hashes: Sequence[bytes], tried: Tried) -> WorkerState:
+    async def _pick(
+        self,
+        role: str,
+        hashes: Sequence[bytes],
+        tried: Tried,
+        chunks: Sequence[tuple[bytes, int]] = (),
+    ) -> WorkerState:
         """A worker this request has not given up on; with none (all failed it, or none of
         the role is available), waits up to `retry_wait` seconds for one to come back; 503
         when none does."""
@@ -374,7 +380,7 @@ class Pipeline:
         while tried.failures < MAX_FAILURES:
             candidates = [w for w in self.registry.available(role) if tried.allows(w)]
             if candidates:
-                return self.policy.pick(candidates, hashes)
+                return self.policy.pick(candidates, hashes, chunks)
             if loop.time() >= deadline:
                 break
             await asyncio.sleep(RETRY_POLL)

@@ -3,8 +3,12 @@ choices, its block hashes and images) and the Deltas each choice streams."""
 
 from __future__ import annotations
 
+import functools
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from services.rpc import worker_pb2 as pb
 
@@ -29,6 +33,16 @@ class Job:
     # (router/completions/chunks.py) as token spans [start, end)
     kv_reuse: str = ""
     chunks: Sequence[tuple[int, int]] = ()
+
+    @functools.cached_property
+    def reuse_chunks(self) -> tuple[tuple[bytes, int], ...]:
+        """(digest, tokens) of its chunks where it asks for approximate reuse (the router's
+        account of what workers keep: policy.py; the digest is the router's own, of the
+        chunk's tokens and the salt)."""
+        if self.kv_reuse != "approximate":
+            return ()
+        ids = self.prompt_ids
+        return tuple((chunk_digest(ids[a:b], self.salt), b - a) for a, b in self.chunks)
 
     @property
     def wire_chunks(self) -> list[pb.Chunk]:
@@ -58,3 +72,7 @@ class Delta:
     # (approximate KV reuse), and of them those computed again
     approximate_tokens: int = 0
     recomputed_tokens: int = 0
+
+
+def chunk_digest(tokens: Sequence[int], salt: bytes) -> bytes:
+    return hashlib.sha256(salt + b"\0" + np.asarray(tokens, dtype="<i4").tobytes()).digest()

@@ -4,8 +4,9 @@
 - least_load: the fewest prompt tokens waiting to be computed (router/workers/backlog.py), then the
   fewest requests (the router's own count or the worker's, the larger); ties taken in turn.
 - kv_aware: the worker believed to cache the longest prefix of the request's blocks, among
-  those no busier than the least loaded by more than `imbalance` requests; misses go to the
-  least loaded.
+  those no busier than the least loaded by more than `imbalance` requests; between equal
+  prefixes, the one holding most of the request's chunks for approximate reuse (a hit counted
+  apart: it saves less than an exact one); misses go to the least loaded.
 """
 
 from __future__ import annotations
@@ -24,8 +25,14 @@ class Policy:
         self.imbalance = settings.imbalance
         self._turns: Counter[str] = Counter()  # per role: prefill and decode turn apart
 
-    def pick(self, workers: Sequence[WorkerState], hashes: Sequence[bytes]) -> WorkerState:
-        """One of `workers` (not empty) for a request with these block hashes."""
+    def pick(
+        self,
+        workers: Sequence[WorkerState],
+        hashes: Sequence[bytes],
+        chunks: Sequence[tuple[bytes, int]] = (),
+    ) -> WorkerState:
+        """One of `workers` (not empty) for a request with these block hashes (and chunks it
+        may reuse approximately: Job.reuse_chunks)."""
         if self.name == "round_robin":
             return self._in_turn(workers)
         lightest = min(load(w) for w in workers)
@@ -34,8 +41,12 @@ class Policy:
         if self.name == "least_load":
             return least
         balanced = [w for w in workers if w.busy - fewest <= self.imbalance]
-        best = max(balanced, key=lambda w: (w.cached_prefix(hashes), -w.busy, w.address))
-        return best if best.cached_prefix(hashes) else least
+
+        def hits(w: WorkerState) -> tuple[int, int]:
+            return w.cached_prefix(hashes), w.cached_chunk_tokens(chunks)
+
+        best = max(balanced, key=lambda w: (hits(w), -w.busy, w.address))
+        return best if any(hits(best)) else least
 
     def _in_turn(self, workers: Sequence[WorkerState]) -> WorkerState:
         """The next of `workers` (all of one role) in turn: each role takes its own turns."""

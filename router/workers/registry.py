@@ -41,6 +41,7 @@ from services.settings import RouterSettings
 
 log = logging.getLogger("pdserve.router")
 REMEMBERED_BLOCKS = 50_000  # per worker
+REMEMBERED_CHUNKS = 5_000  # per worker: chunks of approximate reuse (Job.reuse_chunks)
 # gRPC's reconnect backoff grows to 120 s by default: a worker restarted after a crash would
 # stay unreachable long after it serves again. Retry the connection at least twice a second
 # (a refused connection costs nothing). A link cut mid-stream: services/rpc/keepalive.py.
@@ -72,6 +73,8 @@ class WorkerState:
     epoch: int = 0  # times it became healthy
     open_until: float = 0.0  # circuit breaker: left out until then
     cached: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
+    # chunks it was sent for approximate reuse (their digest -> tokens): it may keep them
+    chunks: OrderedDict[bytes, int] = field(default_factory=OrderedDict)
     backlog: Backlog = field(default_factory=Backlog)  # prompt tokens sent, not yet answered
     clock: Callable[[], float] = time.monotonic  # what `open_until` is read on (tests: a fake)
 
@@ -90,12 +93,23 @@ class WorkerState:
             n += 1
         return n
 
-    def remember(self, hashes: Sequence[bytes]) -> None:
+    def remember(self, hashes: Sequence[bytes], chunks: Sequence[tuple[bytes, int]] = ()) -> None:
+        """It served a prompt with these block hashes (and these chunks, reused
+        approximately): it caches them, as far as the router knows."""
         for h in hashes:
             self.cached[h] = None
             self.cached.move_to_end(h)
         while len(self.cached) > REMEMBERED_BLOCKS:
             self.cached.popitem(last=False)
+        for digest, tokens in chunks:
+            self.chunks[digest] = tokens
+            self.chunks.move_to_end(digest)
+        while len(self.chunks) > REMEMBERED_CHUNKS:
+            self.chunks.popitem(last=False)
+
+    def cached_chunk_tokens(self, chunks: Sequence[tuple[bytes, int]]) -> int:
+        """Tokens of `chunks` it may reuse approximately (an approximate hit, not a prefix)."""
+        return sum(tokens for digest, tokens in chunks if digest in self.chunks)
 
 
 class Registry:

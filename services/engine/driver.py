@@ -56,6 +56,9 @@ class EngineLoad:
     total_blocks: int = 0
     referenced_blocks: int = 0
     tokens_in_flight: int = 0
+    prefix_hit_tokens: int = 0  # since start, found in the prefix cache
+    approximate_tokens: int = 0  # since start, placed from the chunk cache (chunk_reuse.py)
+    cached_chunks: int = 0
 
 
 @dataclass(frozen=True)
@@ -298,6 +301,9 @@ class AsyncEngine:
             total_blocks=e.blocks.num_blocks,
             referenced_blocks=e.blocks.referenced_blocks(),
             tokens_in_flight=sum(s.num_tokens for s in running),
+            prefix_hit_tokens=e.blocks.hits * e.blocks.block_size,
+            approximate_tokens=e.reuse.reused,
+            cached_chunks=len(e.reuse.cache.entries),
         )
 
 

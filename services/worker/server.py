@@ -232,6 +232,9 @@ class Worker:
             tokens_in_flight=load.tokens_in_flight,
             referenced_blocks=load.referenced_blocks,
             recomputed_tokens=self.counters.recomputed_tokens,
+            prefix_hit_tokens=load.prefix_hit_tokens,
+            approximate_tokens=load.approximate_tokens,
+            cached_chunks=load.cached_chunks,
             **convert.store_load(
                 self.store.stats(), images.encoded if images else 0,
                 images.store_hits if images else 0,

@@ -8,12 +8,14 @@ document's first and 30% of the rest), and its text and logprobs are those of on
 the same dtype taking the same two prompts with the same chunks (the prefill and the decode
 worker each compute it over the chunks they keep: the same bits). Asked exactly afterwards,
 the same chat gets full computation's answer, no approximate usage: nothing approximate was
-stored under its prefix. `/v1/completions` marks chunks with `chunk_separator`; a bad
-`kv_reuse` is a 400 naming it.
+stored under its prefix. The router's metrics count the approximate hits apart from exact
+ones, and its console shows each worker's. `/v1/completions` marks chunks with
+`chunk_separator`; a bad `kv_reuse` is a 400 naming it.
 """
 
 from __future__ import annotations
 
+import httpx
 import openai
 import pytest
 
@@ -25,7 +27,7 @@ from services.engine.request import EngineRequest
 from services.launcher import RouterProcess, WorkerProcess
 from services.model.loader import load_model
 from services.settings import ReuseConfig
-from tests.support.cluster import MODEL, addresses
+from tests.support.cluster import MODEL, addresses, metrics, wait_until
 from tests.support.dtypes import COMPUTE_DTYPES
 from tests.support.redis_servers import RedisServer
 
@@ -63,7 +65,8 @@ def stack(request, embedded_dir, tmp_path_factory):
         for w in workers:
             w.wait_ready()
         router = RouterProcess(logs, addresses(workers[:1]), addresses(workers[1:]),
-                               "--served-model-name", MODEL, model=model)  # fmt: skip
+                               "--served-model-name", MODEL, "--health-interval", "0.5",
+                               model=model)  # fmt: skip
         try:
             yield dtype, router.start()
         finally:
@@ -114,6 +117,16 @@ def test_a_moved_document_is_reused_approximately_and_said(stack, embedded_dir):
     assert moved[2]["approximate_tokens"] == placed
     assert moved[2]["recomputed_tokens"] == 2 + round(0.3 * placed)
     assert [first[:2], moved[:2]] == in_process(embedded_dir, dtype, "approximate")
+    values = metrics(router.url)  # the router counts approximate hits apart from exact ones
+    assert values[("pdserve_approximate_hit_tokens_total", ())] == placed
+    assert values[("pdserve_approximate_recomputed_tokens_total", ())] == 2 + round(0.3 * placed)
+
+    def console() -> list | None:  # each worker placed them, from the two chunks it keeps
+        workers = httpx.get(f"{router.url}/console/stack").json()["workers"]
+        seen = sorted((w["role"], w["approximate_tokens"], w["cached_chunks"]) for w in workers)
+        return seen if seen == [("decode", placed, 2), ("prefill", placed, 2)] else None
+
+    assert wait_until(console, 30)
 
     exact = ask(client, MOVED, "exact")
     assert "approximate_tokens" not in exact[2]

@@ -275,7 +275,10 @@ function workers(box, list, none) {
     const cached = el("span", "cached");
     cached.style.width = share(Math.max(0, w.blocks_cached - w.blocks_used));
     meter.append(used, cached);
-    card.append(name, load, kv, meter);
+    const hits = el("div", "muted hits", "hits: exact " + w.exact_hit_tokens +
+      " tokens \u00b7 approximate " + w.approximate_tokens + " tokens (" + w.cached_chunks +
+      " chunks kept)");
+    card.append(name, load, kv, meter, hits);
     box.append(card);
   }
 }
