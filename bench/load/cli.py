@@ -92,6 +92,12 @@ def parser() -> argparse.ArgumentParser:
                       help="random-mm: WxH[,WxH...], one drawn per image")  # fmt: skip
     work.add_argument("--image-repeat", type=float, default=0.0,
                       help="random-mm: share of images repeated from earlier requests")  # fmt: skip
+    work.add_argument("--documents", type=int, default=16, help="rag: documents in the pool")
+    work.add_argument("--document-len", type=int, default=500, help="rag: tokens a document")
+    work.add_argument("--documents-per-request", type=int, default=4,
+                      help="rag: documents drawn per request, shuffled (with --extra-body "
+                      "'{\"kv_reuse\": \"approximate\"}' reused where they "
+                      "stand)")  # fmt: skip
     out = p.add_argument_group("results")
     out.add_argument(
         "--goodput",
@@ -143,7 +149,8 @@ def main(argv: Sequence[str]) -> int:
             args.workload, args.num_prompts, args.input_len, args.output_len, args.range_ratio,
             args.prefix_len, args.groups, args.turns, args.dataset_path, seed=args.seed,
             images_per_request=args.images_per_request, image_sizes=sizes,
-            image_repeat=args.image_repeat,
+            image_repeat=args.image_repeat, documents=args.documents,
+            document_len=args.document_len, documents_per_request=args.documents_per_request,
         )  # fmt: skip
         conversations = build(workload, tokenizer)
         load = LoadConfig(rate, args.burstiness, args.max_concurrency, args.warmup,

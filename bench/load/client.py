@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 
 from bench.load.metrics import RequestRecord
-from bench.load.workloads import Conversation, Tokenizer, Turn
+from bench.load.workloads import SEPARATOR, Conversation, Tokenizer, Turn
 
 
 @dataclass(frozen=True)
@@ -56,13 +56,17 @@ def body(target: Target, conversation: Conversation, turn: int) -> dict[str, Any
                 {"role": "user", "content": t.user},
                 {"role": "assistant", "content": answer},
             ]
+        messages += [{"role": "user", "content": d} for d in current.documents]
         out["messages"] = [*messages, {"role": "user", "content": user_content(current)}]
     else:
         history = "".join(
             t.user + answer
             for t, answer in zip(conversation.turns[:turn], conversation.answers, strict=False)
         )
-        out["prompt"] = (conversation.system or "") + history + current.user
+        documents = "".join(d + SEPARATOR for d in current.documents)
+        out["prompt"] = (conversation.system or "") + history + documents + current.user
+        if current.documents:
+            out["chunk_separator"] = SEPARATOR
     if target.ignore_eos:
         out["ignore_eos"] = True
     return out | (target.extra_body or {})
@@ -138,6 +142,9 @@ async def send(
         record.usage_reported = True
         record.input_tokens = int(usage.get("prompt_tokens", 0))
         record.output_tokens = int(usage.get("completion_tokens", 0))
+        details = usage.get("prompt_tokens_details") or {}
+        record.cached_tokens = int(details.get("cached_tokens", 0))
+        record.approximate_tokens = int(details.get("approximate_tokens", 0))
     else:
         record.input_tokens = count_input(tokenizer, request)
         record.output_tokens = len(tokenizer.encode(record.output_text, False))

@@ -34,6 +34,9 @@ class RequestRecord:
     usage_reported: bool = False  # token counts from the server's usage, not the tokenizer
     error: str | None = None  # why it failed; None when it completed
     turn: int = 0  # multi-turn: the turn of its conversation
+    # usage's prompt tokens found cached (exact) and placed by approximate KV reuse
+    cached_tokens: int = 0
+    approximate_tokens: int = 0
 
     @property
     def ok(self) -> bool:
@@ -122,6 +125,8 @@ def summarize(records: Sequence[RequestRecord], duration: float, slo: SLO) -> di
         "failure_reasons": reasons,
         "total_input_tokens": input_tokens,
         "total_output_tokens": output_tokens,
+        "total_cached_tokens": sum(r.cached_tokens for r in done),
+        "total_approximate_tokens": sum(r.approximate_tokens for r in done),
         "request_throughput": len(done) / duration if duration else 0.0,
         "output_throughput": output_tokens / duration if duration else 0.0,
         "total_token_throughput": (input_tokens + output_tokens) / duration if duration else 0.0,

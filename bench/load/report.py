@@ -23,6 +23,8 @@ def table(result: dict[str, Any]) -> str:
         ("Benchmark duration (s)", f"{result['duration']:.2f}"),
         ("Total input tokens", f"{result['total_input_tokens']}"),
         ("Total generated tokens", f"{result['total_output_tokens']}"),
+        ("Prompt tokens cached (exact)", f"{result.get('total_cached_tokens', 0)}"),
+        ("Prompt tokens reused approximately", f"{result.get('total_approximate_tokens', 0)}"),
         ("Request throughput (req/s)", f"{result['request_throughput']:.2f}"),
         ("Output token throughput (tok/s)", f"{result['output_throughput']:.2f}"),
         ("Total token throughput (tok/s)", f"{result['total_token_throughput']:.2f}"),

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-WORKLOADS = ("random", "shared-prefix", "multi-turn", "sharegpt", "trace", "random-mm")
+WORKLOADS = ("random", "shared-prefix", "multi-turn", "sharegpt", "trace", "random-mm", "rag")
+SEPARATOR = "\n\n"  # rag over completions: between documents (the request's chunk_separator)
 
 
 class Tokenizer(Protocol):
@@ -35,6 +36,8 @@ class Turn:
     output_tokens: int
     input_tokens: int = 0  # of `user` alone (completions prompts: of the whole prompt)
     images: list[str] = field(default_factory=list)  # data: URLs, sent before the text
+    # rag: documents sent before the text, a message each (chat) or apart by SEPARATOR
+    documents: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -63,6 +66,11 @@ class WorkloadConfig:
     images_per_request: int = 1
     image_sizes: tuple[tuple[int, int], ...] = ((224, 224),)
     image_repeat: float = 0.0
+    # rag: a pool of `documents` documents of `document_len` tokens; each request draws
+    # `documents_per_request` of them in a shuffled order, then asks `input_len` tokens
+    documents: int = 16
+    document_len: int = 500
+    documents_per_request: int = 4
 
 
 class Words:
@@ -98,6 +106,8 @@ def build(config: WorkloadConfig, tokenizer: Tokenizer) -> list[Conversation]:
     words = Words(tokenizer)
     if config.name == "trace":
         return _trace(config, words)
+    if config.name == "rag":
+        return _rag(config, words, rng)
     conversations = []
     prefixes = [words.text(config.prefix_len, rng) for _ in range(config.groups)]
     for i in range(config.num_prompts):
@@ -113,6 +123,22 @@ def build(config: WorkloadConfig, tokenizer: Tokenizer) -> list[Conversation]:
     if config.name == "random-mm":
         _add_images(conversations, config, rng)
     return conversations
+
+
+def _rag(config: WorkloadConfig, words: Words, rng: random.Random) -> list[Conversation]:
+    """Retrieval-augmented prompts: documents drawn from a pool, shuffled per request (what
+    approximate KV reuse serves: the same documents at other positions), then a question."""
+    if not 0 < config.documents_per_request <= config.documents:
+        raise ValueError("rag: documents per request must be between 1 and the pool's size")
+    pool = [words.text(config.document_len, rng) for _ in range(config.documents)]
+    out = []
+    for _ in range(config.num_prompts):
+        docs = rng.sample(pool, config.documents_per_request)
+        n = _length(config.input_len, config.range_ratio, rng)
+        out_len = _length(config.output_len, config.range_ratio, rng)
+        inputs = n + config.document_len * len(docs)
+        out.append(Conversation([Turn(words.text(n, rng), out_len, inputs, documents=docs)]))
+    return out
 
 
 def _add_images(

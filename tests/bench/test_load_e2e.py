@@ -60,6 +60,28 @@ def test_random_workload_against_pdserve_up(stack, tmp_path, capsys):
     assert "Mean TTFT (ms)" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_rag_workload_reuses_documents_approximately_where_asked(stack, tmp_path, endpoint):
+    """Documents drawn from a pool of 3, shuffled per request: asked for approximate reuse,
+    the server places the documents it saw before (its usage says how many tokens); asked
+    exactly, none."""
+    results = {}
+    for reuse in ("exact", "approximate"):
+        out = tmp_path / f"{reuse}.json"
+        code = bench([
+            "--base-url", stack.removesuffix("/v1"), "--workload", "rag", "--endpoint", endpoint,
+            "--documents", "3", "--document-len", "48", "--documents-per-request", "2",
+            "--num-prompts", "6", "--input-len", "8", "--output-len", "2", "--ignore-eos",
+            "--max-concurrency", "1", "--no-progress", "--result-file", str(out),
+            "--seed", str(len(reuse)), "--extra-body", json.dumps({"kv_reuse": reuse}),
+        ])  # fmt: skip
+        assert code == 0
+        results[reuse] = json.loads(out.read_text())
+    assert results["exact"]["total_approximate_tokens"] == 0
+    assert results["approximate"]["failed"] == 0
+    assert results["approximate"]["total_approximate_tokens"] >= 4 * 40  # 4 of 6 find 2 of 3
+
+
 def hit_ratio_of(stack: str, args: list[str]) -> float:
     """The router's prefix-cache hit ratio over one run (from /metrics before and after)."""
     base = stack.removesuffix("/v1")

@@ -104,6 +104,16 @@ def test_workloads_have_exact_token_counts(embedded):
     assert all(len(tok.encode(c.system or "", False)) == 64 for c in shared)
     multi = build(WorkloadConfig("multi-turn", 3, 10, 5, turns=4), tok)
     assert [len(c.turns) for c in multi] == [4, 4, 4]
+    rag = build(WorkloadConfig("rag", 12, 10, 4, documents=5, document_len=32,
+                               documents_per_request=3, seed=2), tok)  # fmt: skip
+    pool = {d for c in rag for d in c.turns[0].documents}
+    assert len(pool) == 5 and all(len(tok.encode(d, False)) == 32 for d in pool)
+    orders = {tuple(c.turns[0].documents) for c in rag}
+    assert len(orders) > 6  # drawn and shuffled per request
+    for c in rag:
+        (turn,) = c.turns
+        assert len(turn.documents) == 3 and len(set(turn.documents)) == 3
+        assert turn.input_tokens == 3 * 32 + len(tok.encode(turn.user, False)) == 3 * 32 + 10
 
 
 def test_trace_and_sharegpt_files(embedded, tmp_path):
