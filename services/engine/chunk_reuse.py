@@ -41,7 +41,7 @@ from services.model import kv_cache
 from services.model.batch import SeqChunk
 from services.model.causal_lm import Blends, CausalLM
 from services.model.kv_cache import KVCache
-from services.model.layers.rope import inverse_frequencies, turn
+from services.model.layers.rope import turn
 from services.settings import ReuseConfig
 
 APPROXIMATE = "approximate"
@@ -113,8 +113,10 @@ class ChunkReuse:
         self.config, self.namespace = config, namespace
         self.model = model
         self.cache = ChunkCache(int(config.cache_gb * 2**30))
-        c = model.config
-        self.inv_freq = inverse_frequencies(c.head_dim, c.rope_theta, c.rope_scaling)
+        # where a cached key's rotary part starts, and its frequencies (a model that blends)
+        self.rotation = (
+            cast(Blends, model).key_rotation() if model.capabilities.approximate_reuse else None
+        )
         self.reused = self.recomputed = 0  # tokens, since start
 
     @staticmethod
@@ -128,12 +130,12 @@ class ChunkReuse:
                 "its compressed entries each stand for a run of neighbouring tokens, which a "
                 "moved chunk no longer has around it, and cannot be recomputed token by token"
             )
+        elif c.architecture.startswith("deepseek_v32"):
+            why = "its indexer's keys would need the same repair as the latents: not built"
         elif c.sliding_window is not None or c.vision is not None:
             why = "it is built for attention over the whole context, text-only prompts"
-        elif c.cache is not None:
-            why = "it is built for per-head keys and values (not latent or grouped caches) yet"
         else:
-            why = "it is built for a model on one rank"
+            why = "it is built for one rank and rotary attention over every position"
         return f"approximate KV reuse is not available for {c.architecture}: {why} (docs/design.md)"
 
     def validate(self, kv_reuse: str | None) -> bool:
@@ -227,13 +229,17 @@ class ChunkReuse:
         self.recomputed += seq.num_recomputed_tokens
 
     def _place(self, seq: Sequence, kv: KVCache, p: Placed) -> None:
-        """Write a found chunk's K/V into seq's slots at its new positions, keys turned."""
+        """Write a found chunk's K/V into seq's slots at its new positions, keys' rotary
+        part turned (services/model: `key_rotation`)."""
+        assert self.rotation is not None
+        start, inv_freq = self.rotation
         slots = _slots(seq, p.start, p.end, kv.block_size, kv.device)
-        by = torch.full((len(slots),), p.start - p.kv.was, dtype=torch.int64)
+        by = torch.full((len(slots),), p.start - p.kv.was, dtype=torch.int64, device=kv.device)
         for i in range(self.model.config.num_layers):
             keys = p.kv.keys[i]
             if p.start != p.kv.was:
-                keys = turn(keys, by.to(keys.device), self.inv_freq.to(keys.device))
+                keys = keys.clone()
+                keys[..., start:] = turn(keys[..., start:], by, inv_freq.to(keys.device))
             kv_cache.write(*kv.layer(i), slots, keys, p.kv.values[i])
 
 
@@ -258,7 +264,7 @@ def choose_rows(
     """CacheBlend's choice (bench/kv_blend.py `Dense._choose`): every row not reused, each
     chunk's first, and `ratio` of the reused ones whose values deviate most (sum of squares
     over heads and dimensions), as sorted rows."""
-    deviation = (new_v.float() - old_v.float()).pow(2).sum((1, 2)).cpu()
+    deviation = (new_v.float() - old_v.float()).pow(2).flatten(1).sum(1).cpu()
     deviation[~reused] = float("inf")
     deviation[firsts] = float("inf")
     count = int((~reused).sum()) + len(firsts) + round(ratio * int(reused.sum()))

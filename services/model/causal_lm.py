@@ -69,6 +69,11 @@ class Blends(Protocol):
         self, chunk: SeqChunk, kv: KVCache, choose: BlendChoice, check: int = 1
     ) -> tuple[list[int], torch.Tensor]: ...
 
+    def key_rotation(self) -> tuple[int, torch.Tensor]:
+        """Where a cached key's rotary part starts, and its inverse frequencies: keys moved
+        by d positions are that part turned by d (rotate-half form)."""
+        ...
+
 
 class MtpLayer(Protocol):
     """A checkpoint's multi-token-prediction layer (its family's MTP module loads it): from a

@@ -9,8 +9,11 @@
   those before the first reused chunk;
 - requests batched with an approximate one get their alone results bit for bit, in every
   dtype the CPU runs;
-- what is refused: a model without the capability, chunks out of order, a request choosing
-  where the operator forbids it.
+- at its bounds, for Llama attention and DeepSeek's latent attention: chunks placed where
+  they were computed are exact; moved and all recomputed, full computation; none recomputed,
+  not;
+- what is refused: a model without the capability (DeepSeek-V4), chunks out of order, a
+  request choosing where the operator forbids it.
 """
 
 from __future__ import annotations
@@ -105,6 +108,48 @@ def test_the_engine_computes_a_moved_chunk_as_the_dense_reference(
     assert seq.output_ids == tokens
 
 
+def ids(n: int, seed: int) -> list[int]:
+    return torch.randint(100, 49000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module", params=["embedded", "deepseek_v3"])
+def family_model(request, embedded, tiny_dir) -> LoadedModel:
+    if request.param == "embedded":
+        return embedded
+    return load_model(str(tiny_dir(request.param)), dtype="float32", device="cpu")
+
+
+def first_logprobs(eng: Engine, rid: str, prompt: list[int], chunks=(), kv_reuse=None):
+    seq = run(eng, rid, prompt, chunks, kv_reuse)
+    return seq, torch.tensor([lp for _, lp in seq.logprobs[0].top])
+
+
+def test_what_reuse_equals_at_its_bounds(family_model):
+    """For Llama attention and DeepSeek's latent attention alike: chunks placed where they
+    were computed, after the same text, are exact (nothing turned, nothing recomputed but
+    each chunk's first); moved and all recomputed (ratio 1) they are full computation; moved
+    and none recomputed they are not."""
+    x, y, q = ids(40, 1), ids(40, 2), ids(9, 3)
+    seen, seen_chunks = marked(ids(20, 4), x, y, q, chunks=(1, 2))
+    moved, moved_chunks = marked(ids(27, 5), y, x, q, chunks=(1, 2))
+    exact_seen = first_logprobs(engine(family_model), "exact", seen, kv_reuse="exact")[1]
+    exact_moved = first_logprobs(engine(family_model), "exact", moved, kv_reuse="exact")[1]
+    config = EngineConfig(num_blocks=64, enable_prefix_caching=False,
+                          reuse=ReuseConfig(kv_reuse="approximate", ratio=0.0))  # fmt: skip
+    eng = Engine(family_model.model, family_model.tokenizer, config)
+    run(eng, "seen", seen, seen_chunks)
+    again, logprobs = first_logprobs(eng, "again", seen, seen_chunks)
+    assert (again.num_reused_tokens, again.num_recomputed_tokens) == (80, 2)
+    assert (logprobs - exact_seen).abs().max() <= 1e-4
+    for ratio, close in ((1.0, True), (0.0, False)):
+        eng = engine(family_model, ratio)
+        run(eng, "seen", seen, seen_chunks)
+        seq, logprobs = first_logprobs(eng, "moved", moved, moved_chunks)
+        assert seq.num_reused_tokens == 80
+        assert seq.num_recomputed_tokens == (80 if ratio else 2)
+        assert ((logprobs - exact_moved).abs().max() <= 1e-4) == close, ratio
+
+
 def test_exact_prefix_blocks_never_hold_approximate_kv(embedded, pieces):
     p = pieces
     first_ids, first_chunks = marked(p["head"], p["first"], p["second"], p["question"],
@@ -162,9 +207,9 @@ def test_what_is_refused(embedded, tiny_dir, pieces):
         eng.add_request(EngineRequest("b", pieces["head"], GREEDY, chunks=((4, 9), (2, 6))))
     with pytest.raises(ValidationError, match="not exact or approximate"):
         engine(embedded).add_request(EngineRequest("c", [1, 2], GREEDY, kv_reuse="fuzzy"))
-    deepseek = load_model(str(tiny_dir("deepseek_v3")), dtype="float32", device="cpu")
-    with pytest.raises(ValueError, match=r"not available for deepseek_v3: .* latent"):
-        engine(deepseek)
-    plain = Engine(deepseek.model, deepseek.tokenizer, EngineConfig(num_blocks=16))
+    v4 = load_model(str(tiny_dir("deepseek_v4")), dtype="float32", device="cpu")
+    with pytest.raises(ValueError, match=r"not available for deepseek_v4: .* compressed"):
+        engine(v4)
+    plain = Engine(v4.model, v4.tokenizer, EngineConfig(num_blocks=16))
     with pytest.raises(ValidationError, match="not available"):
         plain.add_request(EngineRequest("d", [1, 2, 3], GREEDY, kv_reuse="approximate"))

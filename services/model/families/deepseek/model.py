@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from services.model import kv_cache
 from services.model.batch import ForwardBatch
 from services.model.causal_lm import Capabilities
 from services.model.config import ModelConfig
@@ -21,15 +22,15 @@ from services.model.families.deepseek.mla import (
 from services.model.families.llama.model import DecoderModel, LinearFn, WeightFn
 from services.model.kv_cache import KVCache
 from services.model.layers.layer_ops import LayerOps
-from services.model.layers.rope import Rotary
+from services.model.layers.rope import Rotary, inverse_frequencies
 
 
 class DeepseekModel(DecoderModel):
     @classmethod
     def supports(cls, config: ModelConfig) -> Capabilities:
         """No CUDA graphs (latent attention's plan and its KV write take no padded rows) and
-        no int8 weights."""
-        return Capabilities(hidden_rows=True)
+        no int8 weights; approximate KV reuse (the rope part of a latent row turns)."""
+        return Capabilities(hidden_rows=True, approximate_reuse=True)
 
     def __init__(self, config: ModelConfig, *args: Any, **kwargs: Any) -> None:
         super().__init__(config, *args, **kwargs)
@@ -61,6 +62,24 @@ class DeepseekModel(DecoderModel):
             v_up=v_up,
             o=linear(p + "o_proj", bias=bias),
         )
+
+    def blend_rows(self, i: int, x: torch.Tensor, at: object) -> torch.Tensor:
+        """A row's normed latent at layer i (what its every head's key and value are made of;
+        the rotary key aside): [T, 1, kv_lora_rank]."""
+        layer = self.layers[i].attention
+        assert isinstance(at, tuple) and isinstance(layer, MlaWeights)
+        latent = self.mla.project(layer, x, at)[2]
+        return latent[:, None, : mla_of(self.config).kv_lora_rank]
+
+    def cached_rows(self, i: int, kv: KVCache, slots: torch.Tensor) -> torch.Tensor:
+        return kv_cache.read(*kv.layer(i), slots)[0][..., : mla_of(self.config).kv_lora_rank]
+
+    def key_rotation(self) -> tuple[int, torch.Tensor]:
+        """Only the rope part of a latent row turns (the latent has no position); stored
+        de-interleaved ([evens | odds], apply_rotary_pairs) or as rotate-half alike, a turn
+        is rotate-half on it."""
+        c, m = self.config, mla_of(self.config)
+        return m.kv_lora_rank, inverse_frequencies(m.rope_dim, c.rope_theta, c.rope_scaling)
 
     def _plan(self, batch: ForwardBatch) -> tuple[object, object]:
         return self.mla.plan(batch), self.mla_rotary.tables(batch.positions)

@@ -41,7 +41,7 @@ from services.model.layers.linear import (
     packed_linear_available,
 )
 from services.model.layers.moe import DenseMlp, Moe, built_experts
-from services.model.layers.rope import Rotary
+from services.model.layers.rope import Rotary, inverse_frequencies
 from services.model.loading import hf_dir
 from services.settings import DEFAULTS
 
@@ -308,8 +308,8 @@ class DecoderModel:
         rows = list(range(len(chunk.token_ids)))
         for i in range(len(self.layers)):
             if i == check:
-                placed = kv_cache.read(*kv.layer(i), batch.slot_mapping)[1]
-                rows = choose(self._values(self.layers[i].attention, x), placed)
+                placed = self.cached_rows(i, kv, batch.slot_mapping)
+                rows = choose(self.blend_rows(i, x, at), placed)
                 keep = torch.tensor(rows, dtype=torch.int64, device=self.device)
                 h, x = h.index_select(0, keep), x.index_select(0, keep)
                 batch = rows_batch(chunk, rows, kv.block_size, self.device)
@@ -317,11 +317,21 @@ class DecoderModel:
             x = self._layer(i, h, x, at, kv, plan)
         return rows, self.lm_head(x[batch.logits_rows]).float()
 
-    def _values(self, layer: GqaWeights, x: torch.Tensor) -> torch.Tensor:
-        """The values of rows x [T, hidden] at a layer: [T, kv_heads, D]."""
+    def blend_rows(self, i: int, x: torch.Tensor, at: object) -> torch.Tensor:
+        """What `blend` measures a row's deviation on at layer i: its values [T, kv, D]."""
         c = self.config
-        v = layer.qkv(x)[:, c.q_size + c.kv_size :]
+        v = self.layers[i].attention.qkv(x)[:, c.q_size + c.kv_size :]
         return v.reshape(-1, c.num_kv_heads, c.head_dim)
+
+    def cached_rows(self, i: int, kv: KVCache, slots: torch.Tensor) -> torch.Tensor:
+        """The same as the cache holds it at `slots` of layer i."""
+        return kv_cache.read(*kv.layer(i), slots)[1]
+
+    def key_rotation(self) -> tuple[int, torch.Tensor]:
+        """Where a cached key's rotary part starts, and its inverse frequencies (rotate-half
+        form): every dimension of a head here."""
+        c = self.config
+        return 0, inverse_frequencies(c.head_dim, c.rope_theta, c.rope_scaling)
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         return self.embed.index_select(0, ids)
