@@ -30,6 +30,7 @@ from services.model.batch import ForwardBatch, SeqChunk
 from services.model.blend import BlendChoice, rows_batch
 from services.model.causal_lm import Capabilities
 from services.model.config import ModelConfig
+from services.model.families.llama import gpu
 from services.model.kv_cache import KVCache
 from services.model.layers.attention import Attention, default_attention, resolve_kernels
 from services.model.layers.layer_ops import LayerOps, default_layer_ops, rms_norm
@@ -109,7 +110,7 @@ class DecoderModel:
         self.quantization = DEFAULTS.model.quantization  # quantize.quantize_int8 sets "int8"
         group = config.num_heads // config.num_kv_heads
         self.attention: Attention = attention or (
-            _triton_attention()
+            gpu.triton_attention()
             if self.kernels == "triton"
             else default_attention(self.device, dtype, config.head_dim, group, kernels=self.kernels)
         )
@@ -143,7 +144,7 @@ class DecoderModel:
             # several [out, in] matrices stacked into one [sum(out), in]; a matrix without a
             # bias of its own (where `missing_bias_ok`) adds zeros
             if fp8 is not None and self.kernels == "triton" and not (keep_float32 or bias):
-                kept = _fp8_linear(weights, names, fp8, self.device)
+                kept = gpu.fp8_linear(weights, names, fp8, self.device)
                 if kept is not None:
                     return kept
             weight = torch.cat([w(n + ".weight", keep_float32) for n in names], dim=0)
@@ -164,7 +165,7 @@ class DecoderModel:
         self.lookup: Callable[[torch.Tensor], torch.Tensor] = self._lookup
         head = "model.embed_tokens" if config.tie_word_embeddings else "lm_head"
         fp8_head = (  # an FP8 head stays FP8 for the Triton kernel (gpu/fp8.py)
-            _fp8_linear(weights, (head,), fp8, self.device)
+            gpu.fp8_linear(weights, (head,), fp8, self.device)
             if fp8 is not None and self.kernels == "triton"
             else None
         )  # else float32 logits, from bfloat16 weights where the device can
@@ -189,7 +190,7 @@ class DecoderModel:
             )
         rotary = Rotary(config, dtype, self.device)
         self.ops: LayerOps = ops or (
-            _triton_layer_ops(config, rotary)
+            gpu.triton_layer_ops(config, rotary)
             if self.kernels == "triton"
             else default_layer_ops(config, rotary, self.device, dtype, self.kernels)
         )
@@ -369,39 +370,3 @@ LinearFn = Callable[..., Linear]
 
 def _mlp(p: str, linear: LinearFn) -> DenseMlp:
     return DenseMlp(linear(p + "gate_proj", p + "up_proj"), linear(p + "down_proj"))
-
-
-def _fp8_linear(
-    weights: dict[str, torch.Tensor],
-    names: tuple[str, ...],
-    block: tuple[int, int],
-    device: torch.device,
-) -> Linear | None:
-    """The matrices `names`, stacked, kept in FP8 for the Triton kernel (gpu/fp8.py); None
-    where one of them is not FP8 or the kernel does not take the scale block."""
-    from services.model.kernels.gpu import fp8  # imports triton: only on the Triton path
-
-    stored = [weights[n + ".weight"] for n in names]
-    if not fp8.supported(block) or any(t.dtype != torch.float8_e4m3fn for t in stored):
-        return None
-    scales = [
-        fp8.row_scales(weights[n + ".weight" + hf_dir.SCALE], t.shape[0], block[0])
-        for n, t in zip(names, stored, strict=True)
-    ]
-    return fp8.Fp8BlockLinear(
-        torch.cat(stored).to(device), torch.cat(scales).to(device), scale_cols=block[1]
-    )
-
-
-def _triton_attention() -> Attention:
-    from services.model.kernels.gpu.attention import (
-        TritonAttention,  # imports triton: only if asked
-    )
-
-    return TritonAttention()
-
-
-def _triton_layer_ops(config: ModelConfig, rotary: Rotary) -> LayerOps:
-    from services.model.kernels.gpu.layer_ops import TritonLayerOps
-
-    return TritonLayerOps(config, rotary)
