@@ -2,7 +2,7 @@
 stacks (`pdserve up`) and the openai client, colocated and through the store.
 
     python -m bench.kv_reuse_ttft [--docs 2,4,8] [--prompts 3] [--ratios 0,0.05,0.15,0.3]
-                                  [--quality Q.json ...] [--plot F.png] [--json F]
+                                  [--quality Q.json ...] [--plot F.png] [--json F] [--rows F]
 
 Per stack (colocated: one worker computing prompts and decoding; through the store: a prefill
 worker, a local store, a decode worker) and per ratio (`--kv-reuse-ratio`, a stack each): a
@@ -134,10 +134,11 @@ def main() -> None:
     p.add_argument("--quality", type=Path, nargs="*", default=[])
     p.add_argument("--plot", type=Path)
     p.add_argument("--json", type=Path)
+    p.add_argument("--rows", type=Path, help="plot the rows of an earlier run's --json instead")
     a = p.parse_args()
     counts = [int(x) for x in a.docs.split(",")]
-    rows = []
-    for topology in TOPOLOGIES:
+    rows = json.loads(a.rows.read_text())["rows"] if a.rows else []
+    for topology in TOPOLOGIES if not a.rows else ():
         for ratio in (float(x) for x in a.ratios.split(",")):
             start = time.perf_counter()
             result = stack(topology, ratio, counts, a.prompts, a.words)
@@ -151,7 +152,7 @@ def main() -> None:
                       "placed)", flush=True)  # fmt: skip
             print(f"  ({time.perf_counter() - start:.0f} s)", flush=True)
     out = {"machine": machine(), "rows": rows}
-    if a.json:
+    if a.json and not a.rows:
         a.json.write_text(json.dumps(out, indent=1))
     if a.plot and a.quality:
         quality: dict[str, Any] = {}
