@@ -234,13 +234,13 @@ class ChunkReuse:
         assert self.rotation is not None
         start, inv_freq = self.rotation
         slots = _slots(seq, p.start, p.end, kv.block_size, kv.device)
-        by = torch.full((len(slots),), p.start - p.kv.was, dtype=torch.int64, device=kv.device)
+        keys = p.kv.keys  # [layers, n, heads, D]: every layer turned at once
+        if p.start != p.kv.was:
+            by = torch.full((len(slots),), p.start - p.kv.was, device=kv.device)
+            keys = keys.clone()
+            keys[..., start:] = turn(keys[..., start:], by, inv_freq.to(keys.device))
         for i in range(self.model.config.num_layers):
-            keys = p.kv.keys[i]
-            if p.start != p.kv.was:
-                keys = keys.clone()
-                keys[..., start:] = turn(keys[..., start:], by, inv_freq.to(keys.device))
-            kv_cache.write(*kv.layer(i), slots, keys, p.kv.values[i])
+            kv_cache.write(*kv.layer(i), slots, keys[i], p.kv.values[i])
 
 
 def validate_chunks(chunks: tuple[tuple[int, int], ...], prompt_len: int) -> None:

@@ -103,9 +103,10 @@ class Rotary:
 
 
 def turn(x: torch.Tensor, by: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Rotate-half rotary keys x [T, heads, D] turned on by `by` [T] positions (any integers):
-    angles add, R(a) R(b) = R(a + b), so keys rotated at p come out as if rotated at p + by.
-    Pure angles (no YaRN factor: the keys carry it once already), in float32, in x's dtype."""
+    """Rotate-half rotary keys x [..., T, heads, D] (any leading dimensions: layers) turned
+    on by `by` [T] positions (any integers): angles add, R(a) R(b) = R(a + b), so keys rotated
+    at p come out as if rotated at p + by. Pure angles (no YaRN factor: the keys carry it
+    once already), in float32, in x's dtype."""
     angles = by.double()[:, None] * inv_freq.double()[None, :]  # [T, D/2]
     emb = torch.cat((angles, angles), dim=-1).float()[:, None]  # [T, 1, D]
     return apply_rotary(x.float(), emb.cos(), emb.sin()).to(x.dtype)
