@@ -113,7 +113,7 @@ def plot(rows: list[dict], quality: dict[str, Any], path: Path) -> None:
             xs = [r["approximate_ms"] for r in points]
             ys = [quality[str(n)]["ratios"][str(r["ratio"])]["kl"] for r in points]
             ax.plot(xs, ys, marker=marker, label=f"{n} documents, {topology}")
-            for r, x, y in zip(points, xs, ys, strict=True):
+            for r, x, y in zip(points, xs, ys, strict=True) if marker == "o" else ():
                 ax.annotate(f"{r['ratio']:.0%}", (x, y), textcoords="offset points", xytext=(4, 4))
             exact = statistics.median(r["exact_ms"] for r in points)
             ax.axvline(exact, linestyle=":", color=ax.lines[-1].get_color())
