@@ -26,6 +26,7 @@ import grpc
 from kvstore.block_hash import BLOCK_SIZE, ImageSpan, block_hashes
 from router.errors import APIError, bad_request, unavailable
 from router.workers import encoding
+from router.workers.calls import int64, raise_stream_ended, trace_metadata
 from router.workers.jobs import Delta, Job
 from router.workers.policy import Policy
 from router.workers.quiet_calls import QuietCalls
@@ -385,25 +386,6 @@ class Pipeline:
                 break
             await asyncio.sleep(RETRY_POLL)
         raise unavailable(f"no {role} worker can serve the request", retry_after=1)
-
-
-def trace_metadata(span: Span) -> tuple[tuple[str, str], ...] | None:
-    """gRPC metadata carrying the span's context to the worker (none when not tracing)."""
-    return (("traceparent", span.traceparent),) if span.recording else None
-
-
-def int64(seed: int) -> int:
-    """A seed as the wire's int64: the same 64 bits (the sampler reads them unsigned)."""
-    return (seed + (1 << 63)) % (1 << 64) - (1 << 63)
-
-
-def raise_stream_ended(worker: WorkerState) -> None:
-    raise grpc.aio.AioRpcError(
-        grpc.StatusCode.UNAVAILABLE,
-        grpc.aio.Metadata(),
-        grpc.aio.Metadata(),
-        details=f"stream from {worker.address} ended before finishing",
-    )
 
 
 __all__ = ["APIError", "Pipeline"]
