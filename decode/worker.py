@@ -30,6 +30,7 @@ from services.rpc import worker_pb2_grpc
 from services.settings import Settings
 from services.tracing import Span
 from services.worker import convert, siblings
+from services.worker.chunk_link import reuse_fields
 from services.worker.server import Worker, refuse, trace_steps
 
 log = logging.getLogger("pdserve.decode")
@@ -109,6 +110,8 @@ class DecodeWorker(Worker, worker_pb2_grpc.DecodeWorkerServicer):
         )
         kv = connector.imported
         span.event("fetched", tokens=kv.num_tokens if kv is not None else 0)
+        past = kv.num_tokens if kv is not None else 0
+        reuse = await reuse_fields(self.chunks, rid, prompt, request, past)
         submitted = time.perf_counter()
         try:
             stream = await self.driver.submit(
@@ -121,7 +124,7 @@ class DecodeWorker(Worker, worker_pb2_grpc.DecodeWorkerServicer):
                     text_sent=request.text_sent if request.HasField("text_sent") else None,
                     block_hashes=connector.block_hashes,
                     images=encoded,
-                    **convert.reuse(request),
+                    **reuse,
                 ),
                 connector,
             )

@@ -26,6 +26,7 @@ from services.rpc import worker_pb2 as pb
 from services.rpc import worker_pb2_grpc
 from services.settings import Settings
 from services.worker import convert, siblings
+from services.worker.chunk_link import reuse_fields
 from services.worker.server import Worker, refuse, trace_steps
 
 log = logging.getLogger("pdserve.prefill")
@@ -55,6 +56,8 @@ class PrefillWorker(Worker, worker_pb2_grpc.PrefillWorkerServicer):
         )
         kv = connector.imported
         span.event("fetched", tokens=kv.num_tokens if kv is not None else 0)
+        past = kv.num_tokens if kv is not None else 0
+        reuse = await reuse_fields(self.chunks, rid, prompt, request, past)
         submitted = time.perf_counter()
         try:
             stream = await self.driver.submit(
@@ -65,7 +68,7 @@ class PrefillWorker(Worker, worker_pb2_grpc.PrefillWorkerServicer):
                     request.salt,
                     block_hashes=connector.block_hashes,
                     images=encoded,
-                    **convert.reuse(request),
+                    **reuse,
                 ),
                 connector,
             )

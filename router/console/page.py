@@ -92,4 +92,6 @@ def _worker(w: WorkerState) -> dict[str, Any]:
         "exact_hit_tokens": load.prefix_hit_tokens,
         "approximate_tokens": load.approximate_tokens,
         "cached_chunks": load.cached_chunks,
+        "chunks_from_store": load.chunks_from_store,
+        "chunks_stored": load.chunks_stored,
     }

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
 
@@ -118,6 +119,14 @@ class ChunkReuse:
             cast(Blends, model).key_rotation() if model.capabilities.approximate_reuse else None
         )
         self.reused = self.recomputed = 0  # tokens, since start
+        # told of each chunk kept, on the engine's thread (a worker stores it for the others:
+        # services/worker/chunk_link.py); its tensors are copies, never the cache's
+        self.sink: Callable[[bytes, ChunkKV], None] | None = None
+
+    def add(self, found: tuple[tuple[bytes, ChunkKV], ...]) -> None:
+        """Chunks read from outside (the store) for a request, into the chunk cache."""
+        for key, kv in found:
+            self.cache.put(key, kv)
 
     @staticmethod
     def refusal(model: CausalLM) -> str:
@@ -152,19 +161,37 @@ class ChunkReuse:
 
     # -- keeping chunks ------------------------------------------------------------------
 
-    def keep(self, seq: Sequence, kv: KVCache) -> None:
-        """Keep seq's marked chunks computed since the last call (none it reused)."""
-        placed = seq.placed_chunks
+    def keep(self, seq: Sequence, kv: KVCache) -> list[tuple[bytes, ChunkKV]]:
+        """Keep seq's marked chunks computed since the last call (none it reused); those
+        kept now (the sink is told of each)."""
+        placed, kept = seq.placed_chunks, []
         while seq.chunks_kept < len(seq.chunks):
             start, end = seq.chunks[seq.chunks_kept]
             if end > seq.num_computed_tokens:
-                return
+                break
             seq.chunks_kept += 1
             if end - start < self.config.min_tokens or (start, end) in placed:
                 continue
             key = chunk_key(seq.token_ids[start:end], self.namespace, seq.salt)
             if key not in self.cache.entries:
-                self.cache.put(key, self._read(seq, kv, start, end))
+                chunk = self._read(seq, kv, start, end)
+                self.cache.put(key, chunk)
+                kept.append((key, chunk))
+        if self.sink is not None:
+            for key, chunk in kept:
+                self.sink(key, chunk)
+        return kept
+
+    def wanted(
+        self, prompt_len: int, chunks: tuple[tuple[int, int], ...], past: int
+    ) -> list[tuple[int, int]]:
+        """The chunks `find` would look for in a prompt whose first `past` tokens are had
+        otherwise: [start, end) each."""
+        return [
+            (start, end)
+            for start, end in chunks
+            if start >= past and end < prompt_len and end - start >= self.config.min_tokens
+        ]
 
     def _read(self, seq: Sequence, kv: KVCache, start: int, end: int) -> ChunkKV:
         slots = _slots(seq, start, end, kv.block_size, kv.device)
@@ -178,11 +205,7 @@ class ChunkReuse:
         """The cached chunks of seq's prompt past its computed prefix and before its last
         token (whose logits are asked for)."""
         found = []
-        for start, end in seq.chunks:
-            if start < seq.num_computed_tokens or end >= seq.prompt_len:
-                continue
-            if end - start < self.config.min_tokens:
-                continue
+        for start, end in self.wanted(seq.prompt_len, seq.chunks, seq.num_computed_tokens):
             cached = self.cache.get(chunk_key(seq.token_ids[start:end], self.namespace, seq.salt))
             if cached is not None:
                 found.append(Placed(start, cached))

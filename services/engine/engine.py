@@ -116,6 +116,8 @@ class Engine:
         assert connector is None or self.kv_connector is not None, "no worker half to move KV"
         self._validate(request)
         seqs = self._sequences(request)
+        if seqs[0].approximate:
+            self.reuse.add(request.found_chunks)
         self.requests[request.request_id] = LiveRequest(seqs, seqs[1:], connector)
         # Choices 1..n-1 wait until choice 0 has computed the prompt; they then find its
         # full blocks in the prefix cache and share them instead of computing them again.

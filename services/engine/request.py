@@ -14,12 +14,15 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence as SeqOf
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvstore.block_hash import ImageSpan
 from services.engine.images import PromptImage, fit_chunk
 from services.engine.params import SamplingParams
 from services.tokenizer.detokenize import IncrementalDetokenizer
+
+if TYPE_CHECKING:
+    from services.engine.chunk_reuse import ChunkKV
 
 
 class Status(enum.Enum):
@@ -70,6 +73,8 @@ class EngineRequest:
     # the engine's --kv-reuse), and the chunks of the prompt it may reuse: [start, end) each
     kv_reuse: str | None = None
     chunks: tuple[tuple[int, int], ...] = ()
+    # chunks' K/V the worker read from the store for it (by chunk key): into the chunk cache
+    found_chunks: tuple[tuple[bytes, ChunkKV], ...] = ()
 
 
 @dataclass(eq=False)

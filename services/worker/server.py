@@ -48,6 +48,7 @@ from services.rpc import worker_pb2 as pb
 from services.settings import Settings
 from services.tracing import Span, Tracer, from_metadata
 from services.worker import convert
+from services.worker.chunk_link import ChunkCounters, ChunkLink
 from services.worker.fetch_choice import attention_k
 from services.worker.images import ImageSource
 from services.worker.kv_link import KVLink
@@ -103,6 +104,10 @@ class Worker:
             loaded.model, loaded.tokenizer, settings.engine, draft, self.namespace, self.link
         )
         self.cache_dtype: torch.dtype = cache_dtype
+        # approximate reuse's chunks, shared with the other workers (None: kept here only)
+        self.chunks = ChunkLink.of(
+            self.engine.reuse, self.engine.runner.kv, self.namespace, store, mc.max_model_len
+        )
         release_this_threads_team()  # the engine thread computes from here on (openmp.py)
         rounds = self.lockstep if self.lockstep and not self.lockstep.alone else None
         self.driver = AsyncEngine(self.engine, rounds)
@@ -235,6 +240,7 @@ class Worker:
             prefix_hit_tokens=load.prefix_hit_tokens,
             approximate_tokens=load.approximate_tokens,
             cached_chunks=load.cached_chunks,
+            **dataclasses.asdict(self.chunks.counters if self.chunks else ChunkCounters()),
             **convert.store_load(
                 self.store.stats(), images.encoded if images else 0,
                 images.store_hits if images else 0,
@@ -252,6 +258,8 @@ class Worker:
         thread dies or stalls: then exit at once with 1, for the supervisor to restart us."""
         self._loop = asyncio.get_running_loop()
         self.link.start(self._loop)
+        if self.chunks is not None:
+            self.chunks.start(self._loop)
         await self.link.probe()  # unreachable: logged, and prompts computed until it answers
         # The engine thread needs the GIL between torch ops, hundreds of times a step; a
         # shorter switch interval bounds its wait when RPCs (a KV fetch) run Python meanwhile.
@@ -298,12 +306,16 @@ class Worker:
             await self.driver.abort_all()
             await self.driver.stop()
             await self.link.flush(grace)  # the blocks computed reach the store
+            if self.chunks is not None:
+                await self.chunks.flush(grace)
         dead = bool(self.exit_code) or self.driver.failure is not None
         for ranks in (self.experts, self.tensor):  # the engine thread is stopped, or dead
             if ranks is not None:
                 ranks.stop(kill=dead)
         with contextlib.suppress(StoreUnavailable):
             await self.store.close()
+            if self.chunks is not None:
+                await self.chunks.close()
         if side_door is not None:
             side_door.shutdown()
         return self.exit_code

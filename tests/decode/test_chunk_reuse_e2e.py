@@ -5,8 +5,10 @@ A chat whose documents another chat read in another order, after another system 
 for `kv_reuse: approximate`: its usage says how many prompt tokens were placed (every token
 of the two documents, as the tokenizer makes them alone) and how many computed again (each
 document's first and 30% of the rest), and its text and logprobs are those of one engine in
-the same dtype taking the same two prompts with the same chunks (the prefill and the decode
-worker each compute it over the chunks they keep: the same bits). Asked exactly afterwards,
+the same dtype taking the same two prompts with the same chunks. Two prefill workers take
+the chats in turn: the second never computed the documents and reads them from the store,
+where the first put them; the decode worker computes the prompt over the chunks it kept
+reading the first chat's blocks (the same bits everywhere). Asked exactly afterwards,
 the same chat gets full computation's answer, no approximate usage: nothing approximate was
 stored under its prefix. The router's metrics count the approximate hits apart from exact
 ones, and its console shows each worker's. `/v1/completions` marks chunks with
@@ -58,15 +60,15 @@ def stack(request, embedded_dir, tmp_path_factory):
     redis = RedisServer(logs / "redis").start()
     model, args = str(embedded_dir), ("--num-blocks", "200")
     workers = [WorkerProcess(r, model, redis.url, logs, *args, dtype=dtype)
-               for r in ("prefill", "decode")]  # fmt: skip
+               for r in ("prefill", "prefill", "decode")]  # fmt: skip
     try:
         for w in workers:
             w.launch()
         for w in workers:
             w.wait_ready()
-        router = RouterProcess(logs, addresses(workers[:1]), addresses(workers[1:]),
+        router = RouterProcess(logs, addresses(workers[:2]), addresses(workers[2:]),
                                "--served-model-name", MODEL, "--health-interval", "0.5",
-                               model=model)  # fmt: skip
+                               "--policy", "round_robin", model=model)  # fmt: skip
         try:
             yield dtype, router.start()
         finally:
@@ -111,6 +113,12 @@ def test_a_moved_document_is_reused_approximately_and_said(stack, embedded_dir):
     client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="x", max_retries=0)
     first = ask(client, FIRST, "approximate")
     assert "approximate_tokens" not in first[2]  # nothing to reuse yet
+
+    def stored() -> bool:  # written after the reply, off the request's path
+        workers = httpx.get(f"{router.url}/console/stack").json()["workers"]
+        return sum(w["chunks_stored"] for w in workers) >= 2
+
+    assert wait_until(stored, 30)
     moved = ask(client, MOVED, "approximate")
     tok = load_model(str(embedded_dir), dtype="float32", device="cpu").tokenizer
     placed = sum(len(tok.encode(d, add_special_tokens=False)) for d in DOCS)
@@ -121,10 +129,15 @@ def test_a_moved_document_is_reused_approximately_and_said(stack, embedded_dir):
     assert values[("pdserve_approximate_hit_tokens_total", ())] == placed
     assert values[("pdserve_approximate_recomputed_tokens_total", ())] == 2 + round(0.3 * placed)
 
-    def console() -> list | None:  # each worker placed them, from the two chunks it keeps
+    def console() -> list | None:
+        # in turn: the first prefill worker computed the documents and stored them; the
+        # second read them from the store and placed them; the decode worker placed those it
+        # kept reading the first chat's blocks
         workers = httpx.get(f"{router.url}/console/stack").json()["workers"]
-        seen = sorted((w["role"], w["approximate_tokens"], w["cached_chunks"]) for w in workers)
-        return seen if seen == [("decode", placed, 2), ("prefill", placed, 2)] else None
+        seen = sorted((w["role"], w["approximate_tokens"], w["cached_chunks"],
+                       w["chunks_from_store"]) for w in workers)  # fmt: skip
+        want = [("decode", placed, 2, 0), ("prefill", 0, 2, 0), ("prefill", placed, 2, 2)]
+        return seen if seen == want else None
 
     assert wait_until(console, 30)
 

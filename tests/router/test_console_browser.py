@@ -110,7 +110,9 @@ def test_the_console_chats_shows_the_stack_and_a_worker_coming_back(stack, tmp_p
         assert re.search(r"hits \d+ · misses \d+ blocks", store), store
         hits = driver.find_element(By.CSS_SELECTOR, ".worker[data-role=decode] .hits").text
         assert re.fullmatch(  # each worker's exact and approximate hits, apart
-            r"hits: exact \d+ tokens · approximate 0 tokens \(0 chunks kept\)", hits
+            r"hits: exact \d+ tokens · approximate 0 tokens "
+            r"\(0 chunks kept, 0 read from the store\)",
+            hits,
         ), hits
         assert not errors(driver)
         assert driver.execute_script("return [innerWidth, innerHeight]") == [1280, 800]

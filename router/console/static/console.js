@@ -277,7 +277,7 @@ function workers(box, list, none) {
     meter.append(used, cached);
     const hits = el("div", "muted hits", "hits: exact " + w.exact_hit_tokens +
       " tokens \u00b7 approximate " + w.approximate_tokens + " tokens (" + w.cached_chunks +
-      " chunks kept)");
+      " chunks kept, " + w.chunks_from_store + " read from the store)");
     card.append(name, load, kv, meter, hits);
     box.append(card);
   }
