@@ -2,17 +2,20 @@
 stacks (`pdserve up`) and the openai client, colocated and through the store.
 
     python -m bench.kv_reuse_ttft [--docs 2,4,8] [--prompts 3] [--ratios 0,0.05,0.15,0.3]
-                                  [--quality Q.json ...] [--plot F.png] [--json F] [--rows F]
+                                  [--topologies colocated,...] [--quality Q.json ...]
+                                  [--plot F.png] [--json F] [--rows F]
 
 Per stack (colocated: one worker computing prompts and decoding; through the store: a prefill
-worker, a local store, a decode worker) and per ratio (`--kv-reuse-ratio`, a stack each): a
-pool of documents of ~500 tokens (bench/kv_reuse_quality.py's) is read once, each after a
-system prompt of its own; then for each document count, `prompts` chats of a new system
-prompt, that many documents in a shuffled order (a message each) and a question, asked
-exactly (`kv_reuse: exact`: every token computed, no prefix cached) and approximately (the
-documents placed), each with a system prompt no other request has. TTFT is the first content
-chunk of a streamed answer. With `--quality` (kv_reuse_quality.py's JSON for the same
-document counts) it plots quality (KL against full recomputation) against TTFT.
+worker, a local store, a decode worker; chunks from the store: the same, the documents read
+by another stack before it, so that every chunk is read from the store) and per ratio
+(`--kv-reuse-ratio`, a stack each): a pool of documents of ~500 tokens
+(bench/kv_reuse_quality.py's) is read once, each after a system prompt of its own; then for
+each document count, `prompts` chats of a new system prompt, that many documents in a
+shuffled order (a message each) and a question, asked exactly (`kv_reuse: exact`: every
+token computed, no prefix cached) and approximately (the documents placed), each with a
+system prompt no other request has. TTFT is the first content chunk of a streamed answer.
+With `--quality` (kv_reuse_quality.py's JSON for the same document counts) it plots quality
+(KL against full recomputation) against TTFT.
 """
 
 from __future__ import annotations
@@ -33,10 +36,15 @@ from bench.kv_reuse_quality import Doc, make_doc
 from services.launcher import free_port
 from tests.support.up import Up
 
+DISAGGREGATED = ("--no-colocated", "--num-prefill", "1", "--num-decode", "1")
 TOPOLOGIES = {
     "colocated": ("--colocated",),
-    "through the store": ("--no-colocated", "--num-prefill", "1", "--num-decode", "1"),
+    "through the store": DISAGGREGATED,
+    # the documents read by one stack, the prompts asked of a fresh one on the same store:
+    # every chunk placed was read from the store (services/worker/chunk_link.py)
+    "chunks from the store": DISAGGREGATED,
 }
+RESTARTED = {"chunks from the store"}
 
 
 def ask(client: openai.OpenAI, model: str, messages: list[Any], kv_reuse: str) -> tuple[float, int]:
@@ -63,15 +71,21 @@ def chat(system: str, docs: list[Doc], question: str) -> list[dict]:
             {"role": "user", "content": question}]  # fmt: skip
 
 
-def measure(base_url: str, counts: list[int], prompts: int, words: int) -> dict[str, Any]:
+def measure(
+    base_url: str, counts: list[int], prompts: int, words: int, sight: bool = True
+) -> dict[str, Any]:
+    """Median TTFTs per document count (`sight`: the pool read first, here; else `prompts`
+    is 0 for a stack that only reads it)."""
     client = openai.OpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=600)
     model = client.models.list().data[0].id
     rng = random.Random(55)
     pool = [make_doc(rng, words, i) for i in range(max(counts))]
     ask(client, model, [{"role": "user", "content": "warm up"}], "exact")
-    for i, d in enumerate(pool):  # each document's first sighting
+    for i, d in enumerate(pool if sight else ()):  # each document's first sighting
         ask(client, model, chat(f"Archive {i}: summarise.", [d], "Summarise."), "approximate")
     out: dict[str, Any] = {}
+    if prompts == 0:
+        return out
     for n in counts:
         times: dict[str, list[float]] = {"exact": [], "approximate": []}
         placed = []
@@ -90,10 +104,18 @@ def measure(base_url: str, counts: list[int], prompts: int, words: int) -> dict[
 
 def stack(topology: str, ratio: float, counts: list[int], prompts: int, words: int) -> dict:
     work = Path(tempfile.mkdtemp(prefix="bench-kv-reuse-"))
-    up = Up("--port", str(free_port()), "--kv-store", f"local://{work}/kv",
-            "--kv-reuse-ratio", str(ratio), *TOPOLOGIES[topology])  # fmt: skip
+    args = ("--kv-store", f"local://{work}/kv", "--kv-reuse-ratio", str(ratio),
+            *TOPOLOGIES[topology])  # fmt: skip
+    restarted = topology in RESTARTED
+    if restarted:  # a stack that reads the documents, and is gone
+        up = Up("--port", str(free_port()), *args)
+        try:
+            measure(up.ready(), counts, 0, words)
+        finally:
+            up.stop()
+    up = Up("--port", str(free_port()), *args)
     try:
-        return measure(up.ready(), counts, prompts, words)
+        return measure(up.ready(), counts, prompts, words, sight=not restarted)
     finally:
         up.stop()
 
@@ -108,7 +130,7 @@ def plot(rows: list[dict], quality: dict[str, Any], path: Path) -> None:
     for n in sorted({r["docs"] for r in rows}):
         if str(n) not in quality:
             continue
-        for topology, marker in zip(TOPOLOGIES, "os", strict=True):
+        for topology, marker in zip(TOPOLOGIES, "os^", strict=True):
             points = [r for r in rows if r["docs"] == n and r["topology"] == topology]
             xs = [r["approximate_ms"] for r in points]
             ys = [quality[str(n)]["ratios"][str(r["ratio"])]["kl"] for r in points]
@@ -130,6 +152,7 @@ def main() -> None:
     p.add_argument("--docs", default="2,4,8")
     p.add_argument("--prompts", type=int, default=3)
     p.add_argument("--ratios", default="0,0.05,0.15,0.3")
+    p.add_argument("--topologies", default=",".join(TOPOLOGIES))
     p.add_argument("--words", type=int, default=330, help="words a document (~500 tokens)")
     p.add_argument("--quality", type=Path, nargs="*", default=[])
     p.add_argument("--plot", type=Path)
@@ -138,7 +161,7 @@ def main() -> None:
     a = p.parse_args()
     counts = [int(x) for x in a.docs.split(",")]
     rows = json.loads(a.rows.read_text())["rows"] if a.rows else []
-    for topology in TOPOLOGIES if not a.rows else ():
+    for topology in a.topologies.split(",") if not a.rows else ():
         for ratio in (float(x) for x in a.ratios.split(",")):
             start = time.perf_counter()
             result = stack(topology, ratio, counts, a.prompts, a.words)
