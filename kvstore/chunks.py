@@ -46,9 +46,16 @@ def chunks_namespace(kv_namespace: str, dtype: str) -> str:
 
 @dataclass(frozen=True)
 class StoredChunk:
+    """A chunk's K/V at every layer, keys rotated at the positions it was computed at: what a
+    worker's chunk cache holds (services/engine/chunk_reuse.py) and the store keeps."""
+
     was: int  # the position of its first token where it was computed
     keys: torch.Tensor  # [layers, tokens, heads, K dim]
     values: torch.Tensor  # [layers, tokens, heads, V dim]
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
 
 
 class ChunkCodec:

@@ -35,6 +35,7 @@ from typing import cast
 import numpy as np
 import torch
 
+from kvstore.chunks import StoredChunk
 from services.engine.block_manager import BlockManager, NoFreeBlocks
 from services.engine.params import ValidationError
 from services.engine.request import Sequence
@@ -57,34 +58,21 @@ def chunk_key(tokens: list[int], namespace: str, salt: bytes) -> bytes:
     return h.digest()
 
 
-@dataclass(frozen=True)
-class ChunkKV:
-    """A chunk's K/V at every layer, keys rotated at the positions it was computed at."""
-
-    was: int  # the position of its first token there
-    keys: torch.Tensor  # [layers, n, kv_heads, D]
-    values: torch.Tensor  # [layers, n, kv_heads, D]
-
-    @property
-    def nbytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes
-
-
 class ChunkCache:
     """Chunks' K/V by key, the least recently used dropped past `capacity` bytes."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self.entries: OrderedDict[bytes, ChunkKV] = OrderedDict()
+        self.entries: OrderedDict[bytes, StoredChunk] = OrderedDict()
         self.nbytes = 0
 
-    def get(self, key: bytes) -> ChunkKV | None:
+    def get(self, key: bytes) -> StoredChunk | None:
         kv = self.entries.get(key)
         if kv is not None:
             self.entries.move_to_end(key)
         return kv
 
-    def put(self, key: bytes, kv: ChunkKV) -> None:
+    def put(self, key: bytes, kv: StoredChunk) -> None:
         if key in self.entries or kv.nbytes > self.capacity:
             return
         self.entries[key] = kv
@@ -99,7 +87,7 @@ class Placed:
     """A cached chunk standing at `start` of a prompt."""
 
     start: int
-    kv: ChunkKV
+    kv: StoredChunk
 
     @property
     def end(self) -> int:
@@ -121,9 +109,9 @@ class ChunkReuse:
         self.reused = self.recomputed = 0  # tokens, since start
         # told of each chunk kept, on the engine's thread (a worker stores it for the others:
         # services/worker/chunk_link.py); its tensors are copies, never the cache's
-        self.sink: Callable[[bytes, ChunkKV], None] | None = None
+        self.sink: Callable[[bytes, StoredChunk], None] | None = None
 
-    def add(self, found: tuple[tuple[bytes, ChunkKV], ...]) -> None:
+    def add(self, found: tuple[tuple[bytes, StoredChunk], ...]) -> None:
         """Chunks read from outside (the store) for a request, into the chunk cache."""
         for key, kv in found:
             self.cache.put(key, kv)
@@ -161,7 +149,7 @@ class ChunkReuse:
 
     # -- keeping chunks ------------------------------------------------------------------
 
-    def keep(self, seq: Sequence, kv: KVCache) -> list[tuple[bytes, ChunkKV]]:
+    def keep(self, seq: Sequence, kv: KVCache) -> list[tuple[bytes, StoredChunk]]:
         """Keep seq's marked chunks computed since the last call (none it reused); those
         kept now (the sink is told of each)."""
         placed, kept = seq.placed_chunks, []
@@ -193,11 +181,11 @@ class ChunkReuse:
             if start >= past and end < prompt_len and end - start >= self.config.min_tokens
         ]
 
-    def _read(self, seq: Sequence, kv: KVCache, start: int, end: int) -> ChunkKV:
+    def _read(self, seq: Sequence, kv: KVCache, start: int, end: int) -> StoredChunk:
         slots = _slots(seq, start, end, kv.block_size, kv.device)
         rows = [kv_cache.read(*kv.layer(i), slots) for i in range(self.model.config.num_layers)]
         keys = torch.stack([k for k, _ in rows])
-        return ChunkKV(start, keys, torch.stack([v for _, v in rows]))
+        return StoredChunk(start, keys, torch.stack([v for _, v in rows]))
 
     # -- reusing them --------------------------------------------------------------------
 

@@ -21,8 +21,8 @@ from services.engine.images import PromptImage, fit_chunk
 from services.engine.params import SamplingParams
 from services.tokenizer.detokenize import IncrementalDetokenizer
 
-if TYPE_CHECKING:
-    from services.engine.chunk_reuse import ChunkKV
+if TYPE_CHECKING:  # (the router imports this module and never torch)
+    from kvstore.chunks import StoredChunk
 
 
 class Status(enum.Enum):
@@ -74,7 +74,7 @@ class EngineRequest:
     kv_reuse: str | None = None
     chunks: tuple[tuple[int, int], ...] = ()
     # chunks' K/V the worker read from the store for it (by chunk key): into the chunk cache
-    found_chunks: tuple[tuple[bytes, ChunkKV], ...] = ()
+    found_chunks: tuple[tuple[bytes, StoredChunk], ...] = ()
 
 
 @dataclass(eq=False)

@@ -32,7 +32,7 @@ from kvstore.chunks import ChunkCodec, StoredChunk, chunks_namespace
 from kvstore.codec import CodecError, StorageDtype
 from kvstore.keyfile import read_key
 from kvstore.store import KVStore, StoreUnavailable
-from services.engine.chunk_reuse import ChunkKV, ChunkReuse, chunk_key
+from services.engine.chunk_reuse import ChunkReuse, chunk_key
 from services.engine.params import ValidationError
 from services.model.kv_cache import KVCache
 from services.rpc import worker_pb2 as pb
@@ -103,22 +103,21 @@ class ChunkLink:
 
     # -- out ------------------------------------------------------------------------------
 
-    def save(self, key: bytes, kv: ChunkKV) -> None:
+    def save(self, key: bytes, kv: StoredChunk) -> None:
         """A chunk the engine kept (its thread): written by the event loop."""
         assert self._loop is not None
         future = asyncio.run_coroutine_threadsafe(self._write(key, kv), self._loop)
         self.writing.add(future)
         future.add_done_callback(self.writing.discard)
 
-    async def _write(self, key: bytes, kv: ChunkKV) -> None:
+    async def _write(self, key: bytes, kv: StoredChunk) -> None:
         if time.monotonic() < self._down_until:  # failed a moment ago: not tried again yet
             self.counters.chunks_unavailable += 1
             return
         try:
             if await self.store.longest_prefix([key]):
                 return  # another worker's (or this one's before a restart)
-            chunk = StoredChunk(kv.was, kv.keys, kv.values)
-            value = await asyncio.to_thread(self.codec.encode, chunk, key)
+            value = await asyncio.to_thread(self.codec.encode, kv, key)
             await self.store.put_many([(key, value)])
             self.counters.chunks_stored += 1
         except StoreUnavailable as e:
@@ -142,7 +141,7 @@ class ChunkLink:
         kv_reuse: str | None,
         chunks: tuple[tuple[int, int], ...],
         past: int,
-    ) -> tuple[tuple[bytes, ChunkKV], ...]:
+    ) -> tuple[tuple[bytes, StoredChunk], ...]:
         """The chunks of a request that the store holds and the engine's chunk cache lacks
         (past its first `past` tokens, had otherwise); none where the request reuses exactly
         (or may not choose: the engine refuses it) or the store fails."""
@@ -181,7 +180,7 @@ class ChunkLink:
 
     async def _decode(
         self, request_id: str, key: bytes, tokens: int, value: bytes
-    ) -> ChunkKV | None:
+    ) -> StoredChunk | None:
         try:
             chunk = await asyncio.to_thread(self.codec.decode, value, key, tokens)
         except CodecError as e:
@@ -193,7 +192,7 @@ class ChunkLink:
             with contextlib.suppress(StoreUnavailable):
                 await self.store.delete([key])
             return None
-        return ChunkKV(chunk.was, chunk.keys.to(self.device), chunk.values.to(self.device))
+        return StoredChunk(chunk.was, chunk.keys.to(self.device), chunk.values.to(self.device))
 
     async def close(self) -> None:
         await self.store.close()

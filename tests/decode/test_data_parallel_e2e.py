@@ -12,6 +12,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import signal
+import socket
 import time
 from collections.abc import Callable, Iterator
 
@@ -50,7 +51,7 @@ def test_ranks_answer_as_one_process_and_a_dead_rank_restarts_its_group(tiny_dir
     engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(num_blocks=128))
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     expected = [o.choices[0].text for o in engine.generate(PROMPTS, params)]
-    metrics = free_port()  # decode rank k's side door on metrics + k
+    metrics = _port_pair()  # decode rank k's side door on metrics + k
     out = Up("--port", str(free_port()), "--model", str(path), "--served-model-name", NAME,
              "--kv-store", "memory://", "--num-blocks", "128", "--dtype", "float32",
              "--colocated", "--data-parallel", "2", "--tensor-parallel", str(tensor),
@@ -93,6 +94,38 @@ def test_ranks_answer_as_one_process_and_a_dead_rank_restarts_its_group(tiny_dir
     assert not any(p.is_running() and p.status() != "zombie" for p in ranks)
 
 
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _port_pair() -> int:
+    """A free port whose next is free too (rank 1 takes port + 1): ephemeral ports of the
+    other tests' connections land anywhere, and a rank that cannot bind exits."""
+    while not _bindable((port := free_port()) + 1):
+        pass
+    return port
+
+
+def _group_worker(role: str, path: str, store: str, tmp_path, *args: str) -> WorkerProcess:
+    """A worker started with `--data-parallel 2` (ARGS), on a port whose next is free."""
+    while True:
+        worker = WorkerProcess(role, path, store, tmp_path, *args, dtype="float32")
+        if _bindable(worker.port + 1):
+            return worker
+
+
+def _wait_for_rank_1(worker: WorkerProcess) -> None:
+    try:
+        wait_for_port(worker.port + 1, timeout=120)
+    except RuntimeError as e:
+        raise AssertionError(f"{e}; the group's log:\n{worker.log_path.read_text()}") from e
+
+
 def _every_rank_healthy(
     router: str, ranks: int, out: Up | None = None, timeout: float = 180
 ) -> None:
@@ -122,11 +155,11 @@ def _group_behind_router(path: str, tmp_path, *args: str) -> Iterator[Callable[[
     the next port itself) and a router listing both ports (colocated: the decode ranks
     compute the prompts); yields a prompt's completion through the official client; the
     whole group stopped after, rank 1 waited for (it goes with its rank 0)."""
-    decode = WorkerProcess("decode", path, "memory://", tmp_path, "--data-parallel", "2",
-                           "--num-blocks", "128", *args, dtype="float32").start()  # fmt: skip
+    decode = _group_worker("decode", path, "memory://", tmp_path, "--data-parallel", "2",
+                           "--num-blocks", "128", *args).start()  # fmt: skip
     router = None
     try:
-        wait_for_port(decode.port + 1, timeout=60)
+        _wait_for_rank_1(decode)
         router = RouterProcess(tmp_path, [], [decode.address, f"127.0.0.1:{decode.port + 1}"],
                                "--model", path, "--served-model-name", NAME,
                                "--disagg-threshold", str(1 << 30)).start()  # fmt: skip
@@ -154,7 +187,7 @@ def test_one_command_starts_its_group_and_each_rank_is_a_target(tiny_dir, tmp_pa
     computing; the whole group goes when rank 0 is stopped."""
     path = str(tiny_dir("qwen3_moe"))
     expected = _expected(path)
-    metrics = free_port()
+    metrics = _port_pair()
     with _group_behind_router(path, tmp_path, "--metrics-port", str(metrics)) as complete:
         with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
             assert list(pool.map(complete, PROMPTS)) == expected
@@ -180,7 +213,7 @@ def test_a_dense_models_ranks_are_replicas_behind_the_router(tiny_dir, tmp_path)
     router, answering as one process; no experts to rebalance (409)."""
     path = str(tiny_dir("qwen3"))
     expected = _expected(path)
-    metrics = free_port()
+    metrics = _port_pair()
     with (
         _group_behind_router(path, tmp_path, "--metrics-port", str(metrics)) as complete,
         concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool,
@@ -200,13 +233,13 @@ def test_a_prompt_prefilled_by_one_rank_is_decoded_by_another(tiny_dir, redis_se
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     args = ["--data-parallel", "2", "--num-blocks", "128"]
     groups = [
-        WorkerProcess(role, path, redis_server.url, tmp_path, *args, dtype="float32").launch()
+        _group_worker(role, path, redis_server.url, tmp_path, *args).launch()
         for role in ("prefill", "decode")
     ]
     try:
         for group in groups:
             group.wait_ready(120)
-            wait_for_port(group.port + 1, timeout=60)
+            _wait_for_rank_1(group)
         prefill, decode = ([f"127.0.0.1:{g.port + r}" for r in range(2)] for g in groups)
 
         async def one(i: int, j: int, ids: list[int]) -> tuple[list[int], int]:
