@@ -27,19 +27,11 @@ from services.engine.request import EngineRequest, Sequence
 from services.model.loader import LoadedModel, load_model
 from services.settings import DEFAULTS, ReuseConfig
 from services.worker.chunk_link import ChunkLink
+from tests.services.engine.test_chunk_reuse import TEXTS  # the same notes
 from tests.support.dtypes import COMPUTE_DTYPES
 from tests.support.redis_servers import free_port
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=3)
-TEXTS = dict(
-    head="You answer questions about the notes below, briefly and exactly.\n",
-    other="Notes follow. Read them all before you answer the question at the end.\n",
-    first="The first note says that the lighthouse keeper of Arden paints the old door blue "
-    "every May, and that the key to the lamp room hangs behind the kitchen clock.\n",
-    second="The second note says that the ferry from Bellmoor leaves at nine in the morning, "
-    "returns at six in the evening, and never sails when the harbour bell is silent.\n",
-    question="Question: when does the ferry return? Answer:",
-)
 NAMESPACE = "cd" * 16
 
 
@@ -60,6 +52,16 @@ def prompt(model: LoadedModel, *names: str) -> tuple[list[int], tuple[tuple[int,
             chunks.append((len(ids), len(ids) + len(part)))
         ids += part
     return ids, tuple(chunks)
+
+
+def computed(model: LoadedModel, ids: list[int]) -> tuple[list[int], list]:
+    """The prompt's tokens and logprobs computed by an engine reusing nothing."""
+    engine = Engine(model.model, model.tokenizer, EngineConfig(num_blocks=64))
+    engine.add_request(EngineRequest("cold", ids, GREEDY))
+    seq = engine.requests["cold"].seqs[0]
+    while engine.has_unfinished:
+        engine.step()
+    return seq.output_ids, seq.logprobs
 
 
 class Worker:
@@ -146,12 +148,7 @@ def test_damaged_or_forged_chunks_are_refused_and_computed(embedded, redis_serve
         seq = await b.run("moved", moved, moved_chunks)
         assert seq.num_reused_tokens == 0  # both computed: the prompt exactly
         assert b.link.counters.chunks_stored == 2  # and stored again, whole
-        cold = Engine(embedded.model, embedded.tokenizer, EngineConfig(num_blocks=64))
-        cold.add_request(EngineRequest("cold", moved, GREEDY))
-        reference = cold.requests["cold"].seqs[0]
-        while cold.has_unfinished:
-            cold.step()
-        assert (seq.output_ids, seq.logprobs) == (reference.output_ids, reference.logprobs)
+        assert (seq.output_ids, seq.logprobs) == computed(embedded, moved)
         for w in (a, b):
             await w.link.close()
 
@@ -173,12 +170,7 @@ def test_a_store_down_costs_only_the_chunks(embedded):
         seq = await b.run("moved", moved, moved_chunks)  # the read failed: computed
         assert b.link.counters.chunks_unavailable == 1 + 2
         assert (seq.num_reused_tokens, b.link.counters.chunks_from_store) == (0, 0)
-        cold = Engine(embedded.model, embedded.tokenizer, EngineConfig(num_blocks=64))
-        cold.add_request(EngineRequest("cold", moved, GREEDY))
-        reference = cold.requests["cold"].seqs[0]
-        while cold.has_unfinished:
-            cold.step()
-        assert (seq.output_ids, seq.logprobs) == (reference.output_ids, reference.logprobs)
+        assert (seq.output_ids, seq.logprobs) == computed(embedded, moved)
         for w in (a, b):
             await w.link.close()
 
