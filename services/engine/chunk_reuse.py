@@ -149,14 +149,14 @@ class ChunkReuse:
 
     # -- keeping chunks ------------------------------------------------------------------
 
-    def keep(self, seq: Sequence, kv: KVCache) -> list[tuple[bytes, StoredChunk]]:
-        """Keep seq's marked chunks computed since the last call (none it reused); those
-        kept now (the sink is told of each)."""
-        placed, kept = seq.placed_chunks, []
+    def keep(self, seq: Sequence, kv: KVCache) -> None:
+        """Keep seq's marked chunks computed since the last call (none it reused), telling the
+        sink of each."""
+        placed = seq.placed_chunks
         while seq.chunks_kept < len(seq.chunks):
             start, end = seq.chunks[seq.chunks_kept]
             if end > seq.num_computed_tokens:
-                break
+                return
             seq.chunks_kept += 1
             if end - start < self.config.min_tokens or (start, end) in placed:
                 continue
@@ -164,11 +164,8 @@ class ChunkReuse:
             if key not in self.cache.entries:
                 chunk = self._read(seq, kv, start, end)
                 self.cache.put(key, chunk)
-                kept.append((key, chunk))
-        if self.sink is not None:
-            for key, chunk in kept:
-                self.sink(key, chunk)
-        return kept
+                if self.sink is not None:
+                    self.sink(key, chunk)
 
     def wanted(
         self, prompt_len: int, chunks: tuple[tuple[int, int], ...], past: int
